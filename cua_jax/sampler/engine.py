@@ -42,6 +42,7 @@ import asyncio
 import dataclasses
 import hashlib
 import itertools
+import logging
 import math
 import threading
 from collections import OrderedDict
@@ -61,6 +62,7 @@ from cua_jax.sampler.page_table import TRASH_PAGE, OutOfPagesError, PageAllocato
 from cua_jax.sampler.sampling import SamplingParams, SlotSampling, sample_tokens
 
 _MAX_STOP_IDS = 8
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -193,10 +195,11 @@ class Engine:
         # Commit the cache to its devices up front: jit outputs are committed, and a first call
         # with uncommitted inputs would otherwise compile a second time.
         kv_sharding = kv_sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        self.cache = kv_cache.init_cache(
+        self._init_cache = lambda: kv_cache.init_cache(
             t.num_hidden_layers, t.num_key_value_heads, num_pages, page_size, t.head_dim, dtype,
             kv_sharding,
         )  # fmt: skip
+        self.cache = self._init_cache()
         self._scale = 1.0 / math.sqrt(t.head_dim)
         self._lock = threading.RLock()  # held by step(); the scheduler state is not shared
         # Submissions and weight updates hand over through this small lock so that generate()
@@ -397,7 +400,33 @@ class Engine:
     # ---------------------------------------------------------------------------- driver
     async def _drive(self) -> None:
         while self.has_work():
-            await asyncio.to_thread(self.step)
+            try:
+                await asyncio.to_thread(self.step)
+            except Exception as e:  # noqa: BLE001 - reported to every waiting caller
+                _log.exception("sampler step failed; failing the requests in flight")
+                self._fail_all(f"sampler step failed: {type(e).__name__}: {e}")
+
+    def _fail_all(self, error: str) -> None:
+        """After an exception inside `step()`: every request in flight (running, waiting or just
+        submitted) finishes with finish_reason "error" instead of waiting forever, and the
+        scheduler starts clean (slots, pages and session caches reset; the KV cache is rebuilt
+        if the failed call had consumed it), so later requests run normally."""
+        with self._lock:
+            with self._inbox_lock:
+                reqs = [*self._running.values(), *self._waiting, *self._incoming]
+                self._incoming.clear()
+            self._waiting.clear()
+            self._running.clear()
+            self._admit_order.clear()
+            self._sessions.clear()
+            self.alloc = PageAllocator(
+                self.num_pages, self.page_size, self.max_slots, self.pages_per_seq
+            )
+            if any(x.is_deleted() for x in jax.tree.leaves(self.cache)):
+                self.cache = self._init_cache()
+            for req in reqs:
+                req.slot = -1
+                self._finish(req, "error", error=error)
 
     def step(self) -> None:
         """One scheduler iteration: admit waiting requests, then one decode chunk."""

@@ -127,3 +127,29 @@ def test_kv_heads_sharded_over_tensor_axis(model, alone):
     outs = engine.generate_batch([reqs[i] for i in picked])
     _assert_same(outs, [solo[i] for i in picked])
     assert all(k.sharding == kv_sh for k in engine.cache.k)
+
+
+def test_failed_step_ends_requests_in_flight_with_error_and_engine_recovers(model, alone):
+    """An exception inside a decode call (e.g. the weights were deleted under it) must not leave
+    awaiting callers hanging: they get finish_reason "error", and the next requests run normally."""
+    _, reqs, solo = alone
+    engine = Engine(model, max_slots=16, page_size=4, num_pages=256, max_seq_len=64, decode_chunk=4)
+    real, calls = engine._decode_fn, []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected device failure")
+        return real(*args)
+
+    engine._decode_fn = flaky
+    outs = asyncio.run(_concurrent(engine, reqs[:16]))
+    errors = [o for o in outs if o.finish_reason == "error"]
+    assert errors, "the injected failure reached no request"
+    assert all("injected device failure" in o.error for o in errors)
+    for o, a in zip(outs, solo[:16], strict=True):
+        if o.finish_reason != "error":  # finished before the failure: untouched
+            assert o.tokens == a.tokens
+    engine._decode_fn = real
+    _assert_same(asyncio.run(_concurrent(engine, reqs[:16])), solo[:16])
+    engine.check_pages()
