@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+MAX_BANNED = 8
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -31,6 +33,10 @@ class SamplingParams:
     stop_token_ids: generation ends after emitting one of these (it is kept in the output).
     stop_strings: generation ends once the detokenised output contains one (host-side check;
       needs the engine's `detokenize`); the output is cut after the token that completed it.
+    banned_token_ids: never sampled (at most 8): their logits are -inf before everything else,
+      so both reported log-probs are of the policy without them. The rollout bans the vision
+      placeholder tokens (a generated <|image_pad|> would make the transcript's M-RoPE
+      positions ill-defined); the learner masks the same ids (`Learner(banned_token_ids=)`).
     """
 
     temperature: float = 1.0
@@ -40,6 +46,7 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    banned_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -52,6 +59,12 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1.")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        banned = tuple(int(t) for t in self.banned_token_ids)
+        if len(banned) > MAX_BANNED or any(t < 0 for t in banned):
+            raise ValueError(
+                f"banned_token_ids={banned}: at most {MAX_BANNED} non-negative token ids"
+            )
+        object.__setattr__(self, "banned_token_ids", banned)
 
     @property
     def greedy(self) -> bool:
@@ -67,6 +80,7 @@ class SlotSampling:
     top_k: jax.Array  # i32[S]; 0 = off
     top_p: jax.Array  # f32[S]; 1 = off
     key_data: jax.Array  # u32[S, 2] raw threefry key of each request
+    banned: jax.Array  # i32[S, MAX_BANNED] token ids never sampled; padded with -1
 
     @staticmethod
     def from_params(params: list[SamplingParams | None]) -> SlotSampling:
@@ -78,7 +92,22 @@ class SlotSampling:
             top_k=jnp.asarray([p.top_k for p in ps], jnp.int32),
             top_p=jnp.asarray([p.top_p for p in ps], jnp.float32),
             key_data=jnp.asarray(keys, jnp.uint32),
+            banned=jnp.asarray(
+                [
+                    list(p.banned_token_ids) + [-1] * (MAX_BANNED - len(p.banned_token_ids))
+                    for p in ps
+                ],
+                jnp.int32,
+            ),  # fmt: skip
         )
+
+
+def ban_tokens(logits_SV: jax.Array, banned_SK: jax.Array) -> jax.Array:
+    """Sets logits of the banned ids (i32[S, K], -1 = none) to -inf."""
+    V = logits_SV.shape[-1]
+    idx = jnp.where(banned_SK < 0, V, banned_SK)  # out of range -> dropped by the scatter
+    rows = jnp.arange(logits_SV.shape[0])[:, None]
+    return logits_SV.at[rows, idx].set(-jnp.inf, mode="drop")
 
 
 def _key_data(seed: int) -> np.ndarray:
@@ -116,7 +145,7 @@ def sample_tokens(
     step_S (i32[S]) is the index of the token being generated within its request; it is folded
     into the request's key so every step draws fresh, reproducible randomness.
     """
-    logits_SV = logits_SV.astype(jnp.float32)
+    logits_SV = ban_tokens(logits_SV.astype(jnp.float32), sampling.banned)
     model_logp_SV = jax.nn.log_softmax(logits_SV, axis=-1)
     greedy_S = sampling.temperature <= 0.0
     scaled_SV = logits_SV / jnp.where(greedy_S, 1.0, sampling.temperature)[:, None]

@@ -81,3 +81,20 @@ def test_host_side_keys_equal_jax_keys():
     for seed in (0, 1, 7, 2**31 + 5, 2**32 - 1, 2**32 + 3, -1, 123456789):
         want = np.asarray(jax.random.key_data(jax.random.key(seed)))
         np.testing.assert_array_equal(_key_data(seed), want)
+
+
+def test_banned_tokens_are_never_sampled_and_logprobs_renormalise():
+    # probs 0.5 / 0.3 / 0.15 / 0.05; ban the two most likely in slot 0, nothing in slot 1
+    logits = np.tile(_probs_logits([0.5, 0.3, 0.15, 0.05]), (400, 1))
+    ps = [SamplingParams(temperature=1.0, seed=3, banned_token_ids=(0, 1))] * 399
+    s = SlotSampling.from_params([*ps, SamplingParams(temperature=0.0)])
+    tok, lp, mlp = sample(logits, s, jnp.arange(400, dtype=jnp.int32))
+    tok = np.asarray(tok)
+    assert set(tok[:399].tolist()) == {2, 3} and tok[399] == 0
+    want = np.log(np.where(tok[:399] == 2, 0.15 / 0.2, 0.05 / 0.2))
+    np.testing.assert_allclose(lp[:399], want, atol=1e-5)
+    np.testing.assert_allclose(mlp[:399], want, atol=1e-5)  # the policy without banned ids
+    greedy = SlotSampling.from_params([SamplingParams(temperature=0.0, banned_token_ids=(0,))])
+    assert int(sample(logits[:1], greedy, jnp.zeros(1, jnp.int32))[0][0]) == 1
+    with pytest.raises(ValueError, match="banned_token_ids"):
+        SamplingParams(banned_token_ids=tuple(range(9)))
