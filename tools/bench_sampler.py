@@ -5,8 +5,9 @@
 
 1. decode: useful tokens/s of `Engine` vs transformers `generate` on CPU. Same weights (our
    random-init model exported with `save_pretrained` and loaded by transformers), f32, greedy,
-   fixed prompt and output lengths, EOS disabled, torch and XLA both on all host cores; best of
-   3 alternating runs; compile time (first call minus a warm call) is reported apart, excluded.
+   fixed prompt and output lengths, EOS disabled, torch and XLA on the same cores (--threads N
+   pins the process to N cores); best (and median) of 5 alternating runs; compile time (first
+   call minus a warm call) is reported apart, excluded.
 2. batching: continuous vs static batching on a multi-turn workload of mixed lengths (episodes of
    several turns, each turn appends new tokens to the transcript and generates a random number of
    tokens, the next turn starts when the previous one returns); wall time, useful tokens/s and
@@ -27,6 +28,10 @@ import time
 import numpy as np
 
 
+def _loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def small_config(family: str, hidden: int, layers: int, vocab: int):
     from cua_jax.models import qwen_vl
 
@@ -44,7 +49,7 @@ def small_config(family: str, hidden: int, layers: int, vocab: int):
     return cfg.replace(text=text, vision=vision)
 
 
-def bench_decode(model, hf_dir, batches, prompt_len, new_tokens, threads, family, repeats=3):
+def bench_decode(model, hf_dir, batches, prompt_len, new_tokens, threads, family, repeats=5):
     import torch
     import transformers
 
@@ -60,8 +65,8 @@ def bench_decode(model, hf_dir, batches, prompt_len, new_tokens, threads, family
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)  # no stop tokens
     print(f"\n== decode: prompt {prompt_len}, {new_tokens} new tokens, greedy, f32, EOS off, "
           f"{threads} threads ==")  # fmt: skip
-    print(f"{'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'ours compile s':>15} "
-          f"{'same tokens':>11}")  # fmt: skip
+    print(f"{'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'median ratio':>12} "
+          f"{'ours compile s':>15} {'same tokens':>11} {'load avg':>15}")  # fmt: skip
     rows = []
     for B in batches:
         rng = np.random.default_rng(B)
@@ -81,20 +86,24 @@ def bench_decode(model, hf_dir, batches, prompt_len, new_tokens, threads, family
         with torch.no_grad():
             hf.generate(ids, **kw)  # warm-up
         # Best of `repeats`, alternating ours and theirs so both see the same machine load.
-        ours = theirs = float("inf")
+        ours_t, theirs_t = [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
             outs = engine.generate_batch(reqs)
-            ours = min(ours, time.perf_counter() - t0)
+            ours_t.append(time.perf_counter() - t0)
             with torch.no_grad():
                 t0 = time.perf_counter()
                 hf_out = hf.generate(ids, **kw)
-                theirs = min(theirs, time.perf_counter() - t0)
+                theirs_t.append(time.perf_counter() - t0)
+        ours, theirs = min(ours_t), min(theirs_t)
+        median_ratio = float(np.median(theirs_t) / np.median(ours_t))
         same = np.mean([o.tokens == hf_out[i, prompt_len:].tolist() for i, o in enumerate(outs)])
         useful = B * new_tokens
         rows.append((B, useful / ours, useful / theirs))
-        print(f"{B:>5} {useful / ours:>11.1f} {useful / theirs:>9.1f} {theirs / ours:>6.1f} "
-              f"{first - ours:>15.1f} {same:>11.0%}")  # fmt: skip
+        print(
+            f"{B:>5} {useful / ours:>11.1f} {useful / theirs:>9.1f} {theirs / ours:>6.2f} "
+            f"{median_ratio:>12.2f} {first - ours:>15.1f} {same:>11.0%} {_loadavg():>15}"
+        )
     return rows
 
 
@@ -234,13 +243,19 @@ def main():
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--slots", type=int, default=8)
     args = ap.parse_args()
-    if args.threads:  # pin XLA's CPU intra-op pool like torch's (before jax is imported)
+    if args.threads:
+        # Pin the whole process to `threads` cores before jax and torch start their pools. XLA's
+        # CPU client sizes its intra-op pool from the schedulable cores and ignores
+        # --xla_cpu_multi_thread_eigen for its own dots, so affinity is what makes "1 thread"
+        # true for XLA (measured: without it a "1-thread" run used both cores); torch also gets
+        # torch.set_num_threads(threads) in bench_decode.
+        cores = sorted(os.sched_getaffinity(0))[: args.threads]
+        os.sched_setaffinity(0, cores)
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "")
             + f" --xla_cpu_multi_thread_eigen={'true' if args.threads > 1 else 'false'}"
-            + f" intra_op_parallelism_threads={args.threads}"
         )
-    args.threads = args.threads or os.cpu_count() or 1
+    args.threads = args.threads or len(os.sched_getaffinity(0))
 
     import jax
 
@@ -254,7 +269,8 @@ def main():
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     print(f"model: {args.family}, hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
           f"{n_params / 1e6:.1f}M params (text + vision); jax {jax.__version__} on "
-          f"{jax.default_backend()}, {os.cpu_count()} host cores")  # fmt: skip
+          f"{jax.default_backend()}, {os.cpu_count()} host cores, process pinned to cores "
+          f"{sorted(os.sched_getaffinity(0))}; load average {_loadavg()}")  # fmt: skip
     parts = args.parts.split(",")
     if "decode" in parts:
         with tempfile.TemporaryDirectory() as d:
