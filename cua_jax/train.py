@@ -70,12 +70,20 @@ def validate_config(config: Any) -> None:
         section, name = key.split(".")
         if config[section][name] < 1:
             raise ConfigError(f"config.{key}={config[section][name]} must be >= 1")
-    if config.rl.temperature != 1.0:
-        # The sampler reports log-probs of the tempered distribution it sampled from, while the
-        # learner scores the untempered policy: the PPO ratio would not start at 1.
+    if not config.rl.temperature > 0:
         raise ConfigError(
-            f"config.rl.temperature={config.rl.temperature}: the learner optimises the "
-            "temperature-1 policy, so rollouts must sample at 1.0 (eval is greedy regardless)"
+            f"config.rl.temperature={config.rl.temperature} must be > 0 (rollouts sample at it; "
+            "the learner scores the same tempered policy; eval is greedy regardless)"
+        )
+    if not 0 < config.rl.top_p <= 1:
+        raise ConfigError(f"config.rl.top_p={config.rl.top_p} must be in (0, 1]")
+    if config.rl.top_p < 1 and config.rl.old_logprobs == "behaviour":
+        # The sampler reports log-probs of the nucleus-truncated distribution it drew from; the
+        # learner scores the full (tempered) one, so the PPO ratio would not start at 1.
+        raise ConfigError(
+            f"config.rl.top_p={config.rl.top_p} needs config.rl.old_logprobs='learner' (the "
+            "ratio is anchored at the learner's own log-probs; truncated importance sampling "
+            "with rl.tis_cap corrects the nucleus truncation)"
         )
     if config.rl.group_size < 2:
         raise ConfigError("config.rl.group_size must be >= 2: GRPO compares rollouts in a group")
@@ -159,6 +167,7 @@ def build_learner(model: Any, config: Any, mesh: Any, rules: Any, *, sft: bool):
         kl_estimator=rl.kl_estimator,
         entropy_coef=rl.entropy_coef,
         agg_mode=rl.loss_agg,
+        temperature=1.0 if sft else rl.temperature,
     )
     advantages = L.AdvantageConfig(
         normalize_std=rl.std_normalize,
@@ -182,6 +191,10 @@ def build_learner(model: Any, config: Any, mesh: Any, rules: Any, *, sft: bool):
         freeze_vision=mc.freeze_vision,
         remat=mc.remat,
         seq_len_buckets=tuple(rl.row_lengths),
+        # Async RL: the engine keeps decoding with the current params while the step runs, so
+        # the step must not donate (delete) them; the engine drops them at the next version.
+        donate=sft or rl.mode != "async",
+        banned_token_ids=model.config.vision_placeholder_ids,
     )
 
 
@@ -312,6 +325,7 @@ async def _main(config, workdir, env_factory, tasks, eval_tasks) -> dict[str, fl
         top_p=rl.top_p,
         action_format=config.env.action_format,
         system_prompt=config.env.system_prompt,
+        banned_token_ids=model.config.vision_placeholder_ids,
     )
     agent = AgentLoop(engine, processor, settings)
     in_flight = max(1, config.env.concurrency // rl.group_size) + rl.groups_per_batch
@@ -403,7 +417,8 @@ async def _main(config, workdir, env_factory, tasks, eval_tasks) -> dict[str, fl
         timers = defaultdict(float)
         producer = None
         if rl.mode == "async":
-            producer = asyncio.create_task(_produce(agent, pool, store, cursor, config))
+            gate = StalenessGate(rl.max_steps_off_policy, rl.groups_per_batch)
+            producer = asyncio.create_task(_produce(agent, pool, store, cursor, config, gate))
         while step < config.total_steps:
             t_step = time.perf_counter()
             logged_screens: list = []
@@ -441,6 +456,8 @@ async def _main(config, workdir, env_factory, tasks, eval_tasks) -> dict[str, fl
             t0 = time.perf_counter()
             engine.update_params(learner.params_for_sampler(), learner.version)
             store.set_version(learner.version)
+            if producer is not None:
+                gate.step_done()
             timers["sync"] = time.perf_counter() - t0
             step += 1
             total = time.perf_counter() - t_step
@@ -538,14 +555,62 @@ async def _sft_warmup(config, model, mesh, rules, agent, pool, cursor) -> dict[s
     }
 
 
-async def _produce(agent, pool, store, cursor, config) -> None:
-    """Async mode: keeps `env.concurrency` episodes going, group by group, while the learner
-    trains; the store's backpressure and staleness bound keep it from running ahead."""
+class StalenessGate:
+    """Admission control for async rollouts: a GRPO group starts only when the learner will take
+    it within ``max_steps_off_policy`` versions of now, so nothing is produced just to be dropped.
+
+    Count the groups ahead of a new one in the learner's consumption order: those rolling out,
+    those complete in the store, and those the learner already took for the step it is running
+    now (that step ends with a version bump). With P such groups the new one is taken after
+    ⌊P / groups_per_batch⌋ version bumps, so it may start while
+    P < (max_steps_off_policy + 1) * groups_per_batch. With ``max_steps_off_policy=0`` this is
+    on-policy: rollouts for the next batch start only once the learner has published the version
+    they will be trained against. (Groups finish out of order, so the store's staleness check
+    still runs and counts what it drops.)
+    """
+
+    def __init__(self, max_steps_off_policy: int, groups_per_batch: int) -> None:
+        self.limit = (max_steps_off_policy + 1) * groups_per_batch
+        self.groups_per_batch = groups_per_batch
+        self.steps_done = 0  # learner steps finished since the producer started
+        self._event = asyncio.Event()
+
+    def step_done(self) -> None:
+        """The learner finished a step on its batch and published the next version."""
+        self.steps_done += 1
+        self._event.set()
+
+    def poke(self) -> None:
+        """Something the producer's count depends on changed (a group finished)."""
+        self._event.set()
+
+    async def wait_open(self, ahead: Callable[[], int]) -> None:
+        """Returns once fewer than `limit` groups are ahead (one waiter: the producer)."""
+        while ahead() >= self.limit:
+            self._event.clear()
+            await self._event.wait()
+
+
+async def _produce(agent, pool, store, cursor, config, gate: StalenessGate) -> None:
+    """Async mode: keeps up to `env.concurrency` episodes going, group by group, while the
+    learner trains; `gate` keeps every group within the staleness bound, and the store drops
+    (and counts) any that still arrive too old."""
     from cua_jax.rl.store import StoreClosed
 
     rl = config.rl
     sem = asyncio.Semaphore(max(1, config.env.concurrency // rl.group_size))
+    tasks: set[asyncio.Task] = set()
     n = 0
+
+    trained_at_start = store.stats()["trained"]
+
+    def ahead() -> int:
+        # rolling out + complete in the store + taken for the learner's running step. "trained"
+        # counts what the learner took, updated under the store's lock with the ready queue.
+        st = store.stats()
+        taken = (st["trained"] - trained_at_start) // rl.group_size
+        running = taken - gate.steps_done * gate.groups_per_batch
+        return len(tasks) + st["ready_groups"] + running
 
     async def one(task: Task, k: int) -> None:
         try:
@@ -560,14 +625,20 @@ async def _produce(agent, pool, store, cursor, config) -> None:
         finally:
             sem.release()
 
-    tasks: set[asyncio.Task] = set()
+    def finished(t: asyncio.Task) -> None:
+        tasks.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            logging.error("async rollout group failed", exc_info=t.exception())
+        gate.poke()
+
     try:
         while True:
             await sem.acquire()
+            await gate.wait_open(ahead)
             (task,) = cursor.take(1)
             t = asyncio.create_task(one(task, n))
             tasks.add(t)
-            t.add_done_callback(tasks.discard)
+            t.add_done_callback(finished)
             n += 1
     finally:  # cancelled at the end of training: stop the episodes still running
         for t in list(tasks):

@@ -116,11 +116,14 @@ def main(argv: list[str]) -> None:
     workdir = _WORKDIR.value
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO: keep the bar readable
         logging.set_verbosity(logging.WARNING)
-    maybe_initialize_distributed()
-    env_factory, load_tasks = build_env_factory(config)
-
     from cua_jax import train
 
+    try:  # a bad value (not just a bad key or type) also fails before any work starts
+        train.validate_config(config)
+    except train.ConfigError as e:
+        raise LaunchError(str(e)) from None
+    maybe_initialize_distributed()
+    env_factory, load_tasks = build_env_factory(config)
     train.main(config, workdir, env_factory=env_factory, load_tasks=load_tasks)
 
 

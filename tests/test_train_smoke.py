@@ -112,3 +112,23 @@ def test_resume_after_sigkill_reproduces_the_following_steps(full_run, tmp_path)
         assert a.keys() == b.keys()
         for k in a:
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), (step, k)
+
+
+def test_async_mode_keeps_staleness_within_the_bound(tmp_path):
+    """Rollouts keep running while the learner trains; the staleness gate and the store keep
+    every trained group within max_steps_off_policy, and the learner's idle share is logged."""
+    wd = str(tmp_path / "async")
+    extra = ("--config.rl.mode=async", "--config.total_steps=5", "--config.log.eval_every=5",
+             "--config.rl.filter_zero_variance=False", "--config.env.max_turns=2",
+             "--config.rl.max_steps_off_policy=1", "--config.ckpt.save_every=100")  # fmt: skip
+    r = subprocess.run(_cmd(wd, *extra), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=900)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = [row for row in _rows(wd) if row["step"] >= 1]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]
+    for row in rows:
+        assert 0.0 <= row["rollout/staleness_max"] <= 1.0
+        assert 0.0 <= row["time/learner_idle_share"] <= 1.0
+        s = {k[len("store/") :]: v for k, v in row.items() if k.startswith("store/")}
+        assert s["put"] == s["trained"] + s["dropped_stale"] + s["pending"]
+        assert s["trained"] == 4 * row["step"]  # 2 groups of 2 per step

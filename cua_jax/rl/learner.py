@@ -110,6 +110,10 @@ class LossConfig:
       clipping bounds staleness); "learner" anchors it at the learner's own log-probs at the
       start of the step (r = 1 there) and, with ``tis_cap``, corrects the sampler/learner
       mismatch with truncated importance weights min(π_old/μ, C).
+    temperature: the sampling temperature of the rollouts. Logits are divided by it before
+      every log-prob / entropy (as verl does), so the learner scores the same tempered policy
+      the sampler drew from and reported log-probs for: the PPO ratio starts at 1. The KL
+      reference is tempered alike. SFT steps never temper.
     """
 
     eps_low: float = 0.2
@@ -121,6 +125,7 @@ class LossConfig:
     entropy_coef: float = 0.0
     agg_mode: losses.AggMode = "token-mean"
     loss_norm: float | None = None  # Dr. GRPO's constant (defaults to the row length)
+    temperature: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +145,15 @@ class LoraConfig:
 
 
 class Learner:
-    """Holds model params + optimizer state on a mesh and runs jitted GRPO / SFT steps."""
+    """Holds model params + optimizer state on a mesh and runs jitted GRPO / SFT steps.
+
+    donate: the step donates the trainable params' buffers (updated in place, no second copy).
+    Turn it off when a sampler may still be reading those arrays while the step runs (async RL
+    sharing devices with the engine): the step then writes new buffers and the old ones live
+    until the engine takes the new version. The optimizer state is donated either way.
+    banned_token_ids: ids the sampler never samples (`SamplingParams.banned_token_ids`); their
+    logits are masked in every log-prob and entropy here too, so π is the sampler's policy.
+    """
 
     def __init__(
         self,
@@ -157,11 +170,14 @@ class Learner:
         remat: Literal["none", "full", "dots"] | None = None,
         seq_len_buckets: Sequence[int] = DEFAULT_BUCKETS,
         donate: bool = True,
+        banned_token_ids: Sequence[int] = (),
     ) -> None:
         if num_substeps < 1:
             raise ValueError(f"num_substeps must be >= 1, got {num_substeps}")
         if loss.old_logprobs not in ("behaviour", "learner"):
             raise ValueError(f"old_logprobs={loss.old_logprobs!r}: use 'behaviour' or 'learner'")
+        if not loss.temperature > 0:
+            raise ValueError(f"temperature={loss.temperature} must be > 0 (rollouts sample at it)")
         if loss.tis_cap is not None and loss.old_logprobs != "learner":
             raise ValueError("tis_cap needs old_logprobs='learner' (π_old/μ is 1 otherwise)")
         self.mesh = mesh or shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
@@ -216,6 +232,7 @@ class Learner:
         self._pos_sh = NamedSharding(self.mesh, P(None, batch_axes, None))
         self._jit: dict[str, Callable] = {}
         self._donate = donate
+        self._banned = tuple(int(t) for t in banned_token_ids)
         self.compiled_shapes: set[tuple] = set()
 
     # --------------------------------------------------------------------------- public API
@@ -288,7 +305,8 @@ class Learner:
         return self._step("sft", batch)
 
     def token_logprobs(self, batch: PackedBatch, reference: bool = False) -> np.ndarray:
-        """log π(token t | tokens < t) f32[R, L] (0 at t = 0); the reference policy if asked."""
+        """log π(token t | tokens < t) f32[R, L] (0 at t = 0) of the policy at
+        `loss.temperature`; the reference policy if asked."""
         fn = self._jit.get("logprobs")
         if fn is None:
             fn = jax.jit(self._logprobs_fn, static_argnums=(5,))
@@ -386,23 +404,29 @@ class Learner:
             emb, vmask, ds = model.embed(ids_RL, pv, vision_meta=meta)
         return (emb, ds), vmask
 
-    def _token_logits(self, trainable, frozen, rest, emb, ds, vmask, mb):
+    def _token_logits(self, trainable, frozen, rest, emb, ds, vmask, mb, temperature=1.0):
         model = self._merge(trainable, frozen, rest)
         attn = make_dense_attn_fn(None, mb["segment_ids"])
         hidden = model.decode(emb, mb["position_ids"], attn, vmask, ds)
-        return model.logits(hidden)  # f32[mb, L, V]
+        logits = model.logits(hidden)  # f32[mb, L, V]
+        if self._banned:  # finite, so 0-weight positions never make 0 * inf = NaN
+            logits = logits.at[..., jnp.asarray(self._banned)].set(-1e30)
+        return logits if temperature == 1.0 else logits / temperature
 
     def _logprobs_fn(self, trainable, frozen, rest, xs, images, has_images):
         del has_images
         ids = xs["input_ids"]
         (emb, ds), vmask = self._embed(trainable, frozen, rest, ids, images)
-        logits = self._token_logits(trainable, frozen, rest, emb, ds, vmask, xs)
+        logits = self._token_logits(
+            trainable, frozen, rest, emb, ds, vmask, xs, self.loss_config.temperature
+        )
         lp = losses.token_logprobs(logits[:, :-1], ids[:, 1:])
         return jnp.pad(lp, ((0, 0), (1, 0)))
 
     def _micro_loss(self, mode, trainable, frozen, rest, ref, emb, ds, vmask, ref_emb, mb):
         lc = self.loss_config
-        logits = self._token_logits(trainable, frozen, rest, emb, ds, vmask, mb)[:, :-1]
+        temp = 1.0 if mode == "sft" else lc.temperature
+        logits = self._token_logits(trainable, frozen, rest, emb, ds, vmask, mb, temp)[:, :-1]
         targets = mb["input_ids"][:, 1:]
         mask = mb["loss_mask"][:, 1:]
         weights = mb["loss_weights"][:, 1:]
@@ -416,7 +440,8 @@ class Learner:
         ref_logp = None
         if ref is not None:
             r_emb, r_ds = ref_emb
-            ref_logits = self._token_logits(ref, frozen, rest, r_emb, r_ds, vmask, mb)[:, :-1]
+            ref_logits = self._token_logits(ref, frozen, rest, r_emb, r_ds, vmask, mb, temp)
+            ref_logits = ref_logits[:, :-1]
             ref_logp = jax.lax.stop_gradient(losses.token_logprobs(ref_logits, targets))
         return losses.policy_loss(
             logp,
@@ -529,7 +554,7 @@ class Learner:
                     self._repl,
                 ),
                 out_shardings=(self._trainable_sh, self._opt_sh, self._repl),
-                donate_argnums=(0, 1) if self._donate else (),
+                donate_argnums=(0, 1) if self._donate else (1,),
             )
             self._jit[mode] = fn
         return fn

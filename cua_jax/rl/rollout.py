@@ -62,6 +62,9 @@ class RolloutSettings:
     # "compact": one short paragraph, for tiny models trained from scratch (smoke runs), where
     # a ~1500-token schema would be most of every sequence.
     system_prompt: str = "tools"
+    # Never sampled: the vision placeholder tokens (`QwenVLConfig.vision_placeholder_ids`); the
+    # learner masks the same ids so its log-probs are of the same policy.
+    banned_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.system_prompt not in ("tools", "compact"):
@@ -247,6 +250,7 @@ class AgentLoop:
                     seed=episode_seed(seed, turn),
                     max_new_tokens=self.settings.max_new_tokens,
                     stop_token_ids=tuple(self.tokenizer.stop_ids),
+                    banned_token_ids=self.settings.banned_token_ids,
                 )
                 out = await self.engine.generate(
                     prompt, pv, grid, params=params, session_id=session

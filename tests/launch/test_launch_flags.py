@@ -32,6 +32,14 @@ def _launch(*args):
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.rl.gruop_size=3"],
             "unknown config key in an override: 'gruop_size'",
         ),
+        (
+            ["--config=configs/qwen3vl_grpo.py:smoke", "--config.rl.top_p=0.9"],
+            "config.rl.top_p=0.9 needs config.rl.old_logprobs='learner'",
+        ),
+        (
+            ["--config=configs/qwen3vl_grpo.py:smoke", "--config.rl.temperature=0"],
+            "config.rl.temperature=0.0 must be > 0",
+        ),
     ],
 )
 def test_bad_command_line_fails_at_start(args, expected):

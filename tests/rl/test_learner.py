@@ -194,3 +194,37 @@ def test_bad_batches_are_refused(learner, samples):
     big._batch_parallel = 4
     with pytest.raises(ValueError, match="row_multiple"):
         Learner._device_batch(big, learner.pack(samples[:2], num_rows=6), 1)
+
+
+def test_tempered_rollouts_start_at_ratio_one():
+    """Rollouts sampled at temperature 0.7: the sampler's reported log-probs equal the learner's
+    tempered log-probs of the same tokens, so the PPO ratio starts at exactly 1 (as at T=1)."""
+    from cua_jax.sampler import Engine, SamplingParams
+
+    model = _model(seed=3)
+    engine = Engine(model, max_slots=4, page_size=8, num_pages=32, max_seq_len=64, decode_chunk=4)
+    rng = np.random.default_rng(5)
+    group = []
+    for i in range(2):
+        prompt = rng.integers(0, 200, 6 + 3 * i)
+        params = SamplingParams(temperature=0.7, seed=i, max_new_tokens=8)
+        out = engine.generate_batch([dict(prompt_ids=prompt, params=params)])[0]
+        np.testing.assert_raises(AssertionError, np.testing.assert_allclose,
+                                 out.logprobs, out.model_logprobs, atol=1e-3)  # fmt: skip
+        turn = Turn(prompt, np.asarray(out.tokens), out.logprobs)
+        group.append(Trajectory("t", "g", [turn], reward=float(i), policy_version=0))
+    tempered = Learner(model, loss=LossConfig(temperature=0.7), seq_len_buckets=(64,), donate=False)
+    batch, _ = tempered.prepare_batch([group])
+    m, _ = tempered.loss_and_grads(batch)
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert m["ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert m["behaviour_kl_k3"] == pytest.approx(0.0, abs=1e-8)
+    # the untempered learner sees a different policy: the ratio moves away from 1
+    plain = Learner(model, seq_len_buckets=(64,), donate=False)
+    m1, _ = plain.loss_and_grads(plain.prepare_batch([group])[0])
+    assert abs(m1["ratio_max"] - 1.0) > 1e-2
+
+
+def test_nonpositive_temperature_is_refused():
+    with pytest.raises(ValueError, match="temperature"):
+        Learner(_model(), loss=LossConfig(temperature=0.0), seq_len_buckets=(64,))

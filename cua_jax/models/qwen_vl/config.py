@@ -92,6 +92,15 @@ class QwenVLConfig:
     dtype: str = "float32"  # compute dtype of activations; logits are always f32
     remat: str = "none"  # "none" | "full" | "dots" (per decoder layer)
 
+    @property
+    def vision_placeholder_ids(self) -> tuple[int, int, int, int]:
+        """image pad, video pad, vision start, vision end: prompt-only tokens that a policy must
+        never generate (a generated one would start an image run with no pixels behind it)."""
+        return (
+            self.image_token_id, self.video_token_id,
+            self.vision_start_token_id, self.vision_end_token_id,
+        )  # fmt: skip
+
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"family={self.family!r} is not supported; use one of {FAMILIES}")
