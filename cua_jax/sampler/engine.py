@@ -130,6 +130,34 @@ def _bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
+def _batch_bucket(n: int) -> int:
+    """Rows of a batched prefill call: 1, 4, 16, 64, ... (few shapes, at most 4x padding)."""
+    b = 1
+    while b < n:
+        b *= 4
+    return b
+
+
+# Attention reads at least this many tokens' worth of page-table columns per call; above it the
+# width is the next power of two of what the longest live sequence needs (see `_pages_bucket`).
+_MIN_ATTN_TOKENS = 128
+
+# XLA:CPU compiles dots into YNNPACK fusions by default; for the decode and prefill shapes here
+# (tens of rows x a few hundred columns) Eigen's dot is faster: 1-core decode step at batch 16 of
+# the bench model 3.3 ms without vs 4.0 ms with (tools/bench_sampler.py, 2026-11-22). CPU only.
+_CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+@dataclasses.dataclass
+class _Prefill:
+    """An admitted request whose tokens [start, end) still have to be prefilled."""
+
+    req: _Request
+    slot: int
+    start: int
+    end: int
+
+
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     diff = np.nonzero(a[:n] != b[:n])[0]
@@ -216,8 +244,8 @@ class Engine:
         self._prefill_fns: dict[tuple, Callable] = {}
         self._driver: asyncio.Task | None = None
         self.stats = dict.fromkeys(
-            ["prefill_tokens", "cached_tokens", "decode_calls", "slot_steps", "useful_tokens",
-             "preemptions", "page_copies"], 0,
+            ["prefill_tokens", "prefill_calls", "cached_tokens", "decode_calls", "slot_steps",
+             "useful_tokens", "preemptions", "page_copies"], 0,
         )  # fmt: skip
         # Explicit output placement: the cache keeps its sharding across calls (donated, updated
         # in place); small outputs (tokens, log-probs, logits) are replicated.
@@ -227,13 +255,16 @@ class Engine:
         else:
             small = jax.sharding.SingleDeviceSharding(next(iter(self.cache.k[0].devices())))
         self._small_sh = small
+        on_cpu = next(iter(self.cache.k[0].devices())).platform == "cpu"
+        self._compiler_options = dict(_CPU_COMPILER_OPTIONS) if on_cpu else None
         self._decode_fn = jax.jit(
-            self._decode_chunk, donate_argnums=(1,), out_shardings=(self._cache_sh, *[small] * 3)
-        )
+            self._decode_chunk, donate_argnums=(1,), out_shardings=(self._cache_sh, *[small] * 3),
+            compiler_options=self._compiler_options,
+        )  # fmt: skip
         self._copy_fn = jax.jit(
             kv_cache.copy_pages, donate_argnums=(0,), out_shardings=self._cache_sh
         )
-        self._sample_fn = jax.jit(sample_tokens)
+        self._sample_fn = jax.jit(sample_tokens, compiler_options=self._compiler_options)
 
     # ------------------------------------------------------------------------------ public
     async def generate(
@@ -447,16 +478,34 @@ class Engine:
         return [s for s in range(self.max_slots) if s not in self._running]
 
     def _admit(self) -> None:
+        """Admits waiting requests into free slots, prefilling those admitted together in batches.
+
+        A request that would fork the pages of (or continue the session of) one admitted in this
+        same round waits for that one's prefill first, so it never shares pages not yet written.
+        """
         if self.static_batching and self._running:
             return
+        pending: list[_Prefill] = []
         while self._waiting:
             free = self._free_slots()
             if not free:
-                return
+                break
             req = self._waiting[0]
-            if not self._try_admit(req, free[0]):
-                return
+            if any(self._depends_on(req, p.req) for p in pending):
+                self._prefill_pending(pending)
+                pending = []
+            got = self._try_admit(req, free[0])
+            if got is False:
+                break
             self._waiting.pop(0)
+            if isinstance(got, _Prefill):
+                pending.append(got)
+        self._prefill_pending(pending)
+
+    def _depends_on(self, req: _Request, other: _Request) -> bool:
+        same_prompt = self.share_prefix and req.prompt_key == other.prompt_key
+        same_session = req.session_id is not None and req.session_id == other.session_id
+        return same_prompt or same_session
 
     def _evict_session(self) -> bool:
         if not self._sessions:
@@ -480,7 +529,9 @@ class Engine:
                 break
         return max(n, 0)
 
-    def _try_admit(self, req: _Request, slot: int) -> bool:
+    def _try_admit(self, req: _Request, slot: int) -> bool | _Prefill:
+        """Takes `slot` and the pages for `req`: False = wait (no pages), True = finished (error),
+        or the _Prefill still to run. The slot counts as running from here on."""
         seq = req.seq
         # Prefill everything but the last token when resuming (it is fed by the next decode).
         target = seq[:-1] if req.generated else seq
@@ -531,19 +582,55 @@ class Engine:
             self.stats["cached_tokens"] += start
         if req.version < 0:
             req.version = self.version
-        logits = self._prefill(req, slot, start, len(target))
-        self.alloc.set_length(slot, len(target))
         self._running[slot] = req
         self._admit_order.append(slot)
         req.slot = slot
-        if req.generated:
-            self._next_tok[slot] = req.generated[-1]
-            return True
-        sampling = SlotSampling.from_params([req.params])
-        tok, lp, mlp = self._sample_fn(logits[None], sampling, jnp.zeros((1,), jnp.int32))
-        self._next_tok[slot] = int(tok[0])
-        self._append(req, [int(tok[0])], [float(lp[0])], [float(mlp[0])])
-        return True
+        return _Prefill(req, slot, start, len(target))
+
+    def _prefill_pending(self, pending: list[_Prefill]) -> None:
+        """Prefills admitted requests, then samples the first token of each fresh one.
+
+        Text-only chunks of the same length bucket share one call; a chunk with images runs alone
+        (its vision tower input has its own shape). First tokens are sampled in one call.
+        """
+        groups: dict[Any, list[_Prefill]] = {}
+        for p in pending:
+            if p.end <= p.start:
+                continue
+            if any(p.start <= s < p.end for s, _ in p.req.image_runs):
+                groups[("image", p.slot)] = [p]
+            else:
+                groups.setdefault(_bucket(p.end - p.start), []).append(p)
+        logits_of: dict[int, tuple[jax.Array, int]] = {}
+        for group in groups.values():
+            logits = self._prefill(group)
+            for i, p in enumerate(group):
+                logits_of[p.slot] = (logits, i)
+        fresh = []
+        for p in pending:
+            self.alloc.set_length(p.slot, p.end)
+            if p.req.generated:  # resumed after preemption: the last token is fed by decode
+                self._next_tok[p.slot] = p.req.generated[-1]
+            else:
+                fresh.append(p)
+        if not fresh:
+            return
+        rows = [logits_of[p.slot] for p in fresh]
+        if len({id(lg) for lg, _ in rows}) == 1:  # one prefill call: take its rows, no stacking
+            logits_NV = rows[0][0][jnp.asarray([i for _, i in rows])]
+        else:
+            logits_NV = jnp.stack([lg[i] for lg, i in rows])
+        n = _batch_bucket(len(fresh))
+        logits_NV = jnp.pad(logits_NV, ((0, n - len(fresh)), (0, 0)))
+        sampling = SlotSampling.from_params(
+            [p.req.params for p in fresh] + [None] * (n - len(fresh))
+        )
+        tok, lp, mlp = map(
+            np.asarray, self._sample_fn(logits_NV, sampling, jnp.zeros((n,), jnp.int32))
+        )
+        for j, p in enumerate(fresh):
+            self._next_tok[p.slot] = int(tok[j])
+            self._append(p.req, [int(tok[j])], [float(lp[j])], [float(mlp[j])])
 
     def _copy(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -555,37 +642,59 @@ class Engine:
         self.stats["page_copies"] += len(copies)
 
     # ----------------------------------------------------------------------------- prefill
-    def _prefill(self, req: _Request, slot: int, start: int, end: int) -> jax.Array | None:
-        """Runs tokens [start, end) of the request through the model into the cache."""
-        if end <= start:
-            return None
-        seq = req.seq
-        n = end - start
-        T = _bucket(n)
-        ids = np.zeros((1, T), np.int32)
-        ids[0, :n] = seq[start:end]
-        pos = np.zeros((3, 1, T), np.int32)
-        pos[:, 0, :n] = self._positions(req, start, end)
-        # Images whose token runs lie in [start, end) (admission never splits a run).
-        imgs = [i for i, (s, _) in enumerate(req.image_runs) if start <= s < end]
+    def _pages_bucket(self, n_tokens: int) -> int:
+        """Page-table columns an attention call over sequences of <= n_tokens reads.
+
+        A power of two of the pages needed (at least _MIN_ATTN_TOKENS tokens' worth, at most the
+        whole table), so attention work follows the live length with only a few compiled shapes.
+        """
+        need = max(self.alloc.pages_for(max(n_tokens, _MIN_ATTN_TOKENS)), 1)
+        return min(self.pages_per_seq, 1 << math.ceil(math.log2(need)))
+
+    def _prefill(self, group: list[_Prefill]) -> jax.Array:
+        """Runs tokens [start, end) of each request in `group` through the model into the cache.
+
+        Returns f32[rows, V] logits of each row's last token (rows = _batch_bucket(len(group));
+        padding rows write only to the trash page and attend to nothing).
+        """
+        B = _batch_bucket(len(group))
+        T = _bucket(max(p.end - p.start for p in group))
+        ids = np.zeros((B, T), np.int32)
+        pos = np.zeros((3, B, T), np.int32)
+        start = np.zeros((B,), np.int32)
+        n = np.zeros((B,), np.int32)
+        slots = np.zeros((B,), np.int64)
+        for b, p in enumerate(group):
+            k = p.end - p.start
+            ids[b, :k] = p.req.seq[p.start : p.end]
+            pos[:, b, :k] = self._positions(p.req, p.start, p.end)
+            start[b], n[b], slots[b] = p.start, k, p.slot
         pix, grid = None, ()
-        if imgs:
-            pix = req.pixel_values[req.patch_offsets[imgs[0]] : req.patch_offsets[imgs[-1] + 1]]
-            grid = tuple(tuple(int(x) for x in req.grids[i]) for i in imgs)
-        fn = self._prefill_fns.get((T, grid))
+        if len(group) == 1:
+            # Images whose token runs lie in [start, end) (admission never splits a run).
+            req, s0, s1 = group[0].req, group[0].start, group[0].end
+            imgs = [i for i, (s, _) in enumerate(req.image_runs) if s0 <= s < s1]
+            if imgs:
+                lo, hi = req.patch_offsets[imgs[0]], req.patch_offsets[imgs[-1] + 1]
+                pix = jnp.asarray(req.pixel_values[lo:hi])
+                grid = tuple(tuple(int(x) for x in req.grids[i]) for i in imgs)
+        fn = self._prefill_fns.get(grid)
         if fn is None:
             fn = jax.jit(
                 lambda *a, _g=grid: self._prefill_chunk(*a, grid=_g),
                 donate_argnums=(1,),
                 out_shardings=(self._cache_sh, self._small_sh),
+                compiler_options=self._compiler_options,
             )
-            self._prefill_fns[(T, grid)] = fn
-        table = jnp.asarray(self.alloc.table()[slot : slot + 1])
+            self._prefill_fns[grid] = fn
+        table = self.alloc.table()[slots, : self._pages_bucket(int(np.max(start + n)))]
+        table[len(group) :] = TRASH_PAGE
         self.cache, logits = fn(
-            self._state, self.cache, jnp.asarray(ids), None if pix is None else jnp.asarray(pix),
-            jnp.asarray(pos), table, jnp.int32(start), jnp.int32(n),
+            self._state, self.cache, jnp.asarray(ids), pix, jnp.asarray(pos), jnp.asarray(table),
+            jnp.asarray(start), jnp.asarray(n),
         )  # fmt: skip
-        self.stats["prefill_tokens"] += n
+        self.stats["prefill_tokens"] += int(n.sum())
+        self.stats["prefill_calls"] += 1
         return logits
 
     def _positions(self, req: _Request, start: int, end: int) -> np.ndarray:
@@ -595,14 +704,15 @@ class Engine:
         gen = np.broadcast_to(idx + req.rope_delta, (3, len(idx)))
         return np.where(idx < T0, req.positions[:, np.minimum(idx, T0 - 1)], gen).astype(np.int32)
 
-    def _prefill_chunk(self, state, cache, ids_1T, pix, pos_31T, table_1P, start, n, *, grid):
+    def _prefill_chunk(self, state, cache, ids_BT, pix, pos_3BT, table_BP, start_B, n_B, *, grid):
+        """Rows b: tokens start[b] .. start[b] + n[b] - 1 (n[b] = 0: a padding row)."""
         model = nnx.merge(self._graphdef, state, self._other)
-        T = ids_1T.shape[1]
+        B, T = ids_BT.shape
         meta = vision_metadata(self.config, np.asarray(grid, np.int64)) if grid else None
-        embeds, vis_mask, ds = model.embed(ids_1T, pix, None, vision_meta=meta)
-        q_pos = start + jnp.arange(T)[None]  # i32[1, T]
-        valid = jnp.arange(T)[None] < n
-        page, off = kv_cache.token_slots(table_1P, q_pos, valid, self.page_size)
+        embeds, vis_mask, ds = model.embed(ids_BT, pix, None, vision_meta=meta)
+        q_pos = start_B[:, None] + jnp.arange(T)[None]  # i32[B, T]
+        valid = jnp.arange(T)[None] < n_B[:, None]
+        page, off = kv_cache.token_slots(table_BP, q_pos, valid, self.page_size)
         k_pools, v_pools = list(cache.k), list(cache.v)
 
         def attn_fn(i, q_BTNH, k_BTKH, v_BTKH):
@@ -610,13 +720,13 @@ class Engine:
                 k_pools[i], v_pools[i], k_BTKH, v_BTKH, page, off
             )
             out = chunk_attention_reference(
-                q_BTNH, k_pools[i], v_pools[i], table_1P, q_pos, (start + n)[None], self._scale
+                q_BTNH, k_pools[i], v_pools[i], table_BP, q_pos, start_B + n_B, self._scale
             )
             return out.astype(q_BTNH.dtype)
 
-        hidden = model.decode(embeds, pos_31T, attn_fn, vis_mask, ds)
-        last = jax.lax.dynamic_slice_in_dim(hidden, n - 1, 1, axis=1)
-        logits = model.logits(last)[0, 0]
+        hidden = model.decode(embeds, pos_3BT, attn_fn, vis_mask, ds)
+        last = jnp.take_along_axis(hidden, jnp.maximum(n_B - 1, 0)[:, None, None], axis=1)
+        logits = model.logits(last)[:, 0]
         return kv_cache.KVCache(tuple(k_pools), tuple(v_pools)), logits
 
     # ------------------------------------------------------------------------------ decode
@@ -725,6 +835,9 @@ class Engine:
                 steps[slot] = n
         if not self._running:
             return
+        # Attention reads only the page-table columns the longest sequence reaches in this chunk.
+        longest = max(int(self.alloc.lengths[s]) + int(steps[s]) for s in self._running)
+        table = self.alloc.table()[:, : self._pages_bucket(longest)]
         S = self.max_slots
         delta = np.zeros(S, np.int32)
         gen = np.zeros(S, np.int32)
@@ -737,8 +850,8 @@ class Engine:
             stops[slot, : len(ids)] = ids
             params[slot] = req.params
         self.cache, out_tok, out_lp, out_mlp = self._decode_fn(
-            self._state, self.cache, jnp.asarray(self.alloc.table()),
-            jnp.asarray(self.alloc.lengths), jnp.asarray(self._next_tok), jnp.asarray(delta),
+            self._state, self.cache, jnp.asarray(table), jnp.asarray(self.alloc.lengths),
+            jnp.asarray(self._next_tok), jnp.asarray(delta),
             jnp.asarray(steps), jnp.asarray(gen), jnp.asarray(stops),
             SlotSampling.from_params(params),
         )  # fmt: skip

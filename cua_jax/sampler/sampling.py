@@ -146,7 +146,6 @@ def sample_tokens(
     into the request's key so every step draws fresh, reproducible randomness.
     """
     logits_SV = ban_tokens(logits_SV.astype(jnp.float32), sampling.banned)
-    model_logp_SV = jax.nn.log_softmax(logits_SV, axis=-1)
     greedy_S = sampling.temperature <= 0.0
     scaled_SV = logits_SV / jnp.where(greedy_S, 1.0, sampling.temperature)[:, None]
     # Sorting the vocabulary is the costly part; skip it when no slot truncates.
@@ -163,14 +162,28 @@ def sample_tokens(
         return jax.random.categorical(key, scaled_V)
 
     # Random draws over the vocabulary cost more than the argmax; skip them for all-greedy batches.
+    all_greedy = jnp.all(greedy_S)
     drawn_S = jax.lax.cond(
-        jnp.all(greedy_S),
+        all_greedy,
         lambda: jnp.zeros(greedy_S.shape, jnp.int32),
         lambda: jax.vmap(draw)(sampling.key_data, step_S, scaled_SV).astype(jnp.int32),
     )
     tok_S = jnp.where(greedy_S, jnp.argmax(logits_SV, axis=-1), drawn_S).astype(jnp.int32)
-    model_logp_S = jnp.take_along_axis(model_logp_SV, tok_S[:, None], axis=1)[:, 0]
-    sampled_logp_S = jnp.take_along_axis(
-        jax.nn.log_softmax(scaled_SV, axis=-1), tok_S[:, None], axis=1
-    )[:, 0]
+    model_logp_S = _logprob_of(logits_SV, tok_S)
+    # Greedy slots report the model's log-prob: skip the second pass when every slot is greedy.
+    sampled_logp_S = jax.lax.cond(
+        all_greedy, lambda: model_logp_S, lambda: _logprob_of(scaled_SV, tok_S)
+    )
     return tok_S, jnp.where(greedy_S, model_logp_S, sampled_logp_S), model_logp_S
+
+
+def _logprob_of(logits_SV: jax.Array, tok_S: jax.Array) -> jax.Array:
+    """log_softmax(logits)[s, tok[s]] without materialising the [S, V] log-probs.
+
+    Same arithmetic as jax.nn.log_softmax: (x - max) - log(sum(exp(x - max))).
+    """
+    m_S1 = jnp.max(logits_SV, axis=-1, keepdims=True)
+    m_S1 = jnp.where(jnp.isfinite(m_S1), m_S1, 0.0)
+    lse_S = jnp.log(jnp.sum(jnp.exp(logits_SV - m_S1), axis=-1))
+    x_S = jnp.take_along_axis(logits_SV, tok_S[:, None], axis=1)[:, 0]
+    return (x_S - m_S1[:, 0]) - lse_S

@@ -153,3 +153,39 @@ def test_failed_step_ends_requests_in_flight_with_error_and_engine_recovers(mode
     engine._decode_fn = real
     _assert_same(asyncio.run(_concurrent(engine, reqs[:16])), solo[:16])
     engine.check_pages()
+
+
+def test_prefill_of_requests_admitted_together_is_batched(model, alone):
+    """16 requests admitted in one round share a few prefill calls (one per length bucket, padded
+    to a batch bucket) and give exactly what each gets alone (prefilled one by one)."""
+    _, reqs, solo = alone
+    engine = Engine(model, max_slots=16, page_size=4, num_pages=256, max_seq_len=64, decode_chunk=4)
+    outs = engine.generate_batch(reqs[:16])
+    _assert_same(outs, solo[:16])
+    lengths = [len(r["prompt_ids"]) for r in reqs[:16]]
+    buckets = {max(16, 1 << (n - 1).bit_length()) for n in lengths}
+    assert engine.stats["prefill_calls"] == len(buckets) < 16
+    assert engine.stats["prefill_tokens"] == sum(lengths)
+    engine.check_pages()
+
+
+def test_attention_over_a_pages_bucket_equals_the_full_table(model, alone, monkeypatch):
+    """Decode and prefill read only a power-of-two bucket of page-table columns (here 1..16 pages
+    of 4 tokens, growing as sequences grow, in a table of 256 columns): same outputs as the
+    full-table runs of `alone` (max_seq_len=64: one bucket = the whole 16-column table)."""
+    from cua_jax.sampler import engine as engine_mod
+
+    _, reqs, solo = alone
+    monkeypatch.setattr(engine_mod, "_MIN_ATTN_TOKENS", 4)
+    engine = Engine(model, max_slots=8, page_size=4, num_pages=256, max_seq_len=1024,
+                    decode_chunk=4)  # fmt: skip
+    assert engine.pages_per_seq == 256
+    assert [engine._pages_bucket(n) for n in (1, 4, 5, 9, 33, 1024)] == [1, 1, 2, 4, 16, 256]
+    seen = []
+    real = engine._decode_fn
+    engine._decode_fn = lambda *a: seen.append(a[2].shape[1]) or real(*a)
+    for picked in ([16, 38, 4], [4, 10, 16, 12, 5, 9, 38, 26]):  # short ones alone, then mixed
+        outs = engine.generate_batch([reqs[i] for i in picked])
+        _assert_same(outs, [solo[i] for i in picked])
+    assert set(seen) == {4, 8, 16}  # the bucket grew with the sequences, never the whole table
+    engine.check_pages()

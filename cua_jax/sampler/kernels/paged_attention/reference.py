@@ -44,18 +44,30 @@ def paged_attention_reference(
 ) -> jax.Array:
     """Decode attention: one query token per sequence over its first lengths[b] cached tokens.
 
-    Returns f32[B, N, H] (zeros where the length is 0).
+    Returns f32[B, N, H] (zeros where the length is 0). The cost is proportional to P, the width
+    of the page table passed in: the engine passes only as many columns as the longest live
+    sequence needs (a power-of-two bucket). The gathered pages stay kv-head major
+    ([K, B, P*L, H], a reshape of the gather, no transpose) because both einsums contract in that
+    layout; this is the decode hot path on CPU.
     """
-    out = chunk_attention_reference(
-        q_BNH[:, None],
-        k_pages,
-        v_pages,
-        page_indices_BP,
-        q_positions_BT=(lengths_B - 1)[:, None],
-        kv_lengths_B=lengths_B,
-        scale=scale,
-    )
-    return out[:, 0]
+    B, N, H = q_BNH.shape
+    K = k_pages.shape[0]
+    k_KBSH = k_pages[:, page_indices_BP].reshape(K, B, -1, H).astype(jnp.float32)
+    v_KBSH = v_pages[:, page_indices_BP].reshape(K, B, -1, H).astype(jnp.float32)
+    S = k_KBSH.shape[2]
+    q_BKGH = q_BNH.astype(jnp.float32).reshape(B, K, N // K, H)
+    mask_BS = jnp.arange(S)[None, :] < lengths_B[:, None]
+    logits = jnp.einsum("bkgh,kbsh->bkgs", q_BKGH, k_KBSH) * scale
+    logits = jnp.where(mask_BS[:, None, None], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask_BS[:, None, None], jnp.exp(logits - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    # Zero V outside each sequence too: 0 * NaN (stale or never-written pages) would poison it.
+    v_KBSH = jnp.where(mask_BS[None, :, :, None], v_KBSH, 0.0)
+    out = jnp.einsum("bkgs,kbsh->bkgh", p, v_KBSH)
+    out = jnp.where(denom > 0, out / jnp.where(denom > 0, denom, 1.0), 0.0)
+    return out.reshape(B, N, H)
 
 
 def chunk_attention_reference(
