@@ -134,6 +134,8 @@ def build_model_and_processor(config: Any, mesh: Any, rules: Any):
         mc.family,
         vocab_size=tok.vocab_size,
         **tok.vision_token_ids(),
+        eos_token_id=tok.eos_id,  # exported to generation_config.json: generate() stops there
+        pad_token_id=tok.pad_id,
         dtype=mc.dtype,
         param_dtype=mc.param_dtype,
         remat=mc.remat,

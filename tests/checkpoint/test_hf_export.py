@@ -67,3 +67,7 @@ def test_export_matches_our_logits(tmp_path, lora_rank):
     theirs = hf_logits(hf.float().eval(), ids, None, vis["pixel_values"], vis["image_grid_thw"])
     np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
     assert os.path.isfile(os.path.join(out, "cua_jax_tokenizer.model"))
+    # generate() stops at the shipped tokenizer's <|im_end|> and pads with <|endoftext|>
+    gen = transformers.GenerationConfig.from_pretrained(out)
+    tok = proc.tokenizer
+    assert gen.eos_token_id in (tok.eos_id, [tok.eos_id]) and gen.pad_token_id == tok.pad_id
