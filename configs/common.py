@@ -111,7 +111,10 @@ def base_config(family: str) -> ConfigDict:
     c.sft = ConfigDict()
     c.sft.steps = 0  # 0 = no warm-up
     c.sft.learning_rate = 1e-5
-    c.sft.source = "oracle"  # "oracle" (built-in task oracles) or a trajectory/JSONL path
+    # "oracle": the tasks' scripted solutions (kept in WORKDIR/sft_demos), or a trajectory
+    # directory (e.g. an earlier run's sft_demos) or a .jsonl of token-level episodes
+    # (cua_jax.data.sft); file batches hold rl.rows_per_step episodes.
+    c.sft.source = "oracle"
     c.sft.episodes_per_task = 4
 
     # ---- environment -------------------------------------------------------------------------

@@ -85,6 +85,13 @@ def validate_config(config: Any) -> None:
             "ratio is anchored at the learner's own log-probs; truncated importance sampling "
             "with rl.tis_cap corrects the nucleus truncation)"
         )
+    src = config.sft.source
+    if config.sft.steps > 0 and src != "oracle":
+        if not (os.path.isdir(src) or (os.path.isfile(src) and src.endswith(".jsonl"))):
+            raise ConfigError(
+                f"config.sft.source={src!r} does not exist or is not a trajectory directory / "
+                ".jsonl file (use 'oracle' for the tasks' scripted demonstrations)"
+            )
     if config.rl.group_size < 2:
         raise ConfigError("config.rl.group_size must be >= 2: GRPO compares rollouts in a group")
     if config.model.hf_path is None and config.model.preset != "tiny":
@@ -408,7 +415,9 @@ async def _main(config, workdir, env_factory, tasks, eval_tasks) -> dict[str, fl
 
         # ---- SFT warm-up on oracle demonstrations --------------------------------------------
         if not sft_done:
-            sft_metrics = await _sft_warmup(config, model, mesh, rules, agent, pool, cursor)
+            sft_metrics = await _sft_warmup(
+                config, model, mesh, rules, agent, pool, cursor, workdir
+            )
             learner = build_learner(model, config, mesh, rules, sft=False)  # fresh RL optimizer
             engine.update_params(learner.params_for_sampler(), learner.version)
             last_eval = await run_eval("after_sft")
@@ -517,44 +526,94 @@ async def _main(config, workdir, env_factory, tasks, eval_tasks) -> dict[str, fl
     return last_eval
 
 
-async def _sft_warmup(config, model, mesh, rules, agent, pool, cursor) -> dict[str, float]:
-    """Behaviour cloning on the tasks' oracle demonstrations (ComputerRL's SFT-then-RL recipe)."""
+async def _sft_warmup(
+    config, model, mesh, rules, agent, pool, cursor, workdir: str | None = None
+) -> dict[str, float]:
+    """Behaviour cloning before RL (ComputerRL's SFT-then-RL recipe), from the tasks' oracle
+    demonstrations (saved under WORKDIR/sft_demos for reuse) or from `config.sft.source`: a
+    trajectory directory (`TrajectoryWriter` / `TrajectoryStore(persist_dir=)`) or a JSONL file
+    of token-level episodes (`cua_jax.data.sft`)."""
+    sc = config.sft
+    t0 = time.perf_counter()
+    learner = build_learner(model, config, mesh, rules, sft=True)
+    if sc.source == "oracle":
+        batches, info = await _oracle_sft_batches(config, learner, agent, pool, cursor, workdir)
+    else:
+        batches, info = sft_file_batches(
+            sc.source, learner, batch_size=config.rl.rows_per_step, seed=config.seed
+        )
+    losses = []
+    for _, batch in zip(range(sc.steps), batches, strict=False):
+        m = await asyncio.to_thread(learner.sft_step, batch)
+        losses.append(m.get("loss", np.nan))
+    return {
+        **info,
+        "sft/steps": float(len(losses)),
+        "sft/loss_first": float(losses[0]) if losses else float("nan"),
+        "sft/loss_last": float(losses[-1]) if losses else float("nan"),
+        "time/sft": time.perf_counter() - t0,
+    }
+
+
+async def _oracle_sft_batches(config, learner, agent, pool, cursor, workdir):
+    from cua_jax.rl.store import TrajectoryWriter
     from cua_jax.rl.trajectory import trajectory_to_samples
 
-    sc = config.sft
-    if sc.source != "oracle":
-        raise ValueError(
-            f"config.sft.source={sc.source!r}: this trainer warms up from 'oracle' demonstrations"
-        )
-    t0 = time.perf_counter()
     # Each task again with other seeds: the built-in templates randomize their layout by seed.
     demo_tasks = [
         dataclasses.replace(t, seed=t.seed + 7919 * r)
         for t in cursor.tasks
-        for r in range(sc.episodes_per_task)
+        for r in range(config.sft.episodes_per_task)
     ]
     demos = await agent.demonstrations(pool, demo_tasks)
     good = [d for d in demos if d.success]
     if not good:
         raise RuntimeError("no oracle demonstration succeeded; check the env and task oracles")
-    learner = build_learner(model, config, mesh, rules, sft=True)
+    if workdir is not None and jax.process_index() == 0:
+        out = os.path.join(workdir, "sft_demos")
+        if not os.path.exists(out):  # a resumed run keeps the first set
+            writer = TrajectoryWriter(out)
+            for d in good:
+                writer.write(d)
+            writer.close()
     pos_fn = learner.position_fn()
     samples = [s for d in good for s in trajectory_to_samples(d, 1.0, pos_fn)]
     rng = np.random.default_rng(config.seed)
     rows = config.rl.rows_per_step
-    losses = []
-    for _ in range(sc.steps):
-        idx = rng.choice(len(samples), size=min(len(samples), rows), replace=False)
-        batch = learner.pack([samples[i] for i in idx])
-        m = await asyncio.to_thread(learner.sft_step, batch)
-        losses.append(m.get("loss", np.nan))
-    return {
-        "sft/demos": float(len(good)),
-        "sft/demo_success": float(len(good) / len(demos)),
-        "sft/loss_first": float(losses[0]) if losses else float("nan"),
-        "sft/loss_last": float(losses[-1]) if losses else float("nan"),
-        "time/sft": time.perf_counter() - t0,
-    }
+
+    def batches():
+        while True:
+            idx = rng.choice(len(samples), size=min(len(samples), rows), replace=False)
+            yield learner.pack([samples[i] for i in idx])
+
+    info = {"sft/demos": float(len(good)), "sft/demo_success": float(len(good) / len(demos))}
+    return batches(), info
+
+
+def sft_file_batches(path: str, learner: Any, *, batch_size: int, seed: int = 0):
+    """(endless iterator of packed SFT batches, info) from a trajectory directory or a JSONL
+    file of demonstrations; only successful episodes are used, reshuffled every epoch."""
+    from cua_jax.data.sft import JsonlDemonstrations, sft_dataset
+    from cua_jax.rl.store import TrajectoryReader
+
+    if os.path.isdir(path):
+        source = TrajectoryReader(path)
+        n_good = sum(bool(source.metadata(i)["success"]) for i in range(len(source)))
+    elif os.path.isfile(path) and path.endswith(".jsonl"):
+        source = JsonlDemonstrations(path)
+        n_good = sum(source[i].success for i in range(len(source)))
+    else:
+        raise ConfigError(
+            f"config.sft.source={path!r} is neither 'oracle', a trajectory directory, nor a "
+            ".jsonl file of demonstrations"
+        )
+    if n_good == 0:
+        raise ConfigError(f"config.sft.source={path!r} holds no successful episode")
+    ds = sft_dataset(
+        source, learner.pack, batch_size=min(batch_size, n_good),
+        position_fn=learner.position_fn(), seed=seed, num_epochs=None,
+    )  # fmt: skip
+    return iter(ds), {"sft/demos": float(n_good)}
 
 
 class StalenessGate:

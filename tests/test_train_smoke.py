@@ -83,6 +83,9 @@ def test_smoke_run_writes_everything(full_run):
     assert any(p.startswith("train_step") for p in pages)
     assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == ["2", "3"]  # keep=2
     assert os.listdir(os.path.join(wd, "tb"))
+    # the oracle demonstrations are kept for reuse: --config.sft.source=WORKDIR/sft_demos
+    index = os.path.join(wd, "sft_demos", "index.jsonl")
+    assert sum(1 for _ in open(index)) == after_sft["sft/demos"]
 
 
 def _comparable(row):

@@ -40,6 +40,10 @@ def _launch(*args):
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.rl.temperature=0"],
             "config.rl.temperature=0.0 must be > 0",
         ),
+        (
+            ["--config=configs/qwen3vl_grpo.py:smoke", "--config.sft.source=/nope/demos.jsonl"],
+            "config.sft.source='/nope/demos.jsonl' does not exist",
+        ),
     ],
 )
 def test_bad_command_line_fails_at_start(args, expected):

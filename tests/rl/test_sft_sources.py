@@ -1,0 +1,85 @@
+"""SFT warm-up from files (`config.sft.source`): a JSONL of demonstrations and a trajectory
+directory give the same batches, unsuccessful episodes are skipped, and the loss goes down."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from cua_jax import train
+from cua_jax.models import qwen_vl
+from cua_jax.rl.learner import Learner, OptimizerConfig
+from cua_jax.rl.store import TrajectoryWriter
+from cua_jax.rl.trajectory import Trajectory, Turn
+
+_TINY = qwen_vl.tiny("qwen2_5_vl", vocab_size=256)
+CFG = _TINY.replace(text=dataclasses.replace(_TINY.text, num_hidden_layers=1))
+
+
+def _episodes():
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(5):
+        prompt = rng.integers(20, 200, 10 + i).tolist()
+        gen = rng.integers(20, 200, 6).tolist()
+        out.append({"task_id": f"t{i}", "success": i != 4, "turns": [
+            {"prompt_ids": prompt, "generated_ids": gen}]})  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sft")
+    eps = _episodes()
+    jsonl = d / "demos.jsonl"
+    jsonl.write_text("\n".join(json.dumps(e) for e in eps) + "\n")
+    writer = TrajectoryWriter(str(d / "trajs"))
+    for e in eps:
+        t = e["turns"][0]
+        gen = np.asarray(t["generated_ids"], np.int32)
+        turn = Turn(np.asarray(t["prompt_ids"], np.int32), gen, np.zeros(gen.size, np.float32))
+        writer.write(Trajectory(e["task_id"], e["task_id"], [turn], reward=1.0,
+                                success=e["success"]))  # fmt: skip
+    writer.close()
+    return str(jsonl), str(d / "trajs")
+
+
+def _learner():
+    model = qwen_vl.QwenVL(CFG, rngs=nnx.Rngs(0))
+    return Learner(model, optimizer=OptimizerConfig(learning_rate=3e-3), seq_len_buckets=(32,))
+
+
+def test_jsonl_and_trajectory_dir_give_the_same_batches_of_successful_episodes(files):
+    jsonl, trajs = files
+    learner = _learner()
+    a, info_a = train.sft_file_batches(jsonl, learner, batch_size=2, seed=3)
+    b, info_b = train.sft_file_batches(trajs, learner, batch_size=2, seed=3)
+    assert info_a == info_b == {"sft/demos": 4.0}  # the failed episode is skipped
+    seen = set()
+    for _ in range(6):  # three epochs of two batches: the iterator never runs dry
+        x, y = next(a), next(b)
+        np.testing.assert_array_equal(x.input_ids, y.input_ids)
+        np.testing.assert_array_equal(x.loss_mask, y.loss_mask)
+        seen.update(int(r[0]) for r in x.input_ids[x.segment_ids[:, 0] > 0])
+    failed_first_token = _episodes()[4]["turns"][0]["prompt_ids"][0]
+    assert failed_first_token not in seen
+
+
+def test_sft_from_file_lowers_the_loss(files):
+    jsonl, _ = files
+    learner = _learner()
+    batches, _ = train.sft_file_batches(jsonl, learner, batch_size=4, seed=0)
+    losses = [learner.sft_step(next(batches))["loss"] for _ in range(15)]
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_bad_sources_name_the_problem(tmp_path, files):
+    learner = _learner()
+    with pytest.raises(train.ConfigError, match="neither 'oracle'"):
+        train.sft_file_batches(str(tmp_path / "nope.txt"), learner, batch_size=2)
+    only_failed = tmp_path / "failed.jsonl"
+    only_failed.write_text(json.dumps(_episodes()[4]) + "\n")
+    with pytest.raises(train.ConfigError, match="no successful episode"):
+        train.sft_file_batches(str(only_failed), learner, batch_size=2)
