@@ -57,7 +57,12 @@ from flax import nnx
 from cua_jax.models.qwen_vl.rope import get_rope_index
 from cua_jax.models.qwen_vl.vision import vision_metadata
 from cua_jax.sampler import kv_cache
-from cua_jax.sampler.kernels.paged_attention import chunk_attention_reference, paged_attention
+from cua_jax.sampler.kernels.paged_attention import (
+    chunk_attention_reference,
+    contiguous_decode_attention,
+    paged_attention,
+)
+from cua_jax.sampler.kernels.paged_attention import resolve_backend as paged_attention_backend
 from cua_jax.sampler.page_table import TRASH_PAGE, OutOfPagesError, PageAllocator
 from cua_jax.sampler.sampling import SamplingParams, SlotSampling, sample_tokens
 
@@ -146,6 +151,10 @@ _MIN_ATTN_TOKENS = 128
 # (tens of rows x a few hundred columns) Eigen's dot is faster: 1-core decode step at batch 16 of
 # the bench model 3.3 ms without vs 4.0 ms with (tools/bench_sampler.py, 2026-11-22). CPU only.
 _CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+# The CPU decode loop gathers every slot's pages (all layers) into contiguous buffers once per
+# chunk when they fit in this many bytes; above it, it gathers pages inside each step instead.
+_MAX_GATHERED_BYTES = 256 << 20
 
 
 @dataclasses.dataclass
@@ -732,33 +741,79 @@ class Engine:
     # ------------------------------------------------------------------------------ decode
     def _decode_chunk(self, state, cache, table_SP, lengths_S, tok_S, delta_S, steps_S, gen_S,
                       stop_SX, sampling):  # fmt: skip
-        """Up to C decode steps for every slot; slot s runs steps_S[s] steps or until a stop."""
+        """Up to C decode steps for every slot; slot s runs steps_S[s] steps or until a stop.
+
+        With the jnp reference backend (CPU) and a small enough table, each slot's pages are
+        gathered into contiguous K/V buffers once per chunk (the table covers every position the
+        chunk writes), each step writes its K/V into those buffers and attends to them, and the
+        chunk's new tokens go into the pages once at the end: no page gather inside the loop.
+        Otherwise every step writes its K/V into the pages and calls `paged_attention` (the
+        Pallas kernels on GPU / TPU).
+        """
         model = nnx.merge(self._graphdef, state, self._other)
         S, C = tok_S.shape[0], self.decode_chunk
+        K, P, L, H = cache.k[0].shape[0], table_SP.shape[1], self.page_size, cache.k[0].shape[3]
+        gathered = 2 * cache.num_layers * K * S * P * L * H * cache.k[0].dtype.itemsize
+        contiguous = (
+            paged_attention_backend(self.attn_backend) == "reference"
+            and gathered <= _MAX_GATHERED_BYTES
+        )
+        if contiguous:
+            # k [S, K, H, P*L], v [S, K, P*L, H] (the layouts the attention dots take); V past
+            # each slot's length is zeroed (stale pages) since attention multiplies it by 0.
+            live = (jnp.arange(P * L)[None, :] < lengths_S[:, None])[:, None, :, None]
+            ks, vs = [], []
+            for kp, vp in zip(cache.k, cache.v, strict=True):
+                k = kp[:, table_SP].reshape(K, S, P * L, H)
+                v = jnp.transpose(vp[:, table_SP].reshape(K, S, P * L, H), (1, 0, 2, 3))
+                ks.append(jnp.transpose(k, (1, 0, 3, 2)))
+                vs.append(jnp.where(live, v, 0).astype(v.dtype))
+            kv0 = (tuple(ks), tuple(vs))
+        else:
+            kv0 = cache
 
         def cond(carry):
             i, done = carry[0], carry[4]
             return (i < C) & jnp.any(~done & (i < steps_S))
 
         def body(carry):
-            i, cache, lengths, tok, done, out_tok, out_lp, out_mlp = carry
+            i, kv, lengths, tok, done, out_tok, out_lp, out_mlp = carry
             active = (~done) & (i < steps_S)
             pos_S = lengths + delta_S
             pos = jnp.broadcast_to(pos_S[None, :, None], (3, S, 1))
-            page, off = kv_cache.token_slots(
-                table_SP, lengths[:, None], active[:, None], self.page_size
-            )
             attn_len = jnp.where(active, lengths + 1, 0)
-            k_pools, v_pools = list(cache.k), list(cache.v)
+            if contiguous:
+                k_bufs, v_bufs = list(kv[0]), list(kv[1])
+                # Inactive slots write out of range: dropped.
+                at = jnp.where(active, lengths, P * L)
+            else:
+                k_bufs, v_bufs = list(kv.k), list(kv.v)
+                page, off = kv_cache.token_slots(
+                    table_SP, lengths[:, None], active[:, None], self.page_size
+                )
 
             def attn_fn(li, q_BTNH, k_BTKH, v_BTKH):
-                k_pools[li], v_pools[li] = kv_cache.write_kv(
-                    k_pools[li], v_pools[li], k_BTKH, v_BTKH, page, off
-                )
-                o = paged_attention(
-                    q_BTNH[:, 0], k_pools[li], v_pools[li], table_SP, attn_len,
-                    scale=self._scale, backend=self.attn_backend,
-                )  # fmt: skip
+                if contiguous:
+                    rows = jnp.arange(S)
+                    k_bufs[li] = (
+                        k_bufs[li].at[rows, :, :, at].set(k_BTKH[:, 0].astype(k_bufs[li].dtype),
+                                                          mode="drop")
+                    )  # fmt: skip
+                    v_bufs[li] = (
+                        v_bufs[li].at[rows, :, at].set(v_BTKH[:, 0].astype(v_bufs[li].dtype),
+                                                       mode="drop")
+                    )  # fmt: skip
+                    o = contiguous_decode_attention(
+                        q_BTNH[:, 0], k_bufs[li], v_bufs[li], attn_len, self._scale
+                    )
+                else:
+                    k_bufs[li], v_bufs[li] = kv_cache.write_kv(
+                        k_bufs[li], v_bufs[li], k_BTKH, v_BTKH, page, off
+                    )
+                    o = paged_attention(
+                        q_BTNH[:, 0], k_bufs[li], v_bufs[li], table_SP, attn_len,
+                        scale=self._scale, backend=self.attn_backend,
+                    )  # fmt: skip
                 return o[:, None].astype(q_BTNH.dtype)
 
             embeds, _, _ = model.embed(tok[:, None])
@@ -769,10 +824,13 @@ class Engine:
             out_tok = out_tok.at[:, i].set(jnp.where(active, new, -1))
             out_lp = out_lp.at[:, i].set(lp)
             out_mlp = out_mlp.at[:, i].set(mlp)
-            cache = kv_cache.KVCache(tuple(k_pools), tuple(v_pools))
+            if contiguous:
+                kv = (tuple(k_bufs), tuple(v_bufs))
+            else:
+                kv = kv_cache.KVCache(tuple(k_bufs), tuple(v_bufs))
             return (
                 i + 1,
-                cache,
+                kv,
                 lengths + active,
                 jnp.where(active, new, tok),
                 done | (active & is_stop),
@@ -782,13 +840,28 @@ class Engine:
             )
 
         init = (
-            jnp.int32(0), cache, lengths_S, tok_S, jnp.zeros((S,), bool),
+            jnp.int32(0), kv0, lengths_S, tok_S, jnp.zeros((S,), bool),
             jnp.full((S, C), -1, jnp.int32), jnp.zeros((S, C), jnp.float32),
             jnp.zeros((S, C), jnp.float32),
         )  # fmt: skip
         # while_loop, not fori_loop: the chunk ends early once every slot has stopped.
-        _, cache, _, _, _, out_tok, out_lp, out_mlp = jax.lax.while_loop(cond, body, init)
-        return cache, out_tok, out_lp, out_mlp
+        _, kv, lengths, _, _, out_tok, out_lp, out_mlp = jax.lax.while_loop(cond, body, init)
+        if not contiguous:
+            return kv, out_tok, out_lp, out_mlp
+        # A slot's active steps are a prefix of the chunk: it wrote positions
+        # lengths_S .. lengths - 1; copy those from the buffers into the pages.
+        pos_SC = jnp.minimum(lengths_S[:, None] + jnp.arange(C)[None], P * L - 1)
+        valid_SC = jnp.arange(C)[None] < (lengths - lengths_S)[:, None]
+        page, off = kv_cache.token_slots(table_SP, pos_SC, valid_SC, self.page_size)
+        k_pools, v_pools = list(cache.k), list(cache.v)
+        for li in range(cache.num_layers):
+            k_new = jnp.take_along_axis(kv[0][li], pos_SC[:, None, None, :], axis=3)  # [S,K,H,C]
+            v_new = jnp.take_along_axis(kv[1][li], pos_SC[:, None, :, None], axis=2)  # [S,K,C,H]
+            k_pools[li], v_pools[li] = kv_cache.write_kv(
+                k_pools[li], v_pools[li], jnp.transpose(k_new, (0, 3, 1, 2)),
+                jnp.transpose(v_new, (0, 2, 1, 3)), page, off,
+            )  # fmt: skip
+        return kv_cache.KVCache(tuple(k_pools), tuple(v_pools)), out_tok, out_lp, out_mlp
 
     def _budget(self, req: _Request) -> int:
         return min(

@@ -109,6 +109,19 @@ def test_decode_through_pallas_kernel_interpret(model, alone):
     _assert_same(outs, [solo[i] for i in picked])
 
 
+def test_decode_gathering_pages_in_every_step_equals_contiguous_buffers(model, alone, monkeypatch):
+    """On CPU the decode loop gathers pages into contiguous buffers once per chunk; above a size
+    limit it gathers them in every step (the paged path the kernels use). Same outputs."""
+    from cua_jax.sampler import engine as engine_mod
+
+    _, reqs, solo = alone
+    monkeypatch.setattr(engine_mod, "_MAX_GATHERED_BYTES", 0)
+    engine = Engine(model, max_slots=4, page_size=4, num_pages=64, max_seq_len=64, decode_chunk=4)
+    picked = [0, 1, 5, 7]
+    outs = engine.generate_batch([reqs[i] for i in picked])
+    _assert_same(outs, [solo[i] for i in picked])
+
+
 def test_kv_heads_sharded_over_tensor_axis(model, alone):
     """On a 2-device `tensor` mesh (KV pages split by kv-head) outputs equal the 1-device run."""
     import jax

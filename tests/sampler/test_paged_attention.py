@@ -6,6 +6,7 @@ import pytest
 
 from cua_jax.sampler.kernels.paged_attention import (
     chunk_attention_reference,
+    contiguous_decode_attention,
     paged_attention,
 )
 
@@ -107,3 +108,25 @@ def test_validators_name_the_argument():
         paged_attention(q, k, k, table.astype(np.int64), lens)
     with pytest.raises(ValueError, match="backend"):
         paged_attention(q, k, k, table, lens, backend="cuda")
+
+
+@pytest.mark.parametrize("page_size,q_heads,kv_heads,lengths", CASES)
+def test_contiguous_decode_attention_matches_reference(page_size, q_heads, kv_heads, lengths):
+    """The CPU decode loop's attention over pages gathered into contiguous buffers (NaN K past
+    each length; V there zeroed, as the engine does once per chunk) == the paged reference."""
+    rng = np.random.default_rng(page_size * 7 + kv_heads)
+    q, k, v, table, lens, _ = _make_case(rng, page_size, q_heads, kv_heads, lengths)
+    B, P = table.shape
+    H = k.shape[-1]
+    k_g = k[:, table].reshape(kv_heads, B, P * page_size, H)  # NaN past each length
+    v_g = v[:, table].reshape(kv_heads, B, P * page_size, H)
+    live = np.arange(P * page_size)[None, :] < lens[:, None]
+    v_g = np.where(live[None, :, :, None], v_g, 0.0)
+    got = np.asarray(
+        contiguous_decode_attention(
+            q, np.transpose(k_g, (1, 0, 3, 2)), np.transpose(v_g, (1, 0, 2, 3)), lens, 0.37
+        )
+    )
+    ref = np.asarray(paged_attention(q, k, v, table, lens, scale=0.37, backend="reference"))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)

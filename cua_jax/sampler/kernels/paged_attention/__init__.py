@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from cua_jax.sampler.kernels.paged_attention.kernel import paged_attention_kernel
 from cua_jax.sampler.kernels.paged_attention.reference import (
     chunk_attention_reference,
+    contiguous_decode_attention,
     paged_attention_reference,
 )
 
@@ -26,6 +27,7 @@ BACKENDS = ("auto", "tpu", "gpu", "interpret", "reference")
 __all__ = [
     "BACKENDS",
     "chunk_attention_reference",
+    "contiguous_decode_attention",
     "paged_attention",
     "paged_attention_kernel",
     "paged_attention_reference",

@@ -70,6 +70,37 @@ def paged_attention_reference(
     return out.reshape(B, N, H)
 
 
+def contiguous_decode_attention(
+    q_BNH: jax.Array,
+    k_BKHS: jax.Array,  # f[B, K, H, S] each sequence's K, contiguous
+    v_BKSH: jax.Array,  # f[B, K, S, H]
+    lengths_B: jax.Array,  # i32[B] valid positions
+    scale: float,
+) -> jax.Array:
+    """Decode attention over per-sequence contiguous K/V: the CPU decode loop's attention.
+
+    The engine gathers each slot's pages into these buffers once per decode chunk (in layouts
+    both dots take without a transpose) and writes each step's new K/V into them, so a step
+    reads contiguous memory instead of gathering pages. Equals `paged_attention_reference` over
+    the same tokens. K may hold anything (NaN included) at masked positions; V there must be
+    finite (it is multiplied by an exact 0): the engine zeroes it once per chunk rather than
+    masking V in every step. Returns f32[B, N, H] (zeros where the length is 0).
+    """
+    B, N, H = q_BNH.shape
+    K, S = k_BKHS.shape[1], k_BKHS.shape[3]
+    q_BKGH = q_BNH.astype(jnp.float32).reshape(B, K, N // K, H)
+    mask_BS = jnp.arange(S)[None, :] < lengths_B[:, None]
+    logits = jnp.einsum("bkgh,bkhs->bkgs", q_BKGH, k_BKHS.astype(jnp.float32)) * scale
+    logits = jnp.where(mask_BS[:, None, None], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(logits - m)  # masked logits give exactly 0
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("bkgs,bksh->bkgh", p, v_BKSH.astype(jnp.float32))
+    out = jnp.where(denom > 0, out / jnp.where(denom > 0, denom, 1.0), 0.0)
+    return out.reshape(B, N, H)
+
+
 def chunk_attention_reference(
     q_BTNH: jax.Array,
     k_pages: jax.Array,  # f[K, Ptot, L, H]
