@@ -273,7 +273,11 @@ class Engine:
         self._copy_fn = jax.jit(
             kv_cache.copy_pages, donate_argnums=(0,), out_shardings=self._cache_sh
         )
-        self._sample_fn = jax.jit(sample_tokens, compiler_options=self._compiler_options)
+        # First tokens after prefill: rows idx of a prefill call's logits.
+        self._sample_fn = jax.jit(
+            lambda logits, idx, sampling, step: sample_tokens(logits[idx], sampling, step),
+            compiler_options=self._compiler_options,
+        )
 
     # ------------------------------------------------------------------------------ public
     async def generate(
@@ -625,17 +629,17 @@ class Engine:
         if not fresh:
             return
         rows = [logits_of[p.slot] for p in fresh]
-        if len({id(lg) for lg, _ in rows}) == 1:  # one prefill call: take its rows, no stacking
-            logits_NV = rows[0][0][jnp.asarray([i for _, i in rows])]
+        if len({id(lg) for lg, _ in rows}) == 1:  # one prefill call: pick its rows on device
+            logits_XV, idx = rows[0][0], [i for _, i in rows]
         else:
-            logits_NV = jnp.stack([lg[i] for lg, i in rows])
+            logits_XV, idx = jnp.stack([lg[i] for lg, i in rows]), list(range(len(rows)))
         n = _batch_bucket(len(fresh))
-        logits_NV = jnp.pad(logits_NV, ((0, n - len(fresh)), (0, 0)))
+        idx = np.asarray(idx + [0] * (n - len(fresh)), np.int32)  # padding rows: ignored
         sampling = SlotSampling.from_params(
             [p.req.params for p in fresh] + [None] * (n - len(fresh))
         )
         tok, lp, mlp = map(
-            np.asarray, self._sample_fn(logits_NV, sampling, jnp.zeros((n,), jnp.int32))
+            np.asarray, self._sample_fn(logits_XV, idx, sampling, np.zeros((n,), np.int32))
         )
         for j, p in enumerate(fresh):
             self._next_tok[p.slot] = int(tok[j])
@@ -699,8 +703,7 @@ class Engine:
         table = self.alloc.table()[slots, : self._pages_bucket(int(np.max(start + n)))]
         table[len(group) :] = TRASH_PAGE
         self.cache, logits = fn(
-            self._state, self.cache, jnp.asarray(ids), pix, jnp.asarray(pos), jnp.asarray(table),
-            jnp.asarray(start), jnp.asarray(n),
+            self._state, self.cache, ids, pix, pos, table, start, n
         )  # fmt: skip
         self.stats["prefill_tokens"] += int(n.sum())
         self.stats["prefill_calls"] += 1
@@ -922,11 +925,10 @@ class Engine:
             ids = req.params.stop_token_ids[:_MAX_STOP_IDS]
             stops[slot, : len(ids)] = ids
             params[slot] = req.params
+        # Host arrays go to the jitted call as numpy (cheaper than jnp.asarray each).
         self.cache, out_tok, out_lp, out_mlp = self._decode_fn(
-            self._state, self.cache, jnp.asarray(table), jnp.asarray(self.alloc.lengths),
-            jnp.asarray(self._next_tok), jnp.asarray(delta),
-            jnp.asarray(steps), jnp.asarray(gen), jnp.asarray(stops),
-            SlotSampling.from_params(params),
+            self._state, self.cache, table, self.alloc.lengths.copy(), self._next_tok.copy(),
+            delta, steps, gen, stops, SlotSampling.from_params(params),
         )  # fmt: skip
         out_tok, out_lp, out_mlp = map(np.asarray, (out_tok, out_lp, out_mlp))
         self.stats["decode_calls"] += 1

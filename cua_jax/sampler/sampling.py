@@ -87,18 +87,17 @@ class SlotSampling:
         """Packs one SamplingParams per slot (None for empty slots: greedy, seed 0)."""
         ps = [p or SamplingParams(temperature=0.0) for p in params]
         keys = np.stack([_key_data(p.seed) for p in ps])
+        banned = np.full((len(ps), MAX_BANNED), -1, np.int32)
+        for i, p in enumerate(ps):
+            banned[i, : len(p.banned_token_ids)] = p.banned_token_ids
+        # Host (numpy) leaves: a jitted call takes them in ~20 us, while jnp.asarray costs ~60 us
+        # per field; this runs once per decode chunk.
         return SlotSampling(
-            temperature=jnp.asarray([p.temperature for p in ps], jnp.float32),
-            top_k=jnp.asarray([p.top_k for p in ps], jnp.int32),
-            top_p=jnp.asarray([p.top_p for p in ps], jnp.float32),
-            key_data=jnp.asarray(keys, jnp.uint32),
-            banned=jnp.asarray(
-                [
-                    list(p.banned_token_ids) + [-1] * (MAX_BANNED - len(p.banned_token_ids))
-                    for p in ps
-                ],
-                jnp.int32,
-            ),  # fmt: skip
+            temperature=np.asarray([p.temperature for p in ps], np.float32),
+            top_k=np.asarray([p.top_k for p in ps], np.int32),
+            top_p=np.asarray([p.top_p for p in ps], np.float32),
+            key_data=keys.astype(np.uint32),
+            banned=banned,
         )
 
 
