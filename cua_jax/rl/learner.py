@@ -144,6 +144,27 @@ class LoraConfig:
     seed: int = 0
 
 
+def pad_images_to_bucket(
+    pixel_values: np.ndarray, image_grid_thw: np.ndarray, merge: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pads the flat patches with one blank image so their count is a bucket: m² x the smallest
+    of {1, 2, 3, 4, 6, 8, 12, 16, ...} that fits (m = spatial merge; at most 1/3 padding).
+
+    The blank image (grid (1, m, k)) attends only to itself in the vision tower, and its merged
+    features come after every real one, so no image-pad token takes them: outputs are unchanged.
+    """
+    P, unit = pixel_values.shape[0], merge * merge
+    units, b = -(-P // unit), 1
+    while b < units:
+        b = b * 3 // 2 if b >= 2 and (b & (b - 1)) == 0 else (b * 4 // 3 if b > 2 else b * 2)
+    extra = b * unit - P
+    if extra == 0:
+        return pixel_values, image_grid_thw
+    blank = np.zeros((extra, pixel_values.shape[1]), pixel_values.dtype)
+    grid = np.concatenate([np.asarray(image_grid_thw), [[1, merge, extra // merge]]])
+    return np.concatenate([pixel_values, blank]), grid.astype(np.asarray(image_grid_thw).dtype)
+
+
 class Learner:
     """Holds model params + optimizer state on a mesh and runs jitted GRPO / SFT steps.
 
@@ -153,6 +174,9 @@ class Learner:
     until the engine takes the new version. The optimizer state is donated either way.
     banned_token_ids: ids the sampler never samples (`SamplingParams.banned_token_ids`); their
     logits are masked in every log-prob and entropy here too, so π is the sampler's policy.
+    bucket_images: pad a batch's patches up to a bucket (see `pad_images_to_bucket`) so batches
+    with different numbers of screenshots reuse a few compiled steps instead of compiling one
+    per patch count.
     """
 
     def __init__(
@@ -171,6 +195,7 @@ class Learner:
         seq_len_buckets: Sequence[int] = DEFAULT_BUCKETS,
         donate: bool = True,
         banned_token_ids: Sequence[int] = (),
+        bucket_images: bool = True,
     ) -> None:
         if num_substeps < 1:
             raise ValueError(f"num_substeps must be >= 1, got {num_substeps}")
@@ -233,6 +258,7 @@ class Learner:
         self._jit: dict[str, Callable] = {}
         self._donate = donate
         self._banned = tuple(int(t) for t in banned_token_ids)
+        self._bucket_images = bucket_images
         self.compiled_shapes: set[tuple] = set()
 
     # --------------------------------------------------------------------------- public API
@@ -388,8 +414,11 @@ class Learner:
         xs["position_ids"] = jax.device_put(batch.position_ids, self._pos_sh)
         images = None
         if batch.pixel_values is not None:
-            meta = vision_metadata(self.config, batch.image_grid_thw)
-            images = jax.device_put((jnp.asarray(batch.pixel_values), meta), self._repl)
+            pv, grid = batch.pixel_values, batch.image_grid_thw
+            if self._bucket_images:
+                pv, grid = pad_images_to_bucket(pv, grid, self.config.vision.spatial_merge_size)
+            meta = vision_metadata(self.config, grid)
+            images = jax.device_put((jnp.asarray(pv), meta), self._repl)
         return xs, images
 
     def _merge(self, trainable, frozen, rest):
@@ -561,7 +590,7 @@ class Learner:
 
     def _step(self, mode: str, batch: PackedBatch) -> dict[str, float]:
         xs, images = self._device_batch(batch, self.num_substeps)
-        pix_shape = None if batch.pixel_values is None else batch.pixel_values.shape
+        pix_shape = None if images is None else images[0].shape
         self.compiled_shapes.add((mode, batch.shape, pix_shape))
         fn = self._get_step(mode)
         trainable, opt_state, metrics = fn(

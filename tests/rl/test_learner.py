@@ -12,7 +12,7 @@ from flax import nnx
 from cua_jax import sharding as shd
 from cua_jax.models import qwen_vl
 from cua_jax.rl import packing
-from cua_jax.rl.learner import Learner, LossConfig, OptimizerConfig
+from cua_jax.rl.learner import Learner, LossConfig, OptimizerConfig, pad_images_to_bucket
 from cua_jax.rl.trajectory import Trajectory, Turn, trajectory_to_samples
 
 _TINY = qwen_vl.tiny("qwen3_vl", vocab_size=256)
@@ -228,3 +228,23 @@ def test_tempered_rollouts_start_at_ratio_one():
 def test_nonpositive_temperature_is_refused():
     with pytest.raises(ValueError, match="temperature"):
         Learner(_model(), loss=LossConfig(temperature=0.0), seq_len_buckets=(64,))
+
+
+def test_padding_patches_to_a_bucket_changes_nothing(learner):
+    """5 images = 20 merge units -> padded to 24 with one blank image: same loss and grads."""
+    groups = make_groups(seed=4, n_groups=5, group_size=2)  # one image per group (member 0)
+    pos = learner.position_fn()
+    samples = [s for g in groups for t in g for s in trajectory_to_samples(t, t.reward - 0.5, pos)]
+    batch = learner.pack(samples)
+    assert batch.pixel_values.shape[0] == 5 * 16
+    padded, grid = pad_images_to_bucket(batch.pixel_values, batch.image_grid_thw, 2)
+    assert padded.shape[0] == 24 * 4 and grid.tolist()[-1] == [1, 2, 8]
+    m_pad, g_pad = learner.loss_and_grads(batch)
+    learner._bucket_images = False
+    try:
+        m_raw, g_raw = learner.loss_and_grads(batch)
+    finally:
+        learner._bucket_images = True
+    assert m_pad["loss"] == pytest.approx(m_raw["loss"], rel=1e-5)
+    for a, b in zip(_leaves(g_pad), _leaves(g_raw), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
