@@ -144,6 +144,15 @@ class LoraConfig:
     seed: int = 0
 
 
+def shape_bucket(n: int) -> int:
+    """Smallest of {1, 2, 3, 4, 6, 8, 12, 16, 24, ...} (powers of two and 1.5x them) >= n: few
+    distinct compiled shapes, at most 1/3 padding."""
+    b = 1
+    while b < n:
+        b = b * 3 // 2 if b >= 2 and (b & (b - 1)) == 0 else (b * 4 // 3 if b > 2 else b * 2)
+    return b
+
+
 def pad_images_to_bucket(
     pixel_values: np.ndarray, image_grid_thw: np.ndarray, merge: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -154,10 +163,7 @@ def pad_images_to_bucket(
     features come after every real one, so no image-pad token takes them: outputs are unchanged.
     """
     P, unit = pixel_values.shape[0], merge * merge
-    units, b = -(-P // unit), 1
-    while b < units:
-        b = b * 3 // 2 if b >= 2 and (b & (b - 1)) == 0 else (b * 4 // 3 if b > 2 else b * 2)
-    extra = b * unit - P
+    extra = shape_bucket(-(-P // unit)) * unit - P
     if extra == 0:
         return pixel_values, image_grid_thw
     blank = np.zeros((extra, pixel_values.shape[1]), pixel_values.dtype)
@@ -174,9 +180,10 @@ class Learner:
     until the engine takes the new version. The optimizer state is donated either way.
     banned_token_ids: ids the sampler never samples (`SamplingParams.banned_token_ids`); their
     logits are masked in every log-prob and entropy here too, so π is the sampler's policy.
-    bucket_images: pad a batch's patches up to a bucket (see `pad_images_to_bucket`) so batches
-    with different numbers of screenshots reuse a few compiled steps instead of compiling one
-    per patch count.
+    bucket_shapes: `pack` rounds the row count up to a `shape_bucket` (x the row multiple) and
+    the step pads the patches likewise (`pad_images_to_bucket`), so batches with different
+    numbers of episodes and screenshots reuse a few compiled steps instead of compiling one per
+    row count and patch count.
     """
 
     def __init__(
@@ -195,7 +202,7 @@ class Learner:
         seq_len_buckets: Sequence[int] = DEFAULT_BUCKETS,
         donate: bool = True,
         banned_token_ids: Sequence[int] = (),
-        bucket_images: bool = True,
+        bucket_shapes: bool = True,
     ) -> None:
         if num_substeps < 1:
             raise ValueError(f"num_substeps must be >= 1, got {num_substeps}")
@@ -258,7 +265,7 @@ class Learner:
         self._jit: dict[str, Callable] = {}
         self._donate = donate
         self._banned = tuple(int(t) for t in banned_token_ids)
-        self._bucket_images = bucket_images
+        self._bucket_shapes = bucket_shapes
         self.compiled_shapes: set[tuple] = set()
 
     # --------------------------------------------------------------------------- public API
@@ -272,16 +279,22 @@ class Learner:
         return rope_position_fn(self.config)
 
     def pack(self, samples, num_rows: int | None = None) -> PackedBatch:
-        """`packing.pack` with this learner's buckets, row multiple and aggregation mode."""
-        return pack(
-            samples,
+        """`packing.pack` with this learner's buckets, row multiple and aggregation mode; without
+        `num_rows`, the row count is rounded up to a shape bucket (see `bucket_shapes`)."""
+        kw = dict(
             seq_len_buckets=self.seq_len_buckets,
             row_multiple=self.row_multiple,
-            num_rows=num_rows,
             agg_mode=self.loss_config.agg_mode,
             loss_norm=self.loss_config.loss_norm,
             pad_id=int(self.config.text.pad_token_id or 0),
         )
+        batch = pack(samples, num_rows=num_rows, **kw)
+        if num_rows is None and self._bucket_shapes:
+            rows, k = batch.shape[0], self.row_multiple
+            target = shape_bucket(-(-rows // k)) * k
+            if target != rows:
+                batch = pack(samples, num_rows=target, **kw)
+        return batch
 
     def prepare_batch(
         self, groups: Sequence[Sequence[Trajectory]], num_rows: int | None = None
@@ -415,7 +428,7 @@ class Learner:
         images = None
         if batch.pixel_values is not None:
             pv, grid = batch.pixel_values, batch.image_grid_thw
-            if self._bucket_images:
+            if self._bucket_shapes:
                 pv, grid = pad_images_to_bucket(pv, grid, self.config.vision.spatial_merge_size)
             meta = vision_metadata(self.config, grid)
             images = jax.device_put((jnp.asarray(pv), meta), self._repl)

@@ -240,11 +240,27 @@ def test_padding_patches_to_a_bucket_changes_nothing(learner):
     padded, grid = pad_images_to_bucket(batch.pixel_values, batch.image_grid_thw, 2)
     assert padded.shape[0] == 24 * 4 and grid.tolist()[-1] == [1, 2, 8]
     m_pad, g_pad = learner.loss_and_grads(batch)
-    learner._bucket_images = False
+    learner._bucket_shapes = False
     try:
         m_raw, g_raw = learner.loss_and_grads(batch)
     finally:
-        learner._bucket_images = True
+        learner._bucket_shapes = True
     assert m_pad["loss"] == pytest.approx(m_raw["loss"], rel=1e-5)
     for a, b in zip(_leaves(g_pad), _leaves(g_raw), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_row_count_is_rounded_to_a_shape_bucket(learner, samples):
+    from cua_jax.rl.learner import shape_bucket
+
+    assert [shape_bucket(n) for n in (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33)] == [
+        1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48,
+    ]  # fmt: skip
+    for n in range(1, len(samples) + 1):
+        rows = learner.pack(samples[:n]).shape[0]
+        assert rows == shape_bucket(rows)
+        learner._bucket_shapes = False
+        try:
+            assert learner.pack(samples[:n]).shape[0] <= rows
+        finally:
+            learner._bucket_shapes = True
