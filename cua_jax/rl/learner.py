@@ -145,19 +145,16 @@ class LoraConfig:
 
 
 def shape_bucket(n: int) -> int:
-    """Smallest of {1, 2, 3, 4, 6, 8, 12, 16, 24, ...} (powers of two and 1.5x them) >= n: few
-    distinct compiled shapes, at most 1/3 padding."""
-    b = 1
-    while b < n:
-        b = b * 3 // 2 if b >= 2 and (b & (b - 1)) == 0 else (b * 4 // 3 if b > 2 else b * 2)
-    return b
+    """The power of two >= n. Every distinct batch shape is a compile (tens of seconds on a
+    2-core CPU, minutes for a large model on TPU), so few shapes beat tight padding."""
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def pad_images_to_bucket(
     pixel_values: np.ndarray, image_grid_thw: np.ndarray, merge: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Pads the flat patches with one blank image so their count is a bucket: m² x the smallest
-    of {1, 2, 3, 4, 6, 8, 12, 16, ...} that fits (m = spatial merge; at most 1/3 padding).
+    """Pads the flat patches with one blank image so their count is m² x a power of two
+    (`shape_bucket`; m = spatial merge).
 
     The blank image (grid (1, m, k)) attends only to itself in the vision tower, and its merged
     features come after every real one, so no image-pad token takes them: outputs are unchanged.

@@ -5,7 +5,7 @@ import numpy as np
 
 from cua_jax.models.qwen_vl import rope
 from cua_jax.models.qwen_vl.text import make_attention_mask
-from cua_jax.models.qwen_vl.vision import segment_attention
+from cua_jax.models.qwen_vl.vision import _chunk_keys, segment_attention
 
 
 def _np_segment_attention(q, k, v, seg):
@@ -27,6 +27,26 @@ def test_query_chunked_segment_attention_equals_dense_reference():
             jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(seg), chunk
         )
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+
+
+def test_key_windows_per_chunk_equal_the_all_keys_scan():
+    """Many images in one batch: each query chunk scans only the keys of its own segments."""
+    rng = np.random.default_rng(1)
+    seg = np.repeat(np.arange(10), [40, 1, 80, 50, 32, 60, 45, 55, 30, 20]).astype(np.int32)
+    P, N, H = len(seg), 2, 8
+    q, k, v = (rng.standard_normal((P, N, H)).astype(np.float32) for _ in range(3))
+    want = _np_segment_attention(q, k, v, seg)
+    for chunk in (16, 32):
+        keys = _chunk_keys(seg, chunk)
+        assert keys.shape == (-(-P // chunk), 256) and int(keys.max()) >= P  # tail masked
+        got = segment_attention(
+            jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(seg), chunk, keys
+        )
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+    assert _chunk_keys(seg, 512) is None  # one chunk holds every query: plain scan
+    split = seg.copy()
+    split[-1] = 0  # segment 0 in two runs: no windows
+    assert _chunk_keys(split, 16) is None
 
 
 def test_attention_mask_causal_padding_segments():

@@ -231,14 +231,14 @@ def test_nonpositive_temperature_is_refused():
 
 
 def test_padding_patches_to_a_bucket_changes_nothing(learner):
-    """5 images = 20 merge units -> padded to 24 with one blank image: same loss and grads."""
+    """5 images = 20 merge units -> padded to 32 with one blank image: same loss and grads."""
     groups = make_groups(seed=4, n_groups=5, group_size=2)  # one image per group (member 0)
     pos = learner.position_fn()
     samples = [s for g in groups for t in g for s in trajectory_to_samples(t, t.reward - 0.5, pos)]
     batch = learner.pack(samples)
     assert batch.pixel_values.shape[0] == 5 * 16
     padded, grid = pad_images_to_bucket(batch.pixel_values, batch.image_grid_thw, 2)
-    assert padded.shape[0] == 24 * 4 and grid.tolist()[-1] == [1, 2, 8]
+    assert padded.shape[0] == 32 * 4 and grid.tolist()[-1] == [1, 2, 24]
     m_pad, g_pad = learner.loss_and_grads(batch)
     learner._bucket_shapes = False
     try:
@@ -254,7 +254,7 @@ def test_row_count_is_rounded_to_a_shape_bucket(learner, samples):
     from cua_jax.rl.learner import shape_bucket
 
     assert [shape_bucket(n) for n in (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33)] == [
-        1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48,
+        1, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64,
     ]  # fmt: skip
     for n in range(1, len(samples) + 1):
         rows = learner.pack(samples[:n]).shape[0]

@@ -26,6 +26,9 @@ from cua_jax.models.qwen_vl.text import LayerNorm, Linear, RMSNorm, dense_attent
 _INIT_STD = 0.02
 
 
+QUERY_CHUNK = 1024  # vision attention queries per lax.map step
+
+
 class VisionMeta(NamedTuple):
     """Host-computed layout of the flat patch sequence (all arrays; a pytree)."""
 
@@ -36,6 +39,11 @@ class VisionMeta(NamedTuple):
     merge_unperm: jax.Array  # i32[M] merged tokens back to image order
     interp_idx: jax.Array | None  # i32[P, 4] Qwen3 bilinear taps into pos_embed
     interp_w: jax.Array | None  # f32[P, 4]
+    # i32[ceil(P / QUERY_CHUNK), S]: the keys each query chunk can see (its segments are
+    # contiguous runs, so a window of S keys from its first segment's start covers them);
+    # None: every chunk scans all P keys (one chunk, or segments not contiguous).
+    full_keys: jax.Array | None = None
+    window_keys: jax.Array | None = None
 
 
 def _block_order_hw(t: int, h: int, w: int, m: int) -> np.ndarray:
@@ -121,7 +129,29 @@ def vision_metadata(cfg: QwenVLConfig, image_grid_thw: np.ndarray) -> VisionMeta
         merge_unperm=jnp.asarray(merge_unperm, jnp.int32),
         interp_idx=interp_idx,
         interp_w=interp_w,
+        full_keys=_chunk_keys(frames[patch_perm]),
+        window_keys=None if cfg.family == "qwen3_vl" else _chunk_keys(window_seg),
     )
+
+
+def _chunk_keys(seg_P: np.ndarray, chunk: int = QUERY_CHUNK) -> jax.Array | None:
+    """Key windows for `segment_attention`: with many images in a batch, a query chunk attends
+    over its own images' patches (S ~ chunk + 2 x image) instead of all P patches."""
+    P = len(seg_P)
+    if P <= chunk:
+        return None
+    starts = np.r_[0, np.flatnonzero(np.diff(seg_P)) + 1]
+    ends = np.r_[starts[1:], P]
+    if len(np.unique(seg_P[starts])) != len(starts):
+        return None  # a segment in several runs: keep the exact all-keys scan
+    run = np.repeat(np.arange(len(starts)), ends - starts)
+    q0 = np.arange(-(-P // chunk)) * chunk
+    q1 = np.minimum(q0 + chunk, P) - 1
+    k0, k1 = starts[run[q0]], ends[run[q1]]
+    span = -(-int((k1 - k0).max()) // 128) * 128  # rounded: few distinct shapes
+    if span >= P:
+        return None
+    return jnp.asarray(k0[:, None] + np.arange(span), jnp.int32)  # >= P: masked out
 
 
 class GELU(nnx.Module):
@@ -159,28 +189,46 @@ class VisionAttention(nnx.Module):
             v.hidden_size, v.hidden_size, ("vision_heads", "vision_embed"), bias=True, **kw
         )
 
-    def __call__(self, x_PD, cos, sin, seg_P) -> jax.Array:
+    def __call__(self, x_PD, cos, sin, seg_P, keys_nS=None) -> jax.Array:
         P = x_PD.shape[0]
         qkv = self.qkv(x_PD).reshape(P, 3, self.num_heads, self.head_dim)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = segment_attention(q, k, v, seg_P)
+        o = segment_attention(q, k, v, seg_P, keys_nS=keys_nS)
         return self.proj(o.reshape(P, -1))
 
 
-QUERY_CHUNK = 1024
-
-
 def segment_attention(
-    q_PNH: jax.Array, k_PNH: jax.Array, v_PNH: jax.Array, seg_P: jax.Array, chunk: int = QUERY_CHUNK
+    q_PNH: jax.Array,
+    k_PNH: jax.Array,
+    v_PNH: jax.Array,
+    seg_P: jax.Array,
+    chunk: int = QUERY_CHUNK,
+    keys_nS: jax.Array | None = None,
 ) -> jax.Array:
     """Bidirectional attention within equal segment ids (images / windows) of a flat sequence.
 
     Queries are processed `chunk` at a time (lax.map), so the score buffer is N x chunk x P
-    instead of N x P x P (a 1280-token screenshot has 5120 patches). Each query row still sees
-    every key, so the result equals dense attention exactly.
+    instead of N x P x P (a 1280-token screenshot has 5120 patches). Each query row sees every
+    key, or with `keys_nS` (`VisionMeta.full_keys` / `window_keys`) the S keys its chunk's
+    segments can hold: the same result, without scanning every other image of the batch.
     """
     P = q_PNH.shape[0]
+    if keys_nS is not None:
+        n = keys_nS.shape[0]
+        pad = n * chunk - P
+        q = jnp.pad(q_PNH, ((0, pad), (0, 0), (0, 0))).reshape(n, chunk, *q_PNH.shape[1:])
+        seg_q = jnp.pad(seg_P, (0, pad), constant_values=-1).reshape(n, chunk)
+
+        def windowed(args):
+            q_c, s_c, idx = args
+            safe = jnp.minimum(idx, P - 1)
+            k_seg = jnp.where(idx < P, seg_P[safe], -2)  # past the end: nobody's segment
+            mask = (s_c[:, None] == k_seg[None, :])[None]
+            return dense_attention(q_c[None], k_PNH[safe][None], v_PNH[safe][None], mask)[0]
+
+        o = jax.lax.map(windowed, (q, seg_q, keys_nS))
+        return o.reshape(n * chunk, *q_PNH.shape[1:])[:P]
     if P <= chunk:
         mask = (seg_P[:, None] == seg_P[None, :])[None]
         return dense_attention(q_PNH[None], k_PNH[None], v_PNH[None], mask)[0]
@@ -239,8 +287,8 @@ class VisionBlock(nnx.Module):
         self.attn = VisionAttention(cfg, rngs=rngs)
         self.mlp = VisionMLP(cfg, rngs=rngs)
 
-    def __call__(self, x_PD, cos, sin, seg_P):
-        x_PD = x_PD + self.attn(self.norm1(x_PD), cos, sin, seg_P)
+    def __call__(self, x_PD, cos, sin, seg_P, keys_nS=None):
+        x_PD = x_PD + self.attn(self.norm1(x_PD), cos, sin, seg_P, keys_nS)
         return x_PD + self.mlp(self.norm2(x_PD))
 
 
@@ -325,7 +373,10 @@ class VisionModel(nnx.Module):
         deepstack = []
         for i, blk in enumerate(self.blocks):
             full = self.cfg.family == "qwen3_vl" or i in v.fullatt_block_indexes
-            x = blk(x, cos, sin, meta.full_seg if full else meta.window_seg)
+            if full:
+                x = blk(x, cos, sin, meta.full_seg, meta.full_keys)
+            else:
+                x = blk(x, cos, sin, meta.window_seg, meta.window_keys)
             if i in v.deepstack_visual_indexes:
                 j = v.deepstack_visual_indexes.index(i)
                 deepstack.append(self.deepstack_merger_list[j](x).astype(jnp.float32))
