@@ -229,7 +229,7 @@ def apply_smoke(c: ConfigDict) -> None:
     c.sampler.decode_chunk = 8
     c.rl.group_size = 4
     c.rl.groups_per_batch = 4
-    c.rl.learning_rate = 3e-4
+    c.rl.learning_rate = 3e-5  # 3e-4 drifted down after SFT (BENCHMARKS.md, smoke run)
     c.rl.max_tokens = 48
     c.rl.temperature = 1.0
     c.rl.row_lengths = (512, 1024)
