@@ -543,9 +543,14 @@ async def _sft_warmup(
             sc.source, learner, batch_size=config.rl.rows_per_step, seed=config.seed
         )
     losses = []
+    bar = metrics_lib.Progress(
+        sc.steps, desc="sft", enabled=config.log.progress and jax.process_index() == 0
+    )
     for _, batch in zip(range(sc.steps), batches, strict=False):
         m = await asyncio.to_thread(learner.sft_step, batch)
         losses.append(m.get("loss", np.nan))
+        bar.update(1, loss=float(losses[-1]))
+    bar.close()
     return {
         **info,
         "sft/steps": float(len(losses)),
