@@ -696,7 +696,9 @@ class QwenComputerUse:
                 return {"action": "key", "keys": list(keys)}
             case Scroll(x, y, dx, dy):
                 if dx and dy:
-                    raise ValueError(f"{action}: Qwen scrolls one axis at a time")
+                    raise ValueError(
+                        f"{action}: one Qwen call scrolls one axis; format() writes two calls"
+                    )
                 d = (
                     {"action": "hscroll", "pixels": _int_or(dx)}
                     if dx
@@ -716,6 +718,14 @@ class QwenComputerUse:
         raise ValueError(f"cannot format {action!r} as a Qwen tool call")
 
     def format(self, action: Action, space: CoordinateSpace) -> str:
+        """One ``<tool_call>`` block; a two-axis ``Scroll`` becomes two blocks (vertical, then
+        horizontal), since a Qwen call scrolls one axis and ``parse`` reads every block."""
+        if isinstance(action, Scroll) and action.dx and action.dy:
+            parts = (
+                dataclasses.replace(action, dx=0.0),
+                dataclasses.replace(action, dy=0.0),
+            )
+            return "\n".join(self.format(a, space) for a in parts)
         call = {"name": "computer_use", "arguments": self.arguments(action, space)}
         return "<tool_call>\n" + json.dumps(call, ensure_ascii=False) + "\n</tool_call>"
 

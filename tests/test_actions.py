@@ -88,6 +88,20 @@ def test_exact_round_trip_identity():
             assert A.parse_action(A.format_action(a, fmt, space), fmt, space) == [a]
 
 
+@pytest.mark.parametrize("fmt", A.FORMATS)
+def test_two_axis_scroll_formats_as_two_calls(fmt):
+    """A Qwen call (and a pyautogui scroll) moves one axis: a diagonal scroll, which the browser
+    oracle emits on pages larger than a small viewport, is written as two calls, vertical first."""
+    space = SPACES["identity"]
+    text = A.format_action(Scroll(50.0, 60.0, -2.0, 3.0), fmt, space)
+    assert A.parse_action(text, fmt, space) == [
+        Scroll(50.0, 60.0, 0.0, 3.0),
+        Scroll(50.0, 60.0, -2.0, 0.0),
+    ]
+    with pytest.raises(ValueError, match="one axis"):  # one call's arguments cannot hold both
+        A.QwenComputerUse("3").arguments(Scroll(50.0, 60.0, -2.0, 3.0), space)
+
+
 def test_qwen_real_outputs():
     """Strings in the shape the released checkpoints emit (thinking text, newlines)."""
     q3 = A.get_format("qwen3vl")
