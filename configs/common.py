@@ -97,6 +97,10 @@ def base_config(family: str) -> ConfigDict:
     c.rl.entropy_coef = 0.0
     c.rl.row_lengths = (1024, 2048, 4096)  # packing buckets
     c.rl.rows_per_step = 8
+    # The learner's log-probs / entropies are computed this many positions at a time (the chunk's
+    # logits are recomputed in the backward pass): f32 logits of a 16k-token row at a ~152k
+    # vocabulary are ~10 GB. 0 = every position at once.
+    c.rl.logits_chunk = 1024
 
     # ---- optim ---------------------------------------------------------------------------------
     c.optim = ConfigDict()
@@ -208,7 +212,7 @@ def apply_real(c: ConfigDict, size: str) -> None:
     c.rl.max_tokens = 256
     c.rl.row_lengths = (4096, 8192, 16384)
     c.rl.max_steps_off_policy = 2
-    c.rl.mode = "sync"  # async mode can stall after a few steps: see the notes of issue 7
+    c.rl.mode = "sync"  # on-policy; --config.rl.mode=async overlaps rollouts with training
     c.env.concurrency = groups * 8
     c.env.max_turns = 15
     c.env.max_history_images = 3

@@ -70,6 +70,8 @@ def validate_config(config: Any) -> None:
         section, name = key.split(".")
         if config[section][name] < 1:
             raise ConfigError(f"config.{key}={config[section][name]} must be >= 1")
+    if config.rl.logits_chunk < 0:
+        raise ConfigError(f"config.rl.logits_chunk={config.rl.logits_chunk} must be >= 0")
     if not config.rl.temperature > 0:
         raise ConfigError(
             f"config.rl.temperature={config.rl.temperature} must be > 0 (rollouts sample at it; "
@@ -204,6 +206,7 @@ def build_learner(model: Any, config: Any, mesh: Any, rules: Any, *, sft: bool):
         # the step must not donate (delete) them; the engine drops them at the next version.
         donate=sft or rl.mode != "async",
         banned_token_ids=model.config.vision_placeholder_ids,
+        logits_chunk=rl.logits_chunk,
     )
 
 

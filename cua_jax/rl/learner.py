@@ -181,6 +181,10 @@ class Learner:
     the step pads the patches likewise (`pad_images_to_bucket`), so batches with different
     numbers of episodes and screenshots reuse a few compiled steps instead of compiling one per
     row count and patch count.
+    logits_chunk: log-probs and entropies are computed this many positions at a time, with the
+    chunk's logits rematerialised in the backward pass, so no f32[rows, L, V] array exists (0:
+    all positions at once; fine for small vocabularies and rows). See
+    `losses.chunked_token_stats`.
     """
 
     def __init__(
@@ -200,6 +204,7 @@ class Learner:
         donate: bool = True,
         banned_token_ids: Sequence[int] = (),
         bucket_shapes: bool = True,
+        logits_chunk: int = 0,
     ) -> None:
         if num_substeps < 1:
             raise ValueError(f"num_substeps must be >= 1, got {num_substeps}")
@@ -263,6 +268,7 @@ class Learner:
         self._donate = donate
         self._banned = tuple(int(t) for t in banned_token_ids)
         self._bucket_shapes = bucket_shapes
+        self.logits_chunk = int(logits_chunk)
         self.compiled_shapes: set[tuple] = set()
 
     # --------------------------------------------------------------------------- public API
@@ -443,35 +449,42 @@ class Learner:
             emb, vmask, ds = model.embed(ids_RL, pv, vision_meta=meta)
         return (emb, ds), vmask
 
-    def _token_logits(self, trainable, frozen, rest, emb, ds, vmask, mb, temperature=1.0):
+    def _token_stats(self, trainable, frozen, rest, emb, ds, vmask, mb, temperature, entropy):
+        """(log π(next token), entropy or None), f32[mb, L-1], at `temperature`, with the
+        banned ids masked; the logits are made `logits_chunk` positions at a time."""
         model = self._merge(trainable, frozen, rest)
         attn = make_dense_attn_fn(None, mb["segment_ids"])
-        hidden = model.decode(emb, mb["position_ids"], attn, vmask, ds)
-        logits = model.logits(hidden)  # f32[mb, L, V]
-        if self._banned:  # finite, so 0-weight positions never make 0 * inf = NaN
-            logits = logits.at[..., jnp.asarray(self._banned)].set(-1e30)
-        return logits if temperature == 1.0 else logits / temperature
+        hidden = model.decode(emb, mb["position_ids"], attn, vmask, ds)[:, :-1]
+        banned = jnp.asarray(self._banned, jnp.int32) if self._banned else None
+
+        def logits_fn(h):
+            logits = model.logits(h)  # f32[mb, c, V]
+            if banned is not None:  # finite, so 0-weight positions never make 0 * inf = NaN
+                logits = logits.at[..., banned].set(-1e30)
+            return logits if temperature == 1.0 else logits / temperature
+
+        return losses.chunked_token_stats(
+            logits_fn, hidden, mb["input_ids"][:, 1:], chunk=self.logits_chunk, entropy=entropy
+        )
 
     def _logprobs_fn(self, trainable, frozen, rest, xs, images, has_images):
         del has_images
         ids = xs["input_ids"]
         (emb, ds), vmask = self._embed(trainable, frozen, rest, ids, images)
-        logits = self._token_logits(
-            trainable, frozen, rest, emb, ds, vmask, xs, self.loss_config.temperature
+        lp, _ = self._token_stats(
+            trainable, frozen, rest, emb, ds, vmask, xs, self.loss_config.temperature, False
         )
-        lp = losses.token_logprobs(logits[:, :-1], ids[:, 1:])
         return jnp.pad(lp, ((0, 0), (1, 0)))
 
     def _micro_loss(self, mode, trainable, frozen, rest, ref, emb, ds, vmask, ref_emb, mb):
         lc = self.loss_config
         temp = 1.0 if mode == "sft" else lc.temperature
-        logits = self._token_logits(trainable, frozen, rest, emb, ds, vmask, mb, temp)[:, :-1]
-        targets = mb["input_ids"][:, 1:]
         mask = mb["loss_mask"][:, 1:]
         weights = mb["loss_weights"][:, 1:]
         if mode == "sft":
-            return losses.sft_loss(losses.token_logprobs(logits, targets), weights, mask)
-        logp, entropy = losses.token_logprobs_and_entropy(logits, targets)
+            logp, _ = self._token_stats(trainable, frozen, rest, emb, ds, vmask, mb, temp, False)
+            return losses.sft_loss(logp, weights, mask)
+        logp, entropy = self._token_stats(trainable, frozen, rest, emb, ds, vmask, mb, temp, True)
         if not lc.entropy_coef:
             entropy = jax.lax.stop_gradient(entropy)
         behaviour = jnp.where(mask, mb["behaviour_logprobs"][:, 1:], jax.lax.stop_gradient(logp))
@@ -479,9 +492,8 @@ class Learner:
         ref_logp = None
         if ref is not None:
             r_emb, r_ds = ref_emb
-            ref_logits = self._token_logits(ref, frozen, rest, r_emb, r_ds, vmask, mb, temp)
-            ref_logits = ref_logits[:, :-1]
-            ref_logp = jax.lax.stop_gradient(losses.token_logprobs(ref_logits, targets))
+            ref_logp, _ = self._token_stats(ref, frozen, rest, r_emb, r_ds, vmask, mb, temp, False)
+            ref_logp = jax.lax.stop_gradient(ref_logp)
         return losses.policy_loss(
             logp,
             old,

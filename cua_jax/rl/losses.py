@@ -30,6 +30,7 @@ accumulation micro-batches never changes the loss:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -60,6 +61,51 @@ def token_logprobs_and_entropy(
     logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
     logp = jnp.take_along_axis(logp_BTV, targets_BT[..., None].astype(jnp.int32), axis=-1)[..., 0]
     return logp, -jnp.sum(jnp.exp(logp_BTV) * logp_BTV, axis=-1)
+
+
+def chunked_token_stats(
+    logits_fn: Callable[[jax.Array], jax.Array],
+    hidden_BTD: jax.Array,
+    targets_BT: jax.Array,
+    *,
+    chunk: int = 0,
+    entropy: bool = True,
+) -> tuple[jax.Array, jax.Array | None]:
+    """(log π(target), entropy H or None), f32[B, T], from hidden states, ``chunk`` positions at
+    a time, so the f32[B, T, V] logits never exist at once.
+
+    ``logits_fn`` maps f32[B, c, D] hidden states to f32[B, c, V] logits (LM head, masking,
+    temperature). With ``chunk > 0`` the positions are split into chunks of that many, each
+    chunk's logits are computed, reduced and dropped inside a ``lax.map`` whose body is
+    rematerialised (``jax.checkpoint``), so forward and backward hold one chunk's logits: at a
+    real vocabulary (~152k) a 16k-token row's logits alone are ~10 GB in f32. ``chunk <= 0`` or
+    ``chunk >= T`` computes everything in one piece. Both paths give the same values and
+    gradients (tests/rl/test_losses.py).
+    """
+
+    def stats(h_BcD: jax.Array, t_Bc: jax.Array) -> tuple[jax.Array, jax.Array]:
+        if entropy:
+            return token_logprobs_and_entropy(logits_fn(h_BcD), t_Bc)
+        lp = token_logprobs(logits_fn(h_BcD), t_Bc)
+        return lp, jnp.zeros_like(lp)
+
+    b, t = targets_BT.shape
+    if chunk <= 0 or chunk >= t:
+        lp, ent = stats(hidden_BTD, targets_BT)
+        return lp, ent if entropy else None
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    h = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))
+    tg = jnp.pad(targets_BT, ((0, 0), (0, pad)))
+    # [B, n*c, ...] -> [n, B, c, ...]: lax.map runs over chunks of positions.
+    h = h.reshape(b, n, chunk, h.shape[-1]).swapaxes(0, 1)
+    tg = tg.reshape(b, n, chunk).swapaxes(0, 1)
+    lp, ent = jax.lax.map(lambda xs: jax.checkpoint(stats)(*xs), (h, tg))
+
+    def unchunk(x: jax.Array) -> jax.Array:
+        return x.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+
+    return unchunk(lp), unchunk(ent) if entropy else None
 
 
 def loss_weights(

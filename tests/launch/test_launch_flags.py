@@ -41,6 +41,10 @@ def _launch(*args):
             "config.rl.temperature=0.0 must be > 0",
         ),
         (
+            ["--config=configs/qwen3vl_grpo.py:smoke", "--config.rl.logits_chunk=-1"],
+            "config.rl.logits_chunk=-1 must be >= 0",
+        ),
+        (
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.sft.source=/nope/demos.jsonl"],
             "config.sft.source='/nope/demos.jsonl' does not exist",
         ),

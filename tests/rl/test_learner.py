@@ -82,7 +82,9 @@ def _leaves(state):
 
 def test_sharded_8_devices_equals_1_device_with_accumulation():
     """fsdp=4 x tensor=2 (one substep) == 1 device (two accumulated substeps), two steps, with
-    images, KL to a frozen reference copy, entropy bonus, TIS and clip-higher all on."""
+    images, KL to a frozen reference copy, entropy bonus, TIS and clip-higher all on; the
+    8-device learner computes its log-probs 16 positions at a time (`logits_chunk`), the other
+    in one piece."""
     assert len(jax.devices()) == 8
     loss = LossConfig(
         eps_high=0.28, old_logprobs="learner", tis_cap=2.0, kl_coef=0.05, entropy_coef=0.01
@@ -105,6 +107,7 @@ def test_sharded_8_devices_equals_1_device_with_accumulation():
         loss=loss,
         num_substeps=1,
         seq_len_buckets=(64,),
+        logits_chunk=16,
     )
     b1, info = one.prepare_batch(groups, num_rows=8)
     b8, _ = eight.prepare_batch(groups, num_rows=8)
