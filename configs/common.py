@@ -80,6 +80,8 @@ def base_config(family: str) -> ConfigDict:
     c.rl.max_tokens = 128  # new tokens per turn
     c.rl.temperature = 1.0
     c.rl.top_p = 1.0
+    # reward = task score - this x (invalid actions in the episode); success uses the score
+    c.rl.invalid_action_penalty = 0.0
     c.rl.kl_penalty_coef = 0.0
     c.rl.kl_estimator = "k3"
     c.rl.clip_low = 0.2

@@ -70,6 +70,11 @@ def validate_config(config: Any) -> None:
         section, name = key.split(".")
         if config[section][name] < 1:
             raise ConfigError(f"config.{key}={config[section][name]} must be >= 1")
+    if config.rl.invalid_action_penalty < 0:
+        raise ConfigError(
+            f"config.rl.invalid_action_penalty={config.rl.invalid_action_penalty} must be >= 0 "
+            "(it is subtracted from the reward per invalid action)"
+        )
     if config.rl.logits_chunk < 0:
         raise ConfigError(f"config.rl.logits_chunk={config.rl.logits_chunk} must be >= 0")
     if not config.rl.temperature > 0:
@@ -270,6 +275,7 @@ def rollout_metrics(groups: Sequence[Sequence[Trajectory]], version: int) -> dic
     failures = [t.failure_reason or "" for t in trajs]
     return {
         "rollout/reward": float(np.mean([t.reward for t in trajs])),
+        "rollout/score": float(np.mean([t.score or 0.0 for t in trajs])),
         "rollout/success": float(np.mean([t.success for t in trajs])),
         "rollout/episode_turns": float(np.mean(turns)),
         "rollout/generated_tokens": float(np.sum(gen)),
@@ -335,6 +341,7 @@ async def _main(config, workdir, env_factory, tasks, eval_tasks) -> dict[str, fl
         max_new_tokens=rl.max_tokens,
         temperature=rl.temperature,
         top_p=rl.top_p,
+        invalid_action_penalty=rl.invalid_action_penalty,
         action_format=config.env.action_format,
         system_prompt=config.env.system_prompt,
         banned_token_ids=model.config.vision_placeholder_ids,

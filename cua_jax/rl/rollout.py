@@ -27,7 +27,7 @@ import contextlib
 import dataclasses
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -57,7 +57,11 @@ class RolloutSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     action_format: str = "qwen3vl"
-    success_threshold: float = 1.0  # reward >= this counts as success
+    success_threshold: float = 1.0  # a task score >= this counts as success
+    # Subtracted from the reward once per invalid action (unparseable or impossible model
+    # output); the success flag and eval metrics still use the task's own score. With a binary
+    # score, groups whose rollouts all fail still rank each other by how well-formed they were.
+    invalid_action_penalty: float = 0.0
     # "tools": the format's full tool schema (what the real Qwen-VL checkpoints were trained on);
     # "compact": one short paragraph, for tiny models trained from scratch (smoke runs), where
     # a ~1500-token schema would be most of every sequence.
@@ -69,6 +73,25 @@ class RolloutSettings:
     def __post_init__(self) -> None:
         if self.system_prompt not in ("tools", "compact"):
             raise ValueError(f"system_prompt={self.system_prompt!r}: use 'tools' or 'compact'")
+        if self.invalid_action_penalty < 0:
+            raise ValueError(
+                f"invalid_action_penalty={self.invalid_action_penalty} must be >= 0 (it is "
+                "subtracted from the reward)"
+            )
+
+
+RewardFn = Callable[[Trajectory, float, RolloutSettings], float]
+"""(the finished episode, the task's score from ``env.evaluate()``, settings) -> RL reward.
+
+Called once per episode after the env scored it; ``traj.turns`` holds the parsed actions
+(``Turn.action``) and ``traj.timings["invalid_actions"]`` the number of invalid ones. Pass one
+as ``AgentLoop(..., reward_fn=...)``; eval and ``Trajectory.success`` use the score itself."""
+
+
+def default_reward(traj: Trajectory, score: float, settings: RolloutSettings) -> float:
+    """The task's score, minus ``settings.invalid_action_penalty`` per invalid action."""
+    invalid = traj.timings.get("invalid_actions", 0.0)
+    return float(score) - settings.invalid_action_penalty * float(invalid)
 
 
 COMPACT_SYSTEM_PROMPT = (
@@ -101,16 +124,25 @@ class AgentLoop:
         and `version`.
       processor: a `cua_jax.data.processor.QwenVLProcessor` (tokenizer, image settings, chat).
       settings: `RolloutSettings`.
+      reward_fn: the RL reward of a finished episode from its task score (`RewardFn`);
+        `default_reward` subtracts `settings.invalid_action_penalty` per invalid action.
       sampling_params: `cua_jax.sampler.SamplingParams` class (injected to keep this module free
         of the sampler import at definition time).
     """
 
-    def __init__(self, engine: Any, processor: Any, settings: RolloutSettings):
+    def __init__(
+        self,
+        engine: Any,
+        processor: Any,
+        settings: RolloutSettings,
+        reward_fn: RewardFn = default_reward,
+    ):
         from cua_jax.sampler import SamplingParams
 
         self.engine = engine
         self.processor = processor
         self.settings = settings
+        self.reward_fn = reward_fn
         self.fmt = A.get_format(settings.action_format)
         self.tokenizer = processor.tokenizer
         self.chat = processor.chat
@@ -320,19 +352,21 @@ class AgentLoop:
             drop(session)
         t0 = time.perf_counter()
         if traj.failure_reason and traj.failure_reason.startswith("env_error"):
-            reward = 0.0
+            score = 0.0
         else:
             try:
-                reward = float(await env.evaluate())
+                score = float(await env.evaluate())
             except Exception as e:  # noqa: BLE001 -- a broken checker fails this episode only
                 traj.failure_reason = f"evaluate_error: {type(e).__name__}: {e}"
-                reward = 0.0
+                score = 0.0
         timings["evaluate"] = time.perf_counter() - t0
         timings["total"] = time.perf_counter() - t_start
-        traj.reward = reward
-        traj.success = reward >= self.settings.success_threshold
+        timings["invalid_actions"] = float(invalid)
         traj.timings = timings
-        traj.timings["invalid_actions"] = float(invalid)
+        traj.score = score
+        traj.success = score >= self.settings.success_threshold
+        # Oracle demonstrations and greedy eval report the score itself.
+        traj.reward = score if (oracle or greedy) else float(self.reward_fn(traj, score, self.settings))
         return traj
 
     # ---- many episodes -------------------------------------------------------------------------

@@ -428,6 +428,7 @@ class TrajectoryWriter:
                 "task_id": traj.task_id,
                 "group_id": traj.group_id,
                 "reward": float(traj.reward),
+                "score": None if traj.score is None else float(traj.score),
                 "success": bool(traj.success),
                 "policy_version": int(traj.policy_version),
                 "timings": traj.timings,
@@ -504,6 +505,7 @@ class TrajectoryReader:
             policy_version=rec["policy_version"],
             timings=rec["timings"],
             failure_reason=rec["failure_reason"],
+            score=rec.get("score"),  # absent in directories written before it existed
         )
 
     def __iter__(self) -> Iterator[Trajectory]:

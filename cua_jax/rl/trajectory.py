@@ -70,11 +70,12 @@ class Trajectory:
     task_id: str
     group_id: str  # the GRPO group (same task, same prompt) this rollout belongs to
     turns: list[Turn]
-    reward: float = 0.0
-    success: bool = False
+    reward: float = 0.0  # the RL reward (the task's score after the rollout's reward_fn)
+    success: bool = False  # the task's score reached the success threshold
     policy_version: int = 0  # learner version of the params that sampled (the oldest, if mixed)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     failure_reason: str | None = None  # e.g. "max_steps", "env_error: ...", None when it ended
+    score: float | None = None  # the task's own score (env.evaluate()), before reward shaping
 
     @property
     def num_tokens(self) -> int:

@@ -175,6 +175,33 @@ def test_sampled_episodes_never_raise_on_garbage(engine, proc):
             np.testing.assert_array_equal(ta.generated_ids, tb.generated_ids)
 
 
+def test_reward_shaping_penalizes_invalid_actions_and_is_pluggable(engine, proc):
+    """reward = score - penalty x invalid actions; success, eval and oracle demos keep the task's
+    own score; a custom reward_fn sees the finished trajectory and the score."""
+    loop = _loop(engine, proc, max_turns=2, invalid_action_penalty=0.25)
+    group = asyncio.run(loop.run_group(Pool(2), TASK, 2, seed=7, group_id="p"))
+    for traj in group:  # the random model's outputs are all invalid
+        assert traj.score == 0.0 and not traj.success
+        assert traj.timings["invalid_actions"] == 2
+        assert traj.reward == pytest.approx(-0.5)
+    (demo,) = asyncio.run(loop.demonstrations(Pool(1), [TASK]))
+    assert demo.score == demo.reward == 1.0 and demo.success
+    (ev,) = asyncio.run(loop.evaluate(Pool(1), [TASK]))
+    assert ev.reward == ev.score == 0.0
+
+    seen = []
+
+    def reward_fn(traj, score, settings):
+        seen.append((len(traj.turns), score, settings.max_turns))
+        return 10.0 + score
+
+    custom = AgentLoop(engine, proc, RolloutSettings(max_turns=1, max_new_tokens=12), reward_fn)
+    (traj,) = asyncio.run(custom.run_group(Pool(1), TASK, 1, seed=3, group_id="c"))
+    assert traj.reward == 10.0 and traj.score == 0.0 and seen == [(1, 0.0, 1)]
+    with pytest.raises(ValueError, match="invalid_action_penalty"):
+        RolloutSettings(invalid_action_penalty=-1.0)
+
+
 def test_policy_version_comes_from_the_weights_that_sampled(engine, model):
     """update_params is applied at the engine's next step: the label must follow the tokens."""
     from flax import nnx
