@@ -366,7 +366,8 @@ class AgentLoop:
         traj.score = score
         traj.success = score >= self.settings.success_threshold
         # Oracle demonstrations and greedy eval report the score itself.
-        traj.reward = score if (oracle or greedy) else float(self.reward_fn(traj, score, self.settings))
+        shaped = not (oracle or greedy)
+        traj.reward = float(self.reward_fn(traj, score, self.settings)) if shaped else score
         return traj
 
     # ---- many episodes -------------------------------------------------------------------------
