@@ -33,6 +33,8 @@ def base_config(family: str) -> ConfigDict:
     c = ConfigDict()
     c.seed = 0
     c.total_steps = 100  # GRPO learner steps
+    # JAX's persistent compilation cache (reruns and resumed runs skip compiles); "" = off
+    c.compile_cache_dir = _str("~/.cache/cua_jax/jax")
 
     # ---- model --------------------------------------------------------------------------------
     c.model = ConfigDict()
@@ -178,7 +180,40 @@ def build(family: str, arg: str | None, presets: tuple[str, ...]) -> ConfigDict:
     return lock(c)
 
 
-__all__ = ["base_config", "build", "lock", "ml_collections", "parse_arg"]
+def load_run_config(workdir: str) -> ConfigDict:
+    """The config a training run saved (`WORKDIR/config.json`), over this version's defaults:
+    a field added since the run was made takes its default instead of failing the lookup."""
+    import json
+    import os
+
+    path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} does not exist: --workdir must be the directory of a cua_jax training run"
+        )
+    with open(path) as f:
+        saved = json.load(f)
+    c = base_config(saved.get("model", {}).get("family", "qwen3_vl"))
+
+    def merge(dst: ConfigDict, src: dict) -> None:
+        for k, v in src.items():
+            old = dst.get(k)
+            if isinstance(old, ConfigDict) and isinstance(v, dict):
+                merge(old, v)
+            elif isinstance(old, tuple) and isinstance(v, list):
+                setattr(dst, k, tuple(dict(x) if isinstance(x, dict) else x for x in v))
+            elif k in dst and old is not None and v is not None and type(old) is not type(v):
+                setattr(dst, k, type(old)(v) if isinstance(old, int | float) else v)
+            else:
+                if k in dst:
+                    del dst[k]  # a typed None field (FieldReference) takes any saved value
+                setattr(dst, k, v)
+
+    merge(c, saved)
+    return c
+
+
+__all__ = ["base_config", "build", "load_run_config", "lock", "ml_collections", "parse_arg"]
 
 
 # Sizes of the real checkpoints: how the mesh and batch are laid out for each. The model itself

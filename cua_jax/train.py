@@ -231,6 +231,21 @@ def build_engine(model: Any, config: Any, tokenizer: Any):
     )
 
 
+def build_rollout_settings(config: Any, model: Any) -> RolloutSettings:
+    rl, env = config.rl, config.env
+    return RolloutSettings(
+        max_turns=env.max_turns,
+        max_history_images=env.max_history_images,
+        max_new_tokens=rl.max_tokens,
+        temperature=rl.temperature,
+        top_p=rl.top_p,
+        invalid_action_penalty=rl.invalid_action_penalty,
+        action_format=env.action_format,
+        system_prompt=env.system_prompt,
+        banned_token_ids=model.config.vision_placeholder_ids,
+    )
+
+
 class TaskCursor:
     """Deterministic, resumable order over the training tasks (reshuffled every epoch)."""
 
@@ -335,17 +350,7 @@ async def _main(config, workdir, env_factory, tasks, eval_tasks) -> dict[str, fl
     learner = build_learner(model, config, mesh, rules, sft=False)
     engine = build_engine(model, config, tokenizer)
     rl = config.rl
-    settings = RolloutSettings(
-        max_turns=config.env.max_turns,
-        max_history_images=config.env.max_history_images,
-        max_new_tokens=rl.max_tokens,
-        temperature=rl.temperature,
-        top_p=rl.top_p,
-        invalid_action_penalty=rl.invalid_action_penalty,
-        action_format=config.env.action_format,
-        system_prompt=config.env.system_prompt,
-        banned_token_ids=model.config.vision_placeholder_ids,
-    )
+    settings = build_rollout_settings(config, model)
     agent = AgentLoop(engine, processor, settings)
     in_flight = max(1, config.env.concurrency // rl.group_size) + rl.groups_per_batch
     store = TrajectoryStore(

@@ -23,6 +23,8 @@ if _ROOT not in sys.path:
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from launch import compose  # noqa: E402
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, optionally with a preset: configs/qwen3vl_grpo.py:smoke"
 )
@@ -74,41 +76,6 @@ def maybe_initialize_distributed() -> None:
         logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
 
 
-def build_env_factory(config):
-    """Returns `(env_factory, load_tasks)` for `config.env.kind`; see `cua_jax.train.main`.
-
-    `env_factory()` gives an env pool: an async context manager with `acquire()` lending one
-    env at a time, `config.env.concurrency` envs in all.
-    """
-    import envs.vm  # noqa: F401 -- registers the "desktop" / "osworld" task sources
-    from envs import tasks as task_sources
-
-    ec = config.env
-    if ec.kind == "browser":
-        from envs.browser import BrowserPool
-
-        def env_factory():
-            return BrowserPool(
-                ec.concurrency,
-                viewport=(ec.viewport_width, ec.viewport_height),
-                executable_path=ec.executable_path,
-                step_timeout_s=ec.step_timeout_s,
-            )
-    elif ec.kind == "vm":
-        from envs.vm import make_env_pool
-
-        def env_factory():
-            return make_env_pool(
-                ec.concurrency,
-                endpoints=tuple(ec.vm_endpoints),
-                token=ec.vm_token,
-                screen=(ec.viewport_width, ec.viewport_height),
-            )
-    else:
-        raise LaunchError(f"config.env.kind={ec.kind!r} is not one of 'browser', 'vm'")
-    return env_factory, task_sources.load_tasks
-
-
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise LaunchError(f"unexpected positional arguments: {argv[1:]}")
@@ -123,7 +90,11 @@ def main(argv: list[str]) -> None:
     except train.ConfigError as e:
         raise LaunchError(str(e)) from None
     maybe_initialize_distributed()
-    env_factory, load_tasks = build_env_factory(config)
+    compose.enable_compile_cache(config.compile_cache_dir)
+    try:
+        env_factory, load_tasks = compose.build_env_factory(config)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
     train.main(config, workdir, env_factory=env_factory, load_tasks=load_tasks)
 
 

@@ -10,11 +10,15 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# One persistent compilation cache for this module's runs: the killed and resumed runs load the
+# steps the first run compiled.
+CACHE = os.path.join(tempfile.gettempdir(), f"cua_test_jax_cache_{os.getpid()}")
 
 SHORT = [
     "--config=configs/qwen3vl_grpo.py:smoke",
@@ -29,6 +33,7 @@ SHORT = [
     "--config.ckpt.save_every=1",
     "--config.log.eval_every=3",
     "--config.log.progress=False",
+    f"--config.compile_cache_dir={CACHE}",
     "--config.tasks=({'source_type': 'builtin', 'split': 'train', 'difficulty': 'easy', "
     "'category': 'click', 'seed': 0, 'limit': 4},)",
     "--config.eval_tasks=({'source_type': 'builtin', 'split': 'eval', 'difficulty': 'easy', "
@@ -83,6 +88,7 @@ def test_smoke_run_writes_everything(full_run):
     assert any(p.startswith("train_step") for p in pages)
     assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == ["2", "3"]  # keep=2
     assert os.listdir(os.path.join(wd, "tb"))
+    assert any(f.startswith("jit_") for f in os.listdir(CACHE))  # compiled steps were cached
     # the oracle demonstrations are kept for reuse: --config.sft.source=WORKDIR/sft_demos
     index = os.path.join(wd, "sft_demos", "index.jsonl")
     assert sum(1 for _ in open(index)) == after_sft["sft/demos"]
@@ -135,3 +141,39 @@ def test_async_mode_keeps_staleness_within_the_bound(tmp_path):
         s = {k[len("store/") :]: v for k, v in row.items() if k.startswith("store/")}
         assert s["put"] == s["trained"] + s["dropped_stale"] + s["pending"]
         assert s["trained"] == 4 * row["step"]  # 2 groups of 2 per step
+
+
+def _eval_tool(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "eval.py"), *args],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+
+
+def test_eval_tool_reproduces_the_runs_eval(full_run, tmp_path):
+    """tools/eval.py on the run's step-3 checkpoint gives the success its training-time eval
+    logged at step 3 (same config, tasks and seed; greedy)."""
+    out = str(tmp_path / "eval")
+    r = _eval_tool(f"--workdir={full_run}", "--step=3", f"--out={out}")
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.load(open(os.path.join(out, "eval.json")))
+    logged = {row["step"]: row for row in _rows(full_run)}[3]
+    want = {k: v for k, v in logged.items() if k.startswith("eval/success")}
+    assert {k: v for k, v in got.items() if k.startswith("eval/success")} == want
+    assert got["step"] == 3 and got["num_tasks"] == len(got["episodes"]) == 4
+    assert os.path.getsize(os.path.join(out, "episodes.html")) > 1000
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--workdir=/nope/run"], "/nope/run/config.json does not exist"),
+        ([], "pass exactly one of --workdir"),
+        (["--config=configs/qwen3vl_grpo.py:smoke"], "--out is required with --config"),
+        (["--workdir={wd}", "--tasks={{not json"], "--tasks is not JSON"),
+        (["--workdir={wd}", "--step=99"], "no checkpoint at step 99"),
+    ],
+)
+def test_eval_tool_bad_input_fails_with_a_clear_message(full_run, args, expected):
+    r = _eval_tool(*(a.format(wd=full_run) for a in args))
+    assert r.returncode != 0
+    assert expected in r.stderr, r.stderr[-2000:]

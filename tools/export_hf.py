@@ -24,9 +24,11 @@ _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest
 
 def main(argv: list[str]) -> None:
     del argv
+    from configs.common import load_run_config
     from cua_jax.checkpoint.hf_export import export_checkpoint
 
-    step = export_checkpoint(_WORKDIR.value, _OUT.value, step=_STEP.value)
+    config = load_run_config(_WORKDIR.value)
+    step = export_checkpoint(_WORKDIR.value, _OUT.value, step=_STEP.value, config=config)
     print(f"exported step {step} of {_WORKDIR.value} to {_OUT.value}")
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import Any
 
 import ml_collections
 
@@ -31,14 +32,19 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
         return ml_collections.ConfigDict(json.load(f))  # tuples came back as lists: read-only
 
 
-def export_checkpoint(workdir: str, out_dir: str, step: int | None = None) -> int:
-    """Writes the checkpoint at `step` (default: latest) of `workdir` to `out_dir`; returns step."""
+def export_checkpoint(
+    workdir: str, out_dir: str, step: int | None = None, config: Any = None
+) -> int:
+    """Writes the checkpoint at `step` (default: latest) of `workdir` to `out_dir`; returns step.
+
+    config: the run's config (default: `WORKDIR/config.json` as saved; `tools/export_hf.py`
+    passes `configs.common.load_run_config`, which fills fields added since the run)."""
     from cua_jax import sharding as shd
     from cua_jax import train
     from cua_jax.models import lora
     from cua_jax.models.qwen_vl import save_pretrained
 
-    config = load_run_config(workdir)
+    config = load_run_config(workdir) if config is None else config
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=10**6)
     step = ckpt.latest_step() if step is None else step
     if step is None:

@@ -409,15 +409,18 @@ class AgentLoop:
         *,
         seed: int = 0,
         screens: list[list[np.ndarray]] | None = None,
+        on_episode: Callable[[Trajectory], None] | None = None,
     ) -> list[Trajectory]:
-        """Greedy episodes of every task; returns their trajectories (in task order)."""
+        """Greedy episodes of every task; returns their trajectories (in task order).
+
+        on_episode: called with each trajectory as it finishes (progress bars)."""
         per_task = [[] for _ in tasks] if screens is not None else None
         if screens is not None:
             screens.extend(per_task)
 
         async def one(i: int, task: Task) -> Trajectory:
             async with pool.acquire() as env:
-                return await self.run_episode(
+                traj = await self.run_episode(
                     env,
                     task,
                     seed=episode_seed(seed, i),
@@ -425,6 +428,9 @@ class AgentLoop:
                     greedy=True,
                     screens=None if per_task is None else per_task[i],
                 )
+            if on_episode is not None:
+                on_episode(traj)
+            return traj
 
         return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
 

@@ -1,0 +1,58 @@
+"""What every entry point builds from a config besides the trainer: the environments (from
+`envs/`) and JAX's persistent compilation cache. Used by `launch/tpu.py` and `tools/eval.py`;
+`cua_jax` itself never imports `envs`."""
+
+from __future__ import annotations
+
+import os
+
+from absl import logging
+
+
+def enable_compile_cache(path: str | None) -> None:
+    """JAX's persistent compilation cache: a rerun, a resumed run or another run of the same
+    shapes loads compiled steps from disk instead of compiling them again (on the smoke preset
+    most GRPO-phase time on a CPU is compiles). Off when `path` is empty."""
+    if not path:
+        return
+    import jax
+
+    path = os.path.expanduser(path)
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    logging.info("persistent compilation cache: %s", path)
+
+
+def build_env_factory(config):
+    """Returns `(env_factory, load_tasks)` for `config.env.kind`; see `cua_jax.train.main`.
+
+    `env_factory()` gives an env pool: an async context manager with `acquire()` lending one
+    env at a time, `config.env.concurrency` envs in all.
+    """
+    import envs.vm  # noqa: F401 -- registers the "desktop" / "osworld" task sources
+    from envs import tasks as task_sources
+
+    ec = config.env
+    if ec.kind == "browser":
+        from envs.browser import BrowserPool
+
+        def env_factory():
+            return BrowserPool(
+                ec.concurrency,
+                viewport=(ec.viewport_width, ec.viewport_height),
+                executable_path=ec.executable_path,
+                step_timeout_s=ec.step_timeout_s,
+            )
+    elif ec.kind == "vm":
+        from envs.vm import make_env_pool
+
+        def env_factory():
+            return make_env_pool(
+                ec.concurrency,
+                endpoints=tuple(ec.vm_endpoints),
+                token=ec.vm_token,
+                screen=(ec.viewport_width, ec.viewport_height),
+            )
+    else:
+        raise ValueError(f"config.env.kind={ec.kind!r} is not one of 'browser', 'vm'")
+    return env_factory, task_sources.load_tasks

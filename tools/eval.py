@@ -1,0 +1,196 @@
+r"""Greedy evaluation of a policy on a task source: a training run's checkpoint, a local Hugging
+Face checkpoint, or a preset at random init. No training, no optimizer.
+
+    python tools/eval.py --workdir=/tmp/cua_smoke [--step=N] [--tasks=JSON] [--out=DIR]
+    python tools/eval.py --config=configs/qwen3vl_grpo.py:8b \
+        --config.model.hf_path=/ckpts/Qwen3-VL-8B-Instruct \
+        --tasks='{"source_type": "miniwob", "names": ["click-button", "click-tab"]}' --out=DIR
+
+With --workdir the run's own config (`WORKDIR/config.json`) rebuilds the model, sampler, env and
+prompt settings and the checkpoint at --step (default: the latest) is restored; the same step of
+the same run on the same tasks gives the success rate its training-time eval logged. With
+--config (and `--config.a.b=value` overrides, as in launch/tpu.py) the model is the config's:
+`model.hf_path`, or random init for the tiny presets. --tasks is a task-source dict or a list of
+them, as JSON (default: the config's `eval_tasks`).
+
+Writes OUT/eval.json (success overall and per category, per-task results) and
+OUT/episodes.html (screenshots with the clicks drawn on them, model outputs, feedback). OUT
+defaults to WORKDIR/eval/step_N.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Config file with a preset (instead of --workdir): configs/FILE.py:PRESET"
+)
+_WORKDIR = flags.DEFINE_string("workdir", None, "A training run's directory (its checkpoint).")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step of --workdir (default: the latest).")
+_TASKS = flags.DEFINE_string(
+    "tasks", None, "Task source(s) as JSON: a dict or a list of dicts (default: eval_tasks)."
+)
+_OUT = flags.DEFINE_string("out", None, "Output directory (default: WORKDIR/eval/step_N).")
+_CONCURRENCY = flags.DEFINE_integer("concurrency", None, "Environments at once (default: config).")
+_LOG_EPISODES = flags.DEFINE_integer("log_episodes", 32, "Episodes written to episodes.html.")
+
+
+class EvalError(SystemExit):
+    """A bad command line: one clear line on stderr, exit status 2."""
+
+    def __init__(self, msg: str):
+        print(f"tools/eval.py: error: {msg}", file=sys.stderr)
+        super().__init__(2)
+
+
+def _load_config():
+    import json
+
+    if (_WORKDIR.value is None) == (_CONFIG.value is None):
+        raise EvalError("pass exactly one of --workdir (a training run) or --config (a preset)")
+    if _WORKDIR.value is not None:
+        from configs.common import load_run_config
+
+        try:
+            config = load_run_config(_WORKDIR.value)
+        except FileNotFoundError as e:
+            raise EvalError(str(e)) from None
+    else:
+        if _STEP.value is not None:
+            raise EvalError("--step needs --workdir (a --config model has no checkpoints)")
+        config = _CONFIG.value
+        if _OUT.value is None:
+            raise EvalError("--out is required with --config")
+    if _TASKS.value is not None:
+        try:
+            tasks = json.loads(_TASKS.value)
+        except json.JSONDecodeError as e:
+            raise EvalError(f"--tasks is not JSON ({e}): {_TASKS.value!r}") from None
+        tasks = [tasks] if isinstance(tasks, dict) else tasks
+    else:
+        tasks = [dict(t) for t in config.eval_tasks]
+    return config, tasks
+
+
+def main(argv: list[str]) -> None:
+    import asyncio
+    import json
+    import time
+
+    if len(argv) > 1:
+        raise EvalError(f"unexpected positional arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    config, task_sources = _load_config()
+
+    from cua_jax import metrics as metrics_lib
+    from cua_jax import sharding as shd
+    from cua_jax import train
+    from cua_jax.checkpoint.orbax_io import Checkpointer
+    from cua_jax.rl.rollout import AgentLoop
+    from launch import compose
+
+    try:
+        train.validate_config(config)
+    except train.ConfigError as e:
+        raise EvalError(str(e)) from None
+    compose.enable_compile_cache(config.get("compile_cache_dir"))
+    if _CONCURRENCY.value is not None:
+        config.env.concurrency = _CONCURRENCY.value
+    try:
+        env_factory, load_tasks = compose.build_env_factory(config)
+        tasks = load_tasks(task_sources)
+    except (ValueError, FileNotFoundError) as e:
+        raise EvalError(str(e)) from None
+    if not tasks:
+        raise EvalError(f"the task source(s) {task_sources} hold no task")
+
+    mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    rules = tuple(shd.DEFAULT_RULES) + tuple(tuple(r) for r in config.mesh.rules)
+    model, processor = train.build_model_and_processor(config, mesh, rules)
+    step = None
+    if _WORKDIR.value is not None:
+        ckpt = Checkpointer(os.path.join(_WORKDIR.value, "checkpoints"), keep=10**6)
+        step = ckpt.latest_step() if _STEP.value is None else _STEP.value
+        if step is None or step not in ckpt.all_steps():
+            raise EvalError(
+                f"no checkpoint at step {step} in {_WORKDIR.value}/checkpoints "
+                f"(steps there: {ckpt.all_steps()})"
+            )
+        learner = train.build_learner(model, config, mesh, rules, sft=False)
+        state, _ = ckpt.restore(learner.abstract_state(), step=step)
+        learner.load_state_dict(state)
+        ckpt.close()
+    out_dir = _OUT.value or os.path.join(_WORKDIR.value, "eval", f"step_{step}")
+    os.makedirs(out_dir, exist_ok=True)
+    engine = train.build_engine(model, config, processor.tokenizer)
+    agent = AgentLoop(engine, processor, train.build_rollout_settings(config, model))
+
+    bar = metrics_lib.Progress(len(tasks), desc="eval")
+    done: list[float] = []
+
+    def on_episode(traj) -> None:
+        done.append(float(traj.success))
+        bar.update(1, success=sum(done) / len(done))
+
+    async def run():
+        screens: list = []
+        async with env_factory() as pool:
+            trajs = await agent.evaluate(
+                pool, tasks, seed=config.seed, screens=screens, on_episode=on_episode
+            )
+        return trajs, screens
+
+    t0 = time.perf_counter()
+    trajs, screens = asyncio.run(run())
+    bar.close()
+    result = {
+        "source": _WORKDIR.value or config.model.get("hf_path") or f"{config.preset} (random init)",
+        "step": step,
+        "tasks": task_sources,
+        "num_tasks": len(tasks),
+        **train.success_by_category(trajs, tasks),
+        "wall_s": time.perf_counter() - t0,
+        "episodes": [
+            {
+                "task_id": t.task_id,
+                "category": task.category,
+                "success": bool(t.success),
+                "score": t.score,
+                "turns": len(t.turns),
+                "invalid_actions": t.timings.get("invalid_actions", 0.0),
+                "failure_reason": t.failure_reason,
+            }
+            for t, task in zip(trajs, tasks, strict=True)
+        ],
+    }
+    with open(os.path.join(out_dir, "eval.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    n = _LOG_EPISODES.value
+    train.write_episodes(
+        os.path.join(out_dir, "episodes.html"),
+        list(zip(trajs[:n], screens[:n], strict=True)),
+        processor.tokenizer.decode,
+        f"eval of {result['source']} step {step}: success {result['eval/success']:.3f}",
+    )
+    cats = ", ".join(
+        f"{k.removeprefix('eval/success/')}: {v:.2f}"
+        for k, v in result.items()
+        if k.startswith("eval/success/")
+    )
+    print(
+        f"eval success {result['eval/success']:.3f} over {len(tasks)} tasks ({cats}); "
+        f"wrote {out_dir}/eval.json and episodes.html"
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)
