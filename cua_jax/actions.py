@@ -113,6 +113,39 @@ class Scroll:
 
 
 @dataclasses.dataclass(frozen=True)
+class MouseDown:
+    """Press and hold a mouse button at (x, y) (None = at the pointer) until `MouseUp`
+    (pyautogui ``mouseDown``, OSWorld ``MOUSE_DOWN``): drags that need steps in between."""
+
+    x: float | None = None
+    y: float | None = None
+    button: Button = "left"
+
+
+@dataclasses.dataclass(frozen=True)
+class MouseUp:
+    """Release a mouse button at (x, y) (None = at the pointer)."""
+
+    x: float | None = None
+    y: float | None = None
+    button: Button = "left"
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyDown:
+    """Press and hold one key until `KeyUp` (pyautogui ``keyDown``, OSWorld ``KEY_DOWN``)."""
+
+    key: str
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyUp:
+    """Release a key held by `KeyDown`."""
+
+    key: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Wait:
     """Do nothing for ``seconds`` and take a new screenshot."""
 
@@ -144,7 +177,10 @@ class InvalidAction:
     reason: str
 
 
-Action = Click | Move | Drag | TypeText | Key | Scroll | Wait | Done | Fail | Answer | InvalidAction
+Action = (
+    Click | Move | Drag | TypeText | Key | Scroll | MouseDown | MouseUp | KeyDown | KeyUp
+    | Wait | Done | Fail | Answer | InvalidAction
+)  # fmt: skip
 TERMINAL_ACTIONS = (Done, Fail, Answer)
 
 # --------------------------------------------------------------------------------------------
@@ -768,7 +804,9 @@ class PyAutoGUI:
             "pyautogui.tripleClick(x, y), pyautogui.rightClick(x, y), pyautogui.moveTo(x, y), "
             "pyautogui.dragTo(x, y), pyautogui.typewrite('text'), pyautogui.press('enter'), "
             "pyautogui.hotkey('ctrl', 'c'), pyautogui.scroll(clicks, x=x, y=y) (positive "
-            "scrolls up), pyautogui.hscroll(clicks), time.sleep(seconds), answer('text').\n"
+            "scrolls up), pyautogui.hscroll(clicks), pyautogui.mouseDown(x, y, button='left'), "
+            "pyautogui.mouseUp(x, y), pyautogui.keyDown('shift'), pyautogui.keyUp('shift'), "
+            "time.sleep(seconds), answer('text').\n"
             "Or return exactly WAIT (wait and look again), DONE (the task is complete) or FAIL "
             "(the task cannot be done)."
         )
@@ -915,6 +953,13 @@ class PyAutoGUI:
                 if dx:
                     lines.append(f"pyautogui.hscroll({_fmt_num(dx)}{where})")
                 return "\n".join(lines) or f"pyautogui.scroll(0{where})"
+            case MouseDown(x, y, button) | MouseUp(x, y, button):
+                fn = "mouseDown" if isinstance(action, MouseDown) else "mouseUp"
+                p = xy(x, y)
+                return f"pyautogui.{fn}({p}{', ' if p else ''}button={button!r})"
+            case KeyDown(key) | KeyUp(key):
+                fn = "keyDown" if isinstance(action, KeyDown) else "keyUp"
+                return f"pyautogui.{fn}({key!r})"
             case Wait(seconds):
                 return f"time.sleep({_fmt_num(seconds)})"
             case Done():
@@ -1054,6 +1099,28 @@ def _scroll_handler(horizontal: bool) -> Callable:
     return h
 
 
+def _button_handler(cls: type) -> Callable:
+    def h(args, kwargs, space, raw):
+        p, used = _xy_opt(args, kwargs, space)  # mouseDown(x=None, y=None, button='left')
+        b = _get(args, kwargs, used, "button", "left")
+        if b not in BUTTONS:
+            raise _Bad(f"button must be one of {BUTTONS}, got {b!r}")
+        return [cls(p[0] if p else None, p[1] if p else None, b)]
+
+    return h
+
+
+def _key_hold_handler(cls: type) -> Callable:
+    def h(args, kwargs, space, raw):
+        name = _get(args, kwargs, 0, "key")
+        k = normalize_key(name) if isinstance(name, str) else None
+        if k is None:
+            raise _Bad(f"unknown key {name!r}; use names like 'shift', 'ctrl', 'a'")
+        return [cls(k)]
+
+    return h
+
+
 _PYAUTOGUI: dict[str, Callable] = {
     "click": _click_handler(None, None),
     "leftClick": _click_handler("left", 1),
@@ -1070,6 +1137,10 @@ _PYAUTOGUI: dict[str, Callable] = {
     "scroll": _scroll_handler(False),
     "vscroll": _scroll_handler(False),
     "hscroll": _scroll_handler(True),
+    "mouseDown": _button_handler(MouseDown),
+    "mouseUp": _button_handler(MouseUp),
+    "keyDown": _key_hold_handler(KeyDown),
+    "keyUp": _key_hold_handler(KeyUp),
 }
 
 # --------------------------------------------------------------------------------------------
@@ -1109,6 +1180,12 @@ def describe(action: Action) -> str:
             kind = {1: "click", 2: "double-click", 3: "triple-click"}.get(count, f"{count}x click")
             where = f" at ({x:.0f}, {y:.0f})" if x is not None and y is not None else ""
             return f"{button} {kind}{where}" if button != "left" else f"{kind}{where}"
+        case MouseDown(x, y, button) | MouseUp(x, y, button):
+            what = "press" if isinstance(action, MouseDown) else "release"
+            where = f" at ({x:.0f}, {y:.0f})" if x is not None and y is not None else ""
+            return f"{what} {button} button{where}"
+        case KeyDown(key) | KeyUp(key):
+            return f"{'hold' if isinstance(action, KeyDown) else 'release'} {key}"
         case InvalidAction(_, reason):
             return f"invalid action: {reason}"
     return repr(action)

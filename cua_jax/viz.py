@@ -41,6 +41,10 @@ def draw_actions(screenshot: np.ndarray, acts: Sequence[Any]) -> Image.Image:
             if act.start_x is not None and act.start_y is not None:
                 d.line((act.start_x, act.start_y, act.x, act.y), fill=(255, 0, 200), width=2)
             d.ellipse((act.x - r, act.y - r, act.x + r, act.y + r), outline=(255, 0, 200))
+        elif isinstance(act, A.MouseDown | A.MouseUp) and act.x is not None and act.y is not None:
+            c = _COLORS.get(act.button, (255, 40, 40))  # filled: down, hollow: up
+            box = (act.x - r, act.y - r, act.x + r, act.y + r)
+            d.rectangle(box, fill=c if isinstance(act, A.MouseDown) else None, outline=c, width=2)
         elif isinstance(act, A.Scroll) and act.x is not None and act.y is not None:
             tip = (act.x + 3 * r * np.sign(act.dx), act.y + 3 * r * np.sign(act.dy))
             d.line((act.x, act.y, *tip), fill=(0, 200, 200), width=3)

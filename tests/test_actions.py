@@ -200,6 +200,51 @@ def test_pyautogui_osworld_style():
     assert A.parse_action("pyautogui.click()", "pyautogui", space) == [Click(None, None)]
 
 
+# pyautogui (and OSWorld's computer_13) only: Qwen's computer_use has no press / release calls.
+HOLD_ACTIONS = [
+    A.MouseDown(100.0, 200.0),
+    A.MouseDown(None, None, "right"),
+    A.MouseUp(300.0, 400.0, "middle"),
+    A.MouseUp(),
+    A.KeyDown("shift"),
+    A.KeyUp("ctrl"),
+]
+
+
+@pytest.mark.parametrize("action", HOLD_ACTIONS, ids=repr)
+def test_press_and_release_actions(action):
+    space = SPACES["identity"]
+    text = A.format_action(action, "pyautogui", space)
+    assert A.parse_action(text, "pyautogui", space) == [action]
+    for fmt in ("qwen25vl", "qwen3vl"):
+        with pytest.raises(ValueError, match="cannot format"):
+            A.format_action(action, fmt, space)
+
+
+def test_pyautogui_hold_sequences_as_osworld_agents_write_them():
+    space = CoordinateSpace.identity(1920, 1080)
+    code = (
+        "pyautogui.keyDown('shift')\npyautogui.click(10, 20)\npyautogui.keyUp('Shift')\n"
+        "pyautogui.mouseDown(30, 40)\npyautogui.moveTo(50, 60)\n"
+        "pyautogui.mouseUp(x=70, y=80, button='left')\npyautogui.mouseDown(button='right')"
+    )
+    assert A.parse_action(code, "pyautogui", space) == [
+        A.KeyDown("shift"),
+        Click(10.0, 20.0),
+        A.KeyUp("shift"),
+        A.MouseDown(30.0, 40.0),
+        Move(50.0, 60.0),
+        A.MouseUp(70.0, 80.0),
+        A.MouseDown(None, None, "right"),
+    ]
+    for bad, why in [
+        ("pyautogui.keyDown('nokey')", "unknown key"),
+        ("pyautogui.mouseDown(1, 2, button='side')", "button must be"),
+    ]:
+        (a,) = A.parse_action(bad, "pyautogui", space)
+        assert isinstance(a, InvalidAction) and why in a.reason, a
+
+
 @pytest.mark.parametrize(
     "code,reason_part",
     [

@@ -564,6 +564,16 @@ class BrowserEnv:
                 await m.wheel(dx * self.scroll_px_per_notch, dy * self.scroll_px_per_notch)
                 # Wheel scrolling is asynchronous: let two frames pass so the screenshot shows it.
                 await self._with_nav_retry(lambda: page.evaluate(_RAF_JS))
+            case A.MouseDown(x, y, button) | A.MouseUp(x, y, button):
+                if x is not None and y is not None:
+                    self._mouse = (x, y)
+                    await m.move(x, y, steps=5)  # a held button drags along the way
+                press = m.down if isinstance(a, A.MouseDown) else m.up
+                await press(button=button)
+            case A.KeyDown(key):
+                await page.keyboard.down(PLAYWRIGHT_KEYS.get(key, key))
+            case A.KeyUp(key):
+                await page.keyboard.up(PLAYWRIGHT_KEYS.get(key, key))
             case A.Wait(seconds):
                 await asyncio.sleep(min(max(seconds, 0.0), self.max_wait_s))
             case _:

@@ -40,6 +40,10 @@ from cua_jax.actions import (
     Fail,
     InvalidAction,
     Key,
+    KeyDown,
+    KeyUp,
+    MouseDown,
+    MouseUp,
     Move,
     Scroll,
     TypeText,
@@ -96,6 +100,13 @@ def action_to_pyautogui(action: Action) -> str | None:
             if len(keys) == 1:
                 return f"pyautogui.press({_key(keys[0])!r})"
             return "pyautogui.hotkey(" + ", ".join(repr(_key(k)) for k in keys) + ")"
+        case MouseDown(x, y, button) | MouseUp(x, y, button):
+            fn = "mouseDown" if isinstance(action, MouseDown) else "mouseUp"
+            at = f"{_n(x)}, {_n(y)}, " if x is not None and y is not None else ""
+            return f"pyautogui.{fn}({at}button={button!r})"
+        case KeyDown(key) | KeyUp(key):
+            fn = "keyDown" if isinstance(action, KeyDown) else "keyUp"
+            return f"pyautogui.{fn}({_key(key)!r})"
         case Scroll(x, y, dx, dy):
             at = f", x={_n(x)}, y={_n(y)}" if x is not None and y is not None else ""
             code = []
@@ -107,9 +118,8 @@ def action_to_pyautogui(action: Action) -> str | None:
     return None
 
 
-def computer13_to_action(d: dict[str, Any]) -> Action | str:
-    """An OSWorld ``computer_13`` dict -> a typed action, or pyautogui code for the ones our
-    action space lacks (MOUSE_DOWN/UP, KEY_DOWN/UP). Malformed -> InvalidAction."""
+def computer13_to_action(d: dict[str, Any]) -> Action:
+    """An OSWorld ``computer_13`` dict -> a typed action. Malformed -> InvalidAction."""
     raw = repr(d)[:300]
     if not isinstance(d, dict) or "action_type" not in d:
         return InvalidAction(raw, "a computer_13 action is {'action_type': ..., 'parameters': {}}")
@@ -149,14 +159,15 @@ def computer13_to_action(d: dict[str, Any]) -> Action | str:
                 return InvalidAction(raw, f"unknown key in {names}; use names like 'enter', 'a'")
             return Key(keys)  # type: ignore[arg-type]
         if t in ("MOUSE_DOWN", "MOUSE_UP"):
-            fn = "mouseDown" if t == "MOUSE_DOWN" else "mouseUp"
-            return f"pyautogui.{fn}(button={p.get('button', 'left')!r})"
+            button = p.get("button", "left")
+            if button not in ("left", "right", "middle"):
+                return InvalidAction(raw, f"{t}: button must be left, right or middle")
+            return MouseDown(button=button) if t == "MOUSE_DOWN" else MouseUp(button=button)
         if t in ("KEY_DOWN", "KEY_UP"):
             k = normalize_key(str(p["key"]))
             if k is None:
                 return InvalidAction(raw, f"unknown key {p['key']!r}")
-            fn = "keyDown" if t == "KEY_DOWN" else "keyUp"
-            return f"pyautogui.{fn}({_key(k)!r})"
+            return KeyDown(k) if t == "KEY_DOWN" else KeyUp(k)
         if t == "WAIT":
             return Wait(float(p.get("seconds", 1.0)))
         if t == "DONE":

@@ -21,7 +21,8 @@ window.log = [];
 for (const ev of ["click", "dblclick", "contextmenu", "auxclick", "mousedown", "mouseup",
                   "keydown"])
   document.addEventListener(ev, (e) => log.push([ev, e.button, e.detail,
-    Math.round(e.clientX || 0), Math.round(e.clientY || 0), e.key || "", e.ctrlKey]));
+    Math.round(e.clientX || 0), Math.round(e.clientY || 0), e.key || "", e.ctrlKey,
+    e.shiftKey]));
 document.addEventListener("contextmenu", (e) => e.preventDefault());
 </script></body></html>"""
 
@@ -58,6 +59,13 @@ def test_actions_reach_the_page(env, run):
             A.Click(90, 95, "middle"),
             A.Click(60, 70, count=2),
             A.Drag(200, 220, 100, 120),
+            A.MouseDown(120, 130),  # a drag in steps (pyautogui mouseDown / moveTo / mouseUp)
+            A.Move(150, 160),
+            A.MouseUp(180, 190),
+            A.KeyDown("shift"),  # shift held over a click (keyDown / click / keyUp)
+            A.Click(30, 35),
+            A.KeyUp("shift"),
+            A.Click(31, 36),
         ]
         for a in steps:
             r = await env.step(a)
@@ -69,6 +77,9 @@ def test_actions_reach_the_page(env, run):
         assert ("auxclick", 1, 90, 95) in kinds
         assert ("dblclick", 0, 60, 70) in kinds
         assert ("mousedown", 0, 100, 120) in kinds and ("mouseup", 0, 200, 220) in kinds
+        assert ("mousedown", 0, 120, 130) in kinds and ("mouseup", 0, 180, 190) in kinds
+        clicks = {(e[3], e[4]): e[7] for e in log if e[0] == "click"}
+        assert clicks[(30, 35)] is True and clicks[(31, 36)] is False  # shift held, released
 
         await env.step(A.Click(20, 20))  # focus the input
         await env.step(A.TypeText("Hi there"))

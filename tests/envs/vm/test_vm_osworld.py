@@ -11,7 +11,20 @@ import json
 
 import pytest
 
-from cua_jax.actions import Click, Drag, InvalidAction, Key, Move, Scroll, TypeText, Wait
+from cua_jax.actions import (
+    Click,
+    Drag,
+    InvalidAction,
+    Key,
+    KeyDown,
+    KeyUp,
+    MouseDown,
+    MouseUp,
+    Move,
+    Scroll,
+    TypeText,
+    Wait,
+)
 from envs.vm import osworld
 from envs.vm.env import action_to_pyautogui, computer13_to_action, task_from_osworld
 
@@ -314,9 +327,17 @@ def test_computer13_dicts_translate_like_osworld():
     assert c13({"action_type": "HOTKEY", "parameters": {"keys": ["Ctrl", "c"]}}) == Key(
         ("ctrl", "c")
     )
-    assert c13({"action_type": "KEY_DOWN", "parameters": {"key": "shift"}}) == (
-        "pyautogui.keyDown('shift')"
+    assert c13({"action_type": "KEY_DOWN", "parameters": {"key": "Shift"}}) == KeyDown("shift")
+    assert c13({"action_type": "KEY_UP", "parameters": {"key": "win"}}) == KeyUp("meta")
+    assert c13({"action_type": "MOUSE_DOWN", "parameters": {}}) == MouseDown(None, None, "left")
+    assert c13({"action_type": "MOUSE_UP", "parameters": {"button": "right"}}) == MouseUp(
+        None, None, "right"
     )
+    assert isinstance(c13({"action_type": "MOUSE_UP", "parameters": {"button": 3}}), InvalidAction)
+    # ... and back to the pyautogui code OSWorld's client sends
+    assert action_to_pyautogui(KeyDown("meta")) == "pyautogui.keyDown('win')"
+    assert action_to_pyautogui(MouseDown(5, 6)) == "pyautogui.mouseDown(5, 6, button='left')"
+    assert action_to_pyautogui(MouseUp(button="right")) == "pyautogui.mouseUp(button='right')"
     assert c13({"action_type": "WAIT"}) == Wait(1.0)
     assert isinstance(c13({"action_type": "MOVE_TO", "parameters": {}}), InvalidAction)
     assert isinstance(c13({"nope": 1}), InvalidAction)
