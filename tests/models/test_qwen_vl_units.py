@@ -49,6 +49,36 @@ def test_key_windows_per_chunk_equal_the_all_keys_scan():
     assert _chunk_keys(split, 16) is None
 
 
+def test_chunked_vision_attention_gradients_and_memory():
+    """The query-chunk bodies are rematerialised in the backward pass: gradients equal the
+    one-chunk scan's, and the step holds about one chunk's scores instead of every chunk's
+    (the smoke's 32-screenshot GRPO batch: 5.7 -> 1.9 GiB of scratch, BENCHMARKS.md)."""
+    import jax
+
+    rng = np.random.default_rng(2)
+    sizes = [432] * 9 + [208]  # nine smoke screenshots + a padding image
+    seg = jnp.asarray(np.repeat(np.arange(len(sizes)), sizes).astype(np.int32))
+    P, N, H = int(seg.shape[0]), 4, 16
+    q, k, v = (jnp.asarray(rng.standard_normal((P, N, H)), jnp.float32) for _ in range(3))
+    w = jnp.asarray(rng.standard_normal((P, N, H)), jnp.float32)
+
+    def loss(q, k, v, chunk, keys):
+        return jnp.sum(w * segment_attention(q, k, v, seg, chunk, keys))
+
+    keys = _chunk_keys(np.asarray(seg), 512)
+    g_ref = jax.grad(loss, (0, 1, 2))(q, k, v, 8192, None)  # one chunk: no map
+    g = jax.grad(loss, (0, 1, 2))(q, k, v, 512, keys)
+    for a, b in zip(g, g_ref, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+    grad_fn = jax.jit(jax.grad(lambda q, k, v: loss(q, k, v, 512, keys), (0, 1, 2)))
+    temp = grad_fn.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
+    chunk_scores = N * 512 * keys.shape[1] * 4  # f32 scores of one query chunk
+    # a few chunk-sized buffers (scores, probabilities and their cotangents of one chunk), not
+    # all 8 chunks' residuals (~250 MiB here before the bodies were rematerialised)
+    assert keys.shape[0] == 8 and temp < 5 * chunk_scores, (temp, chunk_scores)
+
+
 def test_attention_mask_causal_padding_segments():
     am = np.array([[0, 1, 1, 1]])
     seg = np.array([[0, 1, 1, 2]])

@@ -227,7 +227,7 @@ def segment_attention(
             mask = (s_c[:, None] == k_seg[None, :])[None]
             return dense_attention(q_c[None], k_PNH[safe][None], v_PNH[safe][None], mask)[0]
 
-        o = jax.lax.map(windowed, (q, seg_q, keys_nS))
+        o = jax.lax.map(jax.checkpoint(windowed), (q, seg_q, keys_nS))
         return o.reshape(n * chunk, *q_PNH.shape[1:])[:P]
     if P <= chunk:
         mask = (seg_P[:, None] == seg_P[None, :])[None]
@@ -242,7 +242,7 @@ def segment_attention(
         mask = (s_c[:, None] == seg_P[None, :])[None]
         return dense_attention(q_c[None], k_PNH[None], v_PNH[None], mask)[0]
 
-    o = jax.lax.map(one, (q, seg_q))
+    o = jax.lax.map(jax.checkpoint(one), (q, seg_q))
     return o.reshape(n * chunk, *q_PNH.shape[1:])[:P]
 
 
