@@ -79,6 +79,21 @@ def test_chunked_vision_attention_gradients_and_memory():
     assert keys.shape[0] == 8 and temp < 5 * chunk_scores, (temp, chunk_scores)
 
 
+def test_query_chunks_follow_the_image_size():
+    """Equal screenshots: a query chunk is one screenshot, so its keys are that screenshot
+    (rounded up to 128), not 1024 queries plus the screenshots they straddle."""
+    from cua_jax.models import qwen_vl
+    from cua_jax.models.qwen_vl.vision import MIN_QUERY_CHUNK, QUERY_CHUNK, vision_metadata
+
+    grid = np.array([[1, 18, 24]] * 9 + [[1, 2, 6]])  # nine 432-patch screenshots + a small one
+    meta = vision_metadata(qwen_vl.tiny("qwen3_vl"), grid)
+    assert meta.full_chunk == 432 and meta.full_keys.shape == (10, 512)
+    q25 = vision_metadata(qwen_vl.tiny("qwen2_5_vl"), grid)  # 16-patch windows
+    assert q25.full_chunk == 432 and q25.window_chunk == MIN_QUERY_CHUNK
+    one_big = vision_metadata(qwen_vl.tiny("qwen3_vl"), np.array([[1, 64, 64]]))
+    assert one_big.full_chunk == QUERY_CHUNK  # 4096 patches: capped
+
+
 def test_attention_mask_causal_padding_segments():
     am = np.array([[0, 1, 1, 1]])
     seg = np.array([[0, 1, 1, 2]])

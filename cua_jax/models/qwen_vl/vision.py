@@ -12,12 +12,10 @@ N heads, H head dim, C flattened patch (in_channels * temporal_patch * patch^2).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
 from cua_jax.models.qwen_vl.config import QwenVLConfig
 from cua_jax.models.qwen_vl.rope import apply_rotary, vision_cos_sin
@@ -26,11 +24,14 @@ from cua_jax.models.qwen_vl.text import LayerNorm, Linear, RMSNorm, dense_attent
 _INIT_STD = 0.02
 
 
-QUERY_CHUNK = 1024  # vision attention queries per lax.map step
+QUERY_CHUNK = 1024  # at most this many vision attention queries per lax.map step
+MIN_QUERY_CHUNK = 64  # ... and at least this many (fewer, longer steps for tiny windows)
 
 
-class VisionMeta(NamedTuple):
-    """Host-computed layout of the flat patch sequence (all arrays; a pytree)."""
+@struct.dataclass
+class VisionMeta:
+    """Host-computed layout of the flat patch sequence (a pytree of arrays; the query chunk
+    sizes are static: part of the tree's structure, so jit specialises on them)."""
 
     patch_perm: jax.Array  # i32[P] order in which the blocks see patches (window order)
     pos_hw: jax.Array  # i32[P, 2] (h, w) rotary coordinates, in block order
@@ -44,6 +45,11 @@ class VisionMeta(NamedTuple):
     # None: every chunk scans all P keys (one chunk, or segments not contiguous).
     full_keys: jax.Array | None = None
     window_keys: jax.Array | None = None
+    # Queries per attention step (`segment_attention`'s chunk): the most common segment length
+    # (one screenshot, one window), so a chunk's keys are about one segment, not a 1024-query
+    # chunk plus the images it straddles (the smoke's 432-patch screenshots: ~4x fewer scores).
+    full_chunk: int = struct.field(pytree_node=False, default=QUERY_CHUNK)
+    window_chunk: int = struct.field(pytree_node=False, default=QUERY_CHUNK)
 
 
 def _block_order_hw(t: int, h: int, w: int, m: int) -> np.ndarray:
@@ -121,17 +127,31 @@ def vision_metadata(cfg: QwenVLConfig, image_grid_thw: np.ndarray) -> VisionMeta
         wt, ww_ = _interp_taps(pos_hw[:, 1], sizes_w, side)
         interp_idx = jnp.asarray((ht[:, :, None] * side + wt[:, None, :]).reshape(P, 4), jnp.int32)
         interp_w = jnp.asarray((hw_[:, :, None] * ww_[:, None, :]).reshape(P, 4), jnp.float32)
+    full_seg = frames[patch_perm]
+    full_chunk = _query_chunk(full_seg)
+    window_chunk = _query_chunk(window_seg)
     return VisionMeta(
         patch_perm=jnp.asarray(patch_perm, jnp.int32),
         pos_hw=jnp.asarray(pos_hw[patch_perm], jnp.int32),
-        full_seg=jnp.asarray(frames[patch_perm], jnp.int32),
+        full_seg=jnp.asarray(full_seg, jnp.int32),
         window_seg=jnp.asarray(window_seg, jnp.int32),
         merge_unperm=jnp.asarray(merge_unperm, jnp.int32),
         interp_idx=interp_idx,
         interp_w=interp_w,
-        full_keys=_chunk_keys(frames[patch_perm]),
-        window_keys=None if cfg.family == "qwen3_vl" else _chunk_keys(window_seg),
+        full_keys=_chunk_keys(full_seg, full_chunk),
+        window_keys=None if cfg.family == "qwen3_vl" else _chunk_keys(window_seg, window_chunk),
+        full_chunk=full_chunk,
+        window_chunk=window_chunk,
     )
+
+
+def _query_chunk(seg_P: np.ndarray) -> int:
+    """The most common run length of `seg_P` (an image's or a window's patches), clipped to
+    [MIN_QUERY_CHUNK, QUERY_CHUNK]: chunks then line up with equal-sized segments."""
+    starts = np.r_[0, np.flatnonzero(np.diff(seg_P)) + 1]
+    lengths = np.diff(np.r_[starts, len(seg_P)])
+    typical = int(np.bincount(lengths).argmax()) if len(lengths) else QUERY_CHUNK
+    return int(min(QUERY_CHUNK, max(MIN_QUERY_CHUNK, typical)))
 
 
 def _chunk_keys(seg_P: np.ndarray, chunk: int = QUERY_CHUNK) -> jax.Array | None:
@@ -189,12 +209,12 @@ class VisionAttention(nnx.Module):
             v.hidden_size, v.hidden_size, ("vision_heads", "vision_embed"), bias=True, **kw
         )
 
-    def __call__(self, x_PD, cos, sin, seg_P, keys_nS=None) -> jax.Array:
+    def __call__(self, x_PD, cos, sin, seg_P, keys_nS=None, chunk=QUERY_CHUNK) -> jax.Array:
         P = x_PD.shape[0]
         qkv = self.qkv(x_PD).reshape(P, 3, self.num_heads, self.head_dim)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = segment_attention(q, k, v, seg_P, keys_nS=keys_nS)
+        o = segment_attention(q, k, v, seg_P, chunk, keys_nS)
         return self.proj(o.reshape(P, -1))
 
 
@@ -287,8 +307,8 @@ class VisionBlock(nnx.Module):
         self.attn = VisionAttention(cfg, rngs=rngs)
         self.mlp = VisionMLP(cfg, rngs=rngs)
 
-    def __call__(self, x_PD, cos, sin, seg_P, keys_nS=None):
-        x_PD = x_PD + self.attn(self.norm1(x_PD), cos, sin, seg_P, keys_nS)
+    def __call__(self, x_PD, cos, sin, seg_P, keys_nS=None, chunk=QUERY_CHUNK):
+        x_PD = x_PD + self.attn(self.norm1(x_PD), cos, sin, seg_P, keys_nS, chunk)
         return x_PD + self.mlp(self.norm2(x_PD))
 
 
@@ -374,9 +394,9 @@ class VisionModel(nnx.Module):
         for i, blk in enumerate(self.blocks):
             full = self.cfg.family == "qwen3_vl" or i in v.fullatt_block_indexes
             if full:
-                x = blk(x, cos, sin, meta.full_seg, meta.full_keys)
+                x = blk(x, cos, sin, meta.full_seg, meta.full_keys, meta.full_chunk)
             else:
-                x = blk(x, cos, sin, meta.window_seg, meta.window_keys)
+                x = blk(x, cos, sin, meta.window_seg, meta.window_keys, meta.window_chunk)
             if i in v.deepstack_visual_indexes:
                 j = v.deepstack_visual_indexes.index(i)
                 deepstack.append(self.deepstack_merger_list[j](x).astype(jnp.float32))
