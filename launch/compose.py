@@ -20,6 +20,8 @@ def enable_compile_cache(path: str | None) -> None:
     path = os.path.expanduser(path)
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
+    # Least recently used entries go first beyond 4 GiB (the default has no bound).
+    jax.config.update("jax_compilation_cache_max_size", 4 * 2**30)
     logging.info("persistent compilation cache: %s", path)
 
 
