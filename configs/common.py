@@ -148,7 +148,11 @@ def base_config(family: str) -> ConfigDict:
     c.ckpt = ConfigDict()
     c.ckpt.save_every = 50
     c.ckpt.keep = 3
-    c.ckpt.load_checkpoint_path = _str()
+    c.ckpt.load_checkpoint_path = _str()  # resume another run (params, optimizer, step, ...)
+    # start a new run from another run's weights only (e.g. full SFT, then RL with
+    # model.freeze_vision=True or LoRA): WORKDIR/checkpoints of that run; step -1 = latest
+    c.ckpt.init_params_from = _str()
+    c.ckpt.init_params_step = -1
     c.ckpt.async_save = True
 
     # ---- logging / eval ------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from absl import logging
 
 from cua_jax import metrics as metrics_lib
 from cua_jax import sharding as shd
-from cua_jax.checkpoint.orbax_io import Checkpointer
+from cua_jax.checkpoint.orbax_io import Checkpointer, init_params
 from cua_jax.env_api import Task
 from cua_jax.rl.rollout import AgentLoop, RolloutSettings, episode_seed
 from cua_jax.rl.trajectory import Trajectory
@@ -75,6 +75,18 @@ def validate_config(config: Any) -> None:
             f"config.rl.invalid_action_penalty={config.rl.invalid_action_penalty} must be >= 0 "
             "(it is subtracted from the reward per invalid action)"
         )
+    init_from = config.ckpt.init_params_from
+    if init_from:
+        if config.ckpt.load_checkpoint_path:
+            raise ConfigError(
+                "config.ckpt.init_params_from and config.ckpt.load_checkpoint_path are exclusive: "
+                "the first starts a new run from saved weights, the second resumes a run"
+            )
+        if not os.path.isdir(init_from):
+            raise ConfigError(
+                f"config.ckpt.init_params_from={init_from!r} is not a directory (pass a run's "
+                "checkpoints directory, WORKDIR/checkpoints)"
+            )
     if config.rl.logits_chunk < 0:
         raise ConfigError(f"config.rl.logits_chunk={config.rl.logits_chunk} must be >= 0")
     if not config.rl.temperature > 0:
@@ -344,7 +356,21 @@ async def _main(config, workdir, env_factory, tasks, eval_tasks) -> dict[str, fl
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2))
 
-    # ---- learner, sampler, store, checkpoints, metrics -------------------------------------
+    ckpt = Checkpointer(
+        os.path.join(workdir, "checkpoints"),
+        keep=config.ckpt.keep,
+        save_every=config.ckpt.save_every,
+        async_save=config.ckpt.async_save,
+    )
+    # ---- a new run may start from another run's weights (not its optimizer or step) --------
+    src = config.ckpt.init_params_from
+    if src and ckpt.latest_step() is None:
+        step = config.ckpt.init_params_step
+        n = init_params(model, Checkpointer(src, keep=10**6).restore_params(
+            None if step < 0 else step))  # fmt: skip
+        logging.warning("initialized %d parameter arrays from %s", n, src)
+
+    # ---- learner, sampler, store, metrics -------------------------------------------------
     from cua_jax.rl.store import TrajectoryStore
 
     learner = build_learner(model, config, mesh, rules, sft=False)
@@ -357,12 +383,6 @@ async def _main(config, workdir, env_factory, tasks, eval_tasks) -> dict[str, fl
         capacity=rl.group_size * (in_flight + rl.groups_per_batch),
         group_size=rl.group_size,
         max_steps_off_policy=rl.max_steps_off_policy,
-    )
-    ckpt = Checkpointer(
-        os.path.join(workdir, "checkpoints"),
-        keep=config.ckpt.keep,
-        save_every=config.ckpt.save_every,
-        async_save=config.ckpt.async_save,
     )
     writer = metrics_lib.MetricsWriter(
         workdir,

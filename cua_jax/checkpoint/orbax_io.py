@@ -15,11 +15,47 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
 class CheckpointError(RuntimeError):
     pass
+
+
+def init_params(model: Any, params: dict[str, Any]) -> int:
+    """Writes `params` (a nested dict as `Checkpointer.restore_params` returns) into `model`'s
+    parameters of the same paths and shapes; returns how many arrays were set. Paths the model
+    lacks or shapes that differ raise `CheckpointError`; parameters not in `params` (a tower
+    the saved run kept frozen, new LoRA adapters) keep their current values."""
+    from flax import nnx
+
+    state = nnx.state(model, nnx.Param)
+    flat = dict(nnx.to_flat_state(state))
+    n = 0
+    for path, value in _flat_items(params):
+        var = flat.get(path)
+        if var is None:
+            raise CheckpointError(f"saved parameter {'/'.join(map(str, path))} is not in the model")
+        cur = var[...]
+        if tuple(cur.shape) != tuple(np.shape(value)):
+            raise CheckpointError(
+                f"saved parameter {'/'.join(map(str, path))} has shape {np.shape(value)}, the "
+                f"model's has {tuple(cur.shape)}"
+            )
+        var[...] = jax.device_put(np.asarray(value, cur.dtype), cur.sharding)
+        n += 1
+    nnx.update(model, state)
+    return n
+
+
+def _flat_items(tree: Any, prefix: tuple = ()):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            key = int(k) if isinstance(k, str) and k.isdigit() else k
+            yield from _flat_items(v, (*prefix, key))
+    else:
+        yield prefix, tree
 
 
 class Checkpointer:
@@ -90,6 +126,21 @@ class Checkpointer:
                 f"restored (different config?): {e}"
             ) from e
         return out["state"], dict(out["meta"])
+
+    def restore_params(self, step: int | None = None) -> dict[str, Any]:
+        """The saved trainable parameters of `step` (default: latest) as a nested dict of host
+        arrays, whatever the model, optimizer or trainable set they were saved with (a new run
+        starts from them with `init_params`; the optimizer state is read and dropped)."""
+        step = self.latest_step() if step is None else step
+        if step is None or step not in self._mngr.all_steps():
+            raise CheckpointError(
+                f"no checkpoint for step {step} in {self.directory}; have {self.all_steps()}"
+            )
+        out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+        params = out["state"].get("params") if isinstance(out["state"], dict) else None
+        if not isinstance(params, dict):
+            raise CheckpointError(f"checkpoint {self.directory}/{step} holds no 'params'")
+        return jax.tree.map(np.asarray, params)
 
     def wait(self) -> None:
         self._mngr.wait_until_finished()

@@ -46,3 +46,33 @@ def test_force_save_and_errors(tmp_path):
     ck.close()
     with pytest.raises(CheckpointError, match="no checkpoint"):
         Checkpointer(str(tmp_path / "empty")).restore(_state(0))
+
+
+def test_init_params_from_another_runs_checkpoint(tmp_path):
+    """A new run starts from saved weights with another trainable set: a full fine-tuning
+    checkpoint initialises a model whose learner freezes the vision tower."""
+    from flax import nnx
+
+    from cua_jax.checkpoint.orbax_io import init_params
+    from cua_jax.models import qwen_vl
+    from cua_jax.rl.learner import Learner
+
+    cfg = qwen_vl.tiny("qwen3_vl", vocab_size=256)
+    trained = qwen_vl.init_random(cfg, seed=1)
+    ck = Checkpointer(str(tmp_path / "c"), keep=2)
+    ck.save(7, Learner(trained, seq_len_buckets=(64,)).state_dict(), {}, force=True)
+    ck.wait()
+    fresh = qwen_vl.init_random(cfg, seed=2)
+    n = init_params(fresh, Checkpointer(str(tmp_path / "c")).restore_params())
+    want, got = nnx.state(trained, nnx.Param), nnx.state(fresh, nnx.Param)
+    assert n == len(jax.tree.leaves(want))
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    frozen = Learner(fresh, seq_len_buckets=(64,), freeze_vision=True)  # other trainable set
+    assert "visual" not in frozen.state_dict()["params"]["model"]
+    other = qwen_vl.init_random(qwen_vl.tiny("qwen3_vl", vocab_size=512), seed=0)
+    with pytest.raises(CheckpointError, match="has shape"):
+        init_params(other, ck.restore_params())
+    with pytest.raises(CheckpointError, match="step 3"):
+        ck.restore_params(3)
+    ck.close()
