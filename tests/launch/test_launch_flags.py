@@ -41,6 +41,10 @@ def _launch(*args):
             "config.rl.temperature=0.0 must be > 0",
         ),
         (
+            ["--config=configs/qwen3vl_grpo.py:smoke", "--config.ckpt.init_params_from=/nope"],
+            "config.ckpt.init_params_from='/nope' is not a directory",
+        ),
+        (
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.rl.logits_chunk=-1"],
             "config.rl.logits_chunk=-1 must be >= 0",
         ),
