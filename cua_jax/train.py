@@ -169,6 +169,20 @@ def build_model_and_processor(config: Any, mesh: Any, rules: Any):
     return qwen_vl.init_random(cfg, seed=config.seed), processor
 
 
+def init_model_weights(model: Any, config: Any) -> int:
+    """Writes `config.ckpt.init_params_from`'s saved weights into `model` (none when unset);
+    run before restoring a run's own checkpoint, which holds only its trainable params (its
+    frozen ones came from here). Returns the number of arrays set."""
+    src = config.ckpt.get("init_params_from")
+    if not src:
+        return 0
+    step = config.ckpt.get("init_params_step", -1)
+    params = Checkpointer(src, keep=10**6).restore_params(None if step < 0 else step)
+    n = init_params(model, params)
+    logging.warning("initialized %d parameter arrays from %s", n, src)
+    return n
+
+
 def build_learner(model: Any, config: Any, mesh: Any, rules: Any, *, sft: bool):
     from cua_jax.rl import learner as L
 
@@ -362,13 +376,9 @@ async def _main(config, workdir, env_factory, tasks, eval_tasks) -> dict[str, fl
         save_every=config.ckpt.save_every,
         async_save=config.ckpt.async_save,
     )
-    # ---- a new run may start from another run's weights (not its optimizer or step) --------
-    src = config.ckpt.init_params_from
-    if src and ckpt.latest_step() is None:
-        step = config.ckpt.init_params_step
-        n = init_params(model, Checkpointer(src, keep=10**6).restore_params(
-            None if step < 0 else step))  # fmt: skip
-        logging.warning("initialized %d parameter arrays from %s", n, src)
+    # ---- a run may start from another run's weights (not its optimizer or step); applied on
+    # resume too, since parameters this run keeps frozen are not in its own checkpoints ------
+    init_model_weights(model, config)
 
     # ---- learner, sampler, store, metrics -------------------------------------------------
     from cua_jax.rl.store import TrajectoryStore

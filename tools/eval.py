@@ -116,6 +116,7 @@ def main(argv: list[str]) -> None:
     mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     rules = tuple(shd.DEFAULT_RULES) + tuple(tuple(r) for r in config.mesh.rules)
     model, processor = train.build_model_and_processor(config, mesh, rules)
+    train.init_model_weights(model, config)  # weights the run started from (frozen ones too)
     step = None
     if _WORKDIR.value is not None:
         ckpt = Checkpointer(os.path.join(_WORKDIR.value, "checkpoints"), keep=10**6)

@@ -52,6 +52,7 @@ def export_checkpoint(
     mesh = shd.make_mesh(1, -1, 1)
     rules = tuple(shd.DEFAULT_RULES) + tuple(tuple(r) for r in config.mesh.rules)
     model, processor = train.build_model_and_processor(config, mesh, rules)
+    train.init_model_weights(model, config)  # weights the run started from (frozen ones too)
     learner = train.build_learner(model, config, mesh, rules, sft=False)
     state, _ = ckpt.restore(learner.abstract_state(), step=step)
     learner.load_state_dict(state)

@@ -70,6 +70,27 @@ def test_init_params_from_another_runs_checkpoint(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     frozen = Learner(fresh, seq_len_buckets=(64,), freeze_vision=True)  # other trainable set
     assert "visual" not in frozen.state_dict()["params"]["model"]
+    # That run's own checkpoints hold only its trainable params; restoring one (resume, eval,
+    # export) starts from the same init weights, so the frozen tower is the source's again.
+    ck2 = Checkpointer(str(tmp_path / "run2"), keep=2)
+    ck2.save(1, frozen.state_dict(), {}, force=True)
+    ck2.wait()
+    import ml_collections
+
+    from cua_jax import train
+
+    config = ml_collections.ConfigDict(
+        {"ckpt": {"init_params_from": str(tmp_path / "c"), "init_params_step": -1}}
+    )
+    again = qwen_vl.init_random(cfg, seed=3)
+    assert train.init_model_weights(again, config) == n
+    resumed = Learner(again, seq_len_buckets=(64,), freeze_vision=True)
+    state, _ = ck2.restore(resumed.abstract_state())
+    resumed.load_state_dict(state)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(nnx.state(again, nnx.Param)),
+                    strict=True):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert train.init_model_weights(again, ml_collections.ConfigDict({"ckpt": {}})) == 0
     other = qwen_vl.init_random(qwen_vl.tiny("qwen3_vl", vocab_size=512), seed=0)
     with pytest.raises(CheckpointError, match="has shape"):
         init_params(other, ck.restore_params())
