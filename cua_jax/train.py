@@ -29,7 +29,7 @@ from absl import logging
 
 from cua_jax import metrics as metrics_lib
 from cua_jax import sharding as shd
-from cua_jax.checkpoint.orbax_io import Checkpointer, init_params
+from cua_jax.checkpoint.orbax_io import Checkpointer, CheckpointError, init_params
 from cua_jax.env_api import Task
 from cua_jax.rl.rollout import AgentLoop, RolloutSettings, episode_seed
 from cua_jax.rl.trajectory import Trajectory
@@ -177,10 +177,37 @@ def init_model_weights(model: Any, config: Any) -> int:
     if not src:
         return 0
     step = config.ckpt.get("init_params_step", -1)
-    params = Checkpointer(src, keep=10**6).restore_params(None if step < 0 else step)
-    n = init_params(model, params)
+    source = Checkpointer(src, keep=10**6)
+    try:
+        n = init_params(model, source.restore_params(None if step < 0 else step))
+    finally:
+        source.close()
     logging.warning("initialized %d parameter arrays from %s", n, src)
     return n
+
+
+def restore_run_model(config: Any, workdir: str, mesh: Any, rules: Any, step: int | None = None):
+    """(model, processor, step) of a run's checkpoint at `step` (None: the latest): the model as
+    the run built it, its init weights (`init_model_weights`), then the checkpoint's trainable
+    params. Raises `CheckpointError` naming the steps there when there is no such checkpoint."""
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=10**6)
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None or step not in ckpt.all_steps():
+            where = f"{workdir}/checkpoints (steps there: {ckpt.all_steps()})"
+            raise CheckpointError(
+                f"no checkpoint in {where}"
+                if step is None
+                else f"no checkpoint at step {step} in {where}"
+            )
+        model, processor = build_model_and_processor(config, mesh, rules)
+        init_model_weights(model, config)  # weights the run started from (frozen ones too)
+        learner = build_learner(model, config, mesh, rules, sft=False)
+        state, _ = ckpt.restore(learner.abstract_state(), step=step)
+        learner.load_state_dict(state)
+    finally:
+        ckpt.close()
+    return model, processor, step
 
 
 def build_learner(model: Any, config: Any, mesh: Any, rules: Any, *, sft: bool):
@@ -370,17 +397,11 @@ async def _main(config, workdir, env_factory, tasks, eval_tasks) -> dict[str, fl
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2))
 
-    ckpt = Checkpointer(
-        os.path.join(workdir, "checkpoints"),
-        keep=config.ckpt.keep,
-        save_every=config.ckpt.save_every,
-        async_save=config.ckpt.async_save,
-    )
     # ---- a run may start from another run's weights (not its optimizer or step); applied on
     # resume too, since parameters this run keeps frozen are not in its own checkpoints ------
     init_model_weights(model, config)
 
-    # ---- learner, sampler, store, metrics -------------------------------------------------
+    # ---- learner, sampler, store, checkpoints, metrics -------------------------------------
     from cua_jax.rl.store import TrajectoryStore
 
     learner = build_learner(model, config, mesh, rules, sft=False)
@@ -393,6 +414,12 @@ async def _main(config, workdir, env_factory, tasks, eval_tasks) -> dict[str, fl
         capacity=rl.group_size * (in_flight + rl.groups_per_batch),
         group_size=rl.group_size,
         max_steps_off_policy=rl.max_steps_off_policy,
+    )
+    ckpt = Checkpointer(
+        os.path.join(workdir, "checkpoints"),
+        keep=config.ckpt.keep,
+        save_every=config.ckpt.save_every,
+        async_save=config.ckpt.async_save,
     )
     writer = metrics_lib.MetricsWriter(
         workdir,

@@ -94,7 +94,7 @@ def main(argv: list[str]) -> None:
     from cua_jax import metrics as metrics_lib
     from cua_jax import sharding as shd
     from cua_jax import train
-    from cua_jax.checkpoint.orbax_io import Checkpointer
+    from cua_jax.checkpoint.orbax_io import CheckpointError
     from cua_jax.rl.rollout import AgentLoop
     from launch import compose
 
@@ -115,21 +115,17 @@ def main(argv: list[str]) -> None:
 
     mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     rules = tuple(shd.DEFAULT_RULES) + tuple(tuple(r) for r in config.mesh.rules)
-    model, processor = train.build_model_and_processor(config, mesh, rules)
-    train.init_model_weights(model, config)  # weights the run started from (frozen ones too)
     step = None
     if _WORKDIR.value is not None:
-        ckpt = Checkpointer(os.path.join(_WORKDIR.value, "checkpoints"), keep=10**6)
-        step = ckpt.latest_step() if _STEP.value is None else _STEP.value
-        if step is None or step not in ckpt.all_steps():
-            raise EvalError(
-                f"no checkpoint at step {step} in {_WORKDIR.value}/checkpoints "
-                f"(steps there: {ckpt.all_steps()})"
+        try:
+            model, processor, step = train.restore_run_model(
+                config, _WORKDIR.value, mesh, rules, _STEP.value
             )
-        learner = train.build_learner(model, config, mesh, rules, sft=False)
-        state, _ = ckpt.restore(learner.abstract_state(), step=step)
-        learner.load_state_dict(state)
-        ckpt.close()
+        except CheckpointError as e:
+            raise EvalError(str(e)) from None
+    else:  # a local HF checkpoint or a preset's random init (+ ckpt.init_params_from, if set)
+        model, processor = train.build_model_and_processor(config, mesh, rules)
+        train.init_model_weights(model, config)
     out_dir = _OUT.value or os.path.join(_WORKDIR.value, "eval", f"step_{step}")
     os.makedirs(out_dir, exist_ok=True)
     engine = train.build_engine(model, config, processor.tokenizer)

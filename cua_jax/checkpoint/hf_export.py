@@ -19,8 +19,6 @@ from typing import Any
 
 import ml_collections
 
-from cua_jax.checkpoint.orbax_io import Checkpointer, CheckpointError
-
 
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:
     path = os.path.join(workdir, "config.json")
@@ -45,18 +43,9 @@ def export_checkpoint(
     from cua_jax.models.qwen_vl import save_pretrained
 
     config = load_run_config(workdir) if config is None else config
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=10**6)
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise CheckpointError(f"no checkpoint in {workdir}/checkpoints to export")
     mesh = shd.make_mesh(1, -1, 1)
     rules = tuple(shd.DEFAULT_RULES) + tuple(tuple(r) for r in config.mesh.rules)
-    model, processor = train.build_model_and_processor(config, mesh, rules)
-    train.init_model_weights(model, config)  # weights the run started from (frozen ones too)
-    learner = train.build_learner(model, config, mesh, rules, sft=False)
-    state, _ = ckpt.restore(learner.abstract_state(), step=step)
-    learner.load_state_dict(state)
-    ckpt.close()
+    model, _, step = train.restore_run_model(config, workdir, mesh, rules, step)
     if lora.has_lora(model):
         model = lora.merge_lora(model)
     save_pretrained(model, out_dir, tokenizer_dir=config.model.hf_path)
