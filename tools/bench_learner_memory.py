@@ -56,11 +56,8 @@ def main() -> None:
             logits_chunk=chunk,
         )
         batch, _ = learner.prepare_batch(groups, num_rows=args.rows)
-        xs, images = learner._device_batch(batch, learner.num_substeps)
-        step = learner._get_step("rl")
         t0 = time.perf_counter()
-        compiled = step.lower(learner._trainable, learner._opt_state, learner._frozen,
-                              learner._rest, learner._ref, xs, images).compile()  # fmt: skip
+        compiled = learner.lower_step(batch).compile()
         t_compile = time.perf_counter() - t0
         temp = compiled.memory_analysis().temp_size_in_bytes
         times, m = [], {}

@@ -58,18 +58,16 @@ def main() -> None:
             for s in trajectory_to_samples(demos[i], 1.0 if i % 2 else -1.0, pos)
         ]
         batch = learner.pack(samples)
-        xs, images = learner._device_batch(batch, learner.num_substeps)
-        compiled = learner._get_step("rl").lower(
-            learner._trainable, learner._opt_state, learner._frozen, learner._rest,
-            learner._ref, xs, images).compile()  # fmt: skip
+        compiled = learner.lower_step(batch).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes
         times, m = [], {}
         for _ in range(args.steps + 1):
             t0 = time.perf_counter()
             m = learner.train_step(batch)
             times.append(time.perf_counter() - t0)
+        ((_, _, pixels),) = learner.compiled_shapes  # (mode, batch shape, padded patches)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        print(f"| {name} | {batch.shape[0]} x {batch.shape[1]} | {images[0].shape[0]} | "
+        print(f"| {name} | {batch.shape[0]} x {batch.shape[1]} | {pixels[0]} | "
               f"{temp / 2**30:.2f} GiB | {statistics.median(times[1:]):.2f} s | {rss:.1f} GiB | "
               f"{m['loss']:.6f} | {m['grad_norm']:.6f} |", flush=True)  # fmt: skip
     vision._query_chunk = per_image

@@ -358,6 +358,11 @@ class Learner:
         out = fn(ref, self._frozen, self._rest, xs, images, bool(batch.pixel_values is not None))
         return np.asarray(out).reshape(batch.shape)
 
+    def lower_step(self, batch: PackedBatch, mode: Literal["rl", "sft"] = "rl") -> Any:
+        """The jitted step for `batch`, lowered but not run (`jax.stages.Lowered`):
+        `.compile().memory_analysis()` is its XLA buffer assignment (tools/bench_*)."""
+        return self._get_step(mode).lower(*self._step_args(batch))
+
     def loss_and_grads(
         self, batch: PackedBatch, mode: Literal["rl", "sft"] = "rl"
     ) -> tuple[dict[str, float], nnx.State]:
@@ -610,14 +615,16 @@ class Learner:
             self._jit[mode] = fn
         return fn
 
-    def _step(self, mode: str, batch: PackedBatch) -> dict[str, float]:
+    def _step_args(self, batch: PackedBatch) -> tuple:
         xs, images = self._device_batch(batch, self.num_substeps)
+        return (self._trainable, self._opt_state, self._frozen, self._rest, self._ref, xs, images)
+
+    def _step(self, mode: str, batch: PackedBatch) -> dict[str, float]:
+        args = self._step_args(batch)
+        images = args[-1]
         pix_shape = None if images is None else images[0].shape
         self.compiled_shapes.add((mode, batch.shape, pix_shape))
-        fn = self._get_step(mode)
-        trainable, opt_state, metrics = fn(
-            self._trainable, self._opt_state, self._frozen, self._rest, self._ref, xs, images
-        )
+        trainable, opt_state, metrics = self._get_step(mode)(*args)
         self._trainable, self._opt_state = trainable, opt_state
         nnx.update(self.model, trainable)
         self.version += 1

@@ -145,11 +145,17 @@ def vision_metadata(cfg: QwenVLConfig, image_grid_thw: np.ndarray) -> VisionMeta
     )
 
 
+def _runs(seg_P: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, ends) of the runs of equal ids in `seg_P`."""
+    starts = np.r_[0, np.flatnonzero(np.diff(seg_P)) + 1]
+    return starts, np.r_[starts[1:], len(seg_P)]
+
+
 def _query_chunk(seg_P: np.ndarray) -> int:
     """The most common run length of `seg_P` (an image's or a window's patches), clipped to
     [MIN_QUERY_CHUNK, QUERY_CHUNK]: chunks then line up with equal-sized segments."""
-    starts = np.r_[0, np.flatnonzero(np.diff(seg_P)) + 1]
-    lengths = np.diff(np.r_[starts, len(seg_P)])
+    starts, ends = _runs(seg_P)
+    lengths = ends - starts
     typical = int(np.bincount(lengths).argmax()) if len(lengths) else QUERY_CHUNK
     return int(min(QUERY_CHUNK, max(MIN_QUERY_CHUNK, typical)))
 
@@ -160,8 +166,7 @@ def _chunk_keys(seg_P: np.ndarray, chunk: int = QUERY_CHUNK) -> jax.Array | None
     P = len(seg_P)
     if P <= chunk:
         return None
-    starts = np.r_[0, np.flatnonzero(np.diff(seg_P)) + 1]
-    ends = np.r_[starts[1:], P]
+    starts, ends = _runs(seg_P)
     if len(np.unique(seg_P[starts])) != len(starts):
         return None  # a segment in several runs: keep the exact all-keys scan
     run = np.repeat(np.arange(len(starts)), ends - starts)
