@@ -204,14 +204,14 @@ def load_run_config(workdir: str) -> ConfigDict:
             old = dst.get(k)
             if isinstance(old, ConfigDict) and isinstance(v, dict):
                 merge(old, v)
-            elif isinstance(old, tuple) and isinstance(v, list):
-                setattr(dst, k, tuple(dict(x) if isinstance(x, dict) else x for x in v))
-            elif k in dst and old is not None and v is not None and type(old) is not type(v):
-                setattr(dst, k, type(old)(v) if isinstance(old, int | float) else v)
-            else:
-                if k in dst:
-                    del dst[k]  # a typed None field (FieldReference) takes any saved value
-                setattr(dst, k, v)
+                continue
+            if isinstance(old, tuple) and isinstance(v, list):  # JSON turned tuples into lists
+                v = tuple(dict(x) if isinstance(x, dict) else x for x in v)
+            elif isinstance(old, int | float) and isinstance(v, int | float):
+                v = type(old)(v)  # JSON 1e-05 vs 1.0e-5, ints saved for floats
+            if k in dst:
+                del dst[k]  # replace the field, typed None defaults (FieldReference) included
+            setattr(dst, k, v)
 
     merge(c, saved)
     return c

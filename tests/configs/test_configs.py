@@ -53,3 +53,25 @@ def test_unknown_preset_names_the_valid_ones():
     mod = _load(os.path.join(ROOT, "configs", "qwen3vl_grpo.py"))
     with pytest.raises(ValueError, match="unknown preset 'huge'.*smoke, 2b, 4b, 8b, 32b"):
         mod.get_config("huge")
+
+
+def test_load_run_config_fills_fields_added_since_the_run(tmp_path):
+    """A run's saved config.json read back: its values (tuples restored, floats kept floats),
+    and this version's defaults for fields the run did not have yet."""
+    import json
+
+    from configs import common
+
+    saved = json.loads(common.build("qwen2_5_vl", "smoke", ("smoke",)).to_json_best_effort())
+    del saved["rl"]["logits_chunk"], saved["ckpt"]["init_params_from"], saved["compile_cache_dir"]
+    saved["rl"]["learning_rate"] = 2  # an int where the default is a float
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    c = common.load_run_config(str(tmp_path))
+    assert c.model.family == "qwen2_5_vl" and c.preset == "smoke"
+    assert c.rl.logits_chunk == 1024 and c.ckpt.init_params_from is None
+    assert c.compile_cache_dir == "~/.cache/cua_jax/jax"
+    assert c.rl.learning_rate == 2.0 and isinstance(c.rl.learning_rate, float)
+    assert isinstance(c.rl.row_lengths, tuple) and isinstance(c.tasks[0], dict)
+    assert c.env.viewport_width == 384
+    with pytest.raises(FileNotFoundError, match="config.json does not exist"):
+        common.load_run_config(str(tmp_path / "nope"))
