@@ -91,10 +91,7 @@ def main(argv: list[str]) -> None:
         raise LaunchError(str(e)) from None
     maybe_initialize_distributed()
     compose.enable_compile_cache(config.compile_cache_dir)
-    try:
-        env_factory, load_tasks = compose.build_env_factory(config)
-    except ValueError as e:
-        raise LaunchError(str(e)) from None
+    env_factory, load_tasks = compose.build_env_factory(config)  # env.kind checked above
     train.main(config, workdir, env_factory=env_factory, load_tasks=load_tasks)
 
 
