@@ -61,8 +61,8 @@ from cua_jax.sampler.kernels.paged_attention import (
     chunk_attention_reference,
     contiguous_decode_attention,
     paged_attention,
+    select_backend,
 )
-from cua_jax.sampler.kernels.paged_attention import resolve_backend as paged_attention_backend
 from cua_jax.sampler.page_table import TRASH_PAGE, OutOfPagesError, PageAllocator
 from cua_jax.sampler.sampling import SamplingParams, SlotSampling, sample_tokens
 
@@ -264,7 +264,13 @@ class Engine:
         else:
             small = jax.sharding.SingleDeviceSharding(next(iter(self.cache.k[0].devices())))
         self._small_sh = small
-        on_cpu = next(iter(self.cache.k[0].devices())).platform == "cpu"
+        platform = next(iter(self.cache.k[0].devices())).platform
+        # Decided once, for the cache's platform: an explicit backend whose kernel cannot take
+        # this head_dim / page_size fails here, not at the first decode compile.
+        self._attn = select_backend(
+            attn_backend, head_dim=t.head_dim, page_size=page_size, platform=platform
+        )
+        on_cpu = platform == "cpu"
         self._compiler_options = dict(_CPU_COMPILER_OPTIONS) if on_cpu else None
         self._decode_fn = jax.jit(
             self._decode_chunk, donate_argnums=(1,), out_shardings=(self._cache_sh, *[small] * 3),
@@ -757,10 +763,7 @@ class Engine:
         S, C = tok_S.shape[0], self.decode_chunk
         K, P, L, H = cache.k[0].shape[0], table_SP.shape[1], self.page_size, cache.k[0].shape[3]
         gathered = 2 * cache.num_layers * K * S * P * L * H * cache.k[0].dtype.itemsize
-        contiguous = (
-            paged_attention_backend(self.attn_backend) == "reference"
-            and gathered <= _MAX_GATHERED_BYTES
-        )
+        contiguous = self._attn == "reference" and gathered <= _MAX_GATHERED_BYTES
         if contiguous:
             # k [S, K, H, P*L], v [S, K, P*L, H] (the layouts the attention dots take); V past
             # each slot's length is zeroed (stale pages) since attention multiplies it by 0.
@@ -815,7 +818,7 @@ class Engine:
                     )
                     o = paged_attention(
                         q_BTNH[:, 0], k_bufs[li], v_bufs[li], table_SP, attn_len,
-                        scale=self._scale, backend=self.attn_backend,
+                        scale=self._scale, backend=self._attn,
                     )  # fmt: skip
                 return o[:, None].astype(q_BTNH.dtype)
 

@@ -5,11 +5,19 @@
   "gpu"       this package's Pallas kernel compiled through Triton,
   "interpret" the same kernel in Pallas interpret mode (CPU tests; slow),
   "reference" plain jnp (fast on CPU for small models),
-  "auto"      tpu / gpu by the platform of the default backend, else reference.
+  "auto"      tpu / gpu by the platform, else reference; also reference when that platform's
+              kernel cannot take the shapes (see `unsupported_reason`), with one log line.
+
+An explicit "tpu" or "gpu" with shapes its kernel cannot take raises a ValueError naming the
+constraint, instead of an error from deep inside the Mosaic / Triton lowering at first compile.
+The constraints were found by lowering both kernels ahead of time for an abstract H100 and TPU v5e
+over a grid of shapes; `tests/sampler/test_kernel_lowering.py` re-checks them against the installed
+JAX, so a JAX upgrade that changes them fails a test rather than a TPU job.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
@@ -32,17 +40,62 @@ __all__ = [
     "paged_attention_kernel",
     "paged_attention_reference",
     "resolve_backend",
+    "select_backend",
+    "unsupported_reason",
     "validate_inputs",
 ]
 
+log = logging.getLogger(__name__)
+_logged_fallbacks: set[tuple] = set()
 
-def resolve_backend(backend: str) -> str:
+
+def resolve_backend(backend: str, platform: str | None = None) -> str:
+    """`backend` for `platform` (default: JAX's default backend), before any shape check."""
     if backend not in BACKENDS:
         raise ValueError(f"paged_attention backend={backend!r}; choose one of {BACKENDS}.")
     if backend != "auto":
         return backend
-    platform = jax.default_backend()
+    platform = platform or jax.default_backend()
     return {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform, "reference")
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def unsupported_reason(backend: str, *, head_dim: int, page_size: int) -> str | None:
+    """Why `backend`'s kernel cannot take these shapes, or None if it can.
+
+    tpu: head_dim is the last dim of the shipped kernel's blocks, and Mosaic needs a block's last
+         dim to be a multiple of 128 (or the whole array dim, which its output blocks are not).
+    gpu: Triton tensors have power-of-two sizes; the kernel loads [page_size, head_dim] pages.
+    """
+    if backend == "tpu" and head_dim % 128:
+        return f"the TPU kernel needs head_dim % 128 == 0 (got head_dim={head_dim})"
+    if backend == "gpu" and not (_pow2(head_dim) and _pow2(page_size)):
+        return (
+            "the GPU (Triton) kernel needs power-of-two head_dim and page_size "
+            f"(got head_dim={head_dim}, page_size={page_size})"
+        )
+    return None
+
+
+def select_backend(
+    backend: str, *, head_dim: int, page_size: int, platform: str | None = None
+) -> str:
+    """`resolve_backend`, then the shape check: "auto" falls back to "reference" (logged once per
+    shape) where the platform's kernel cannot take the shapes; an explicit backend raises."""
+    chosen = resolve_backend(backend, platform)
+    why = unsupported_reason(chosen, head_dim=head_dim, page_size=page_size)
+    if why is None:
+        return chosen
+    if backend != "auto":
+        raise ValueError(f"paged_attention backend={backend!r}: {why}; use 'reference' or 'auto'.")
+    key = (chosen, head_dim, page_size)
+    if key not in _logged_fallbacks:
+        _logged_fallbacks.add(key)
+        log.warning("paged attention: %s; decode uses the jnp reference instead.", why)
+    return "reference"
 
 
 def validate_inputs(
@@ -109,7 +162,7 @@ def paged_attention(
     """
     validate_inputs(q, k_pages, v_pages, page_indices, lengths)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    backend = resolve_backend(backend)
+    backend = select_backend(backend, head_dim=q.shape[-1], page_size=k_pages.shape[2])
     if backend == "reference":
         return paged_attention_reference(q, k_pages, v_pages, page_indices, lengths, scale)
     if backend == "tpu":
