@@ -130,17 +130,38 @@ class Checkpointer:
     def restore_params(self, step: int | None = None) -> dict[str, Any]:
         """The saved trainable parameters of `step` (default: latest) as a nested dict of host
         arrays, whatever the model, optimizer or trainable set they were saved with (a new run
-        starts from them with `init_params`; the optimizer state is read and dropped)."""
+        starts from them with `init_params`).
+
+        Only the `params` subtree is read (an orbax partial restore): the optimizer state, twice
+        the params' size in f32 for AdamW, stays on disk, which matters for a 32B/72B source run.
+        """
         step = self.latest_step() if step is None else step
         if step is None or step not in self._mngr.all_steps():
             raise CheckpointError(
                 f"no checkpoint for step {step} in {self.directory}; have {self.all_steps()}"
             )
-        out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-        params = out["state"].get("params") if isinstance(out["state"], dict) else None
-        if not isinstance(params, dict):
-            raise CheckpointError(f"checkpoint {self.directory}/{step} holds no 'params'")
-        return jax.tree.map(np.asarray, params)
+        self._mngr.wait_until_finished()
+        path = os.path.join(self.directory, str(step), "state")
+        with ocp.PyTreeCheckpointer() as ckptr:
+            try:
+                tree = ckptr.metadata(path).item_metadata
+                tree = getattr(tree, "tree", tree)  # a TreeMetadata or a plain dict
+            except (FileNotFoundError, ValueError) as e:
+                raise CheckpointError(f"checkpoint {path} is unreadable: {e}") from e
+            saved = tree.get("params") if isinstance(tree, dict) else None
+            if not isinstance(saved, dict):
+                raise CheckpointError(f"checkpoint {self.directory}/{step} holds no 'params'")
+            target = {
+                "params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), saved)
+            }
+            restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+            out = ckptr.restore(
+                path,
+                args=ocp.args.PyTreeRestore(
+                    item=target, restore_args=restore_args, partial_restore=True
+                ),
+            )
+        return jax.tree.map(np.asarray, out["params"])
 
     def wait(self) -> None:
         self._mngr.wait_until_finished()
