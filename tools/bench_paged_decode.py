@@ -15,7 +15,8 @@ decode step's memory-bandwidth utilisation (figures go to BENCHMARKS.md).
    utilisation = (those bytes / step time) / (bandwidth of a plain device copy measured in the
    same run). Prefill and compile are excluded: only the engine's decode calls are timed.
 
-Needs only jax, flax and numpy (what the GPU image has); no torch.
+Needs jax, flax, numpy, safetensors and pillow, all in the GPU image (checked here under jax 0.11.2,
+the image's version); no torch.
 """
 
 from __future__ import annotations
