@@ -243,6 +243,10 @@ def apply_real(c: ConfigDict, size: str) -> None:
     c.model.remat = "dots"
     c.model.lora_rank = lora_rank
     c.mesh.tensor = tensor
+    if c.model.family == "qwen2_5_vl" and 3420 % tensor:
+        # Every Qwen2.5-VL size shares one vision tower whose MLP width (3420) tensor=8 does not
+        # divide: that MLP stays whole over `tensor` (its other dim is still FSDP-sharded).
+        c.mesh.rules = (("vision_mlp", None),)
     c.sampler.max_slots = slots
     c.sampler.page_size = 64
     c.sampler.num_pages = 8192
