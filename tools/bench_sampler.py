@@ -232,6 +232,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default="decode,batching,prefix")
     ap.add_argument("--family", default="qwen2_5_vl")
+    ap.add_argument(
+        "--smoke-model", action="store_true",
+        help="the smoke preset's model (qwen_vl.tiny: hidden 128, 2 layers, GQA 4/2, vocab 1536 "
+        "of the shipped tokenizer) instead of --hidden/--layers/--vocab",
+    )  # fmt: skip
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=4096)
@@ -262,7 +267,11 @@ def main():
     jax.config.update("jax_default_matmul_precision", "highest")
     from cua_jax.models import qwen_vl
 
-    cfg = small_config(args.family, args.hidden, args.layers, args.vocab)
+    if args.smoke_model:
+        cfg = qwen_vl.tiny(args.family, vocab_size=1536)
+        args.hidden, args.layers, args.vocab = 128, 2, 1536
+    else:
+        cfg = small_config(args.family, args.hidden, args.layers, args.vocab)
     model = qwen_vl.init_random(cfg, seed=0)
     from flax import nnx
 
