@@ -85,7 +85,7 @@ def validate_config(config: Any) -> None:
         if not os.path.isdir(init_from):
             raise ConfigError(
                 f"config.ckpt.init_params_from={init_from!r} is not a directory (pass a run's "
-                "checkpoints directory, WORKDIR/checkpoints)"
+                "workdir or its checkpoints directory, WORKDIR/checkpoints)"
             )
     if config.rl.logits_chunk < 0:
         raise ConfigError(f"config.rl.logits_chunk={config.rl.logits_chunk} must be >= 0")
@@ -176,6 +176,8 @@ def init_model_weights(model: Any, config: Any) -> int:
     src = config.ckpt.get("init_params_from")
     if not src:
         return 0
+    if os.path.isdir(os.path.join(src, "checkpoints")):  # a run's workdir: its checkpoints
+        src = os.path.join(src, "checkpoints")
     step = config.ckpt.get("init_params_step", -1)
     source = Checkpointer(src, keep=10**6)
     try:

@@ -97,3 +97,8 @@ def test_init_params_from_another_runs_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="step 3"):
         ck.restore_params(3)
     ck.close()
+    # a run's workdir works as well as its checkpoints directory
+    (tmp_path / "run1").mkdir()
+    (tmp_path / "c").rename(tmp_path / "run1" / "checkpoints")
+    config.ckpt.init_params_from = str(tmp_path / "run1")
+    assert train.init_model_weights(again, config) == n
