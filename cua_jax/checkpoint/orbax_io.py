@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 
 class CheckpointError(RuntimeError):
@@ -143,8 +144,8 @@ class Checkpointer:
         self._mngr.wait_until_finished()
         path = os.path.join(self.directory, str(step), "state")
         with ocp.PyTreeCheckpointer() as ckptr:
-            try:
-                tree = ckptr.metadata(path).item_metadata
+            try:  # the handler's metadata: the item's tree, no step-level metadata file needed
+                tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(path))
                 tree = getattr(tree, "tree", tree)  # a TreeMetadata or a plain dict
             except (FileNotFoundError, ValueError) as e:
                 raise CheckpointError(f"checkpoint {path} is unreadable: {e}") from e
