@@ -124,6 +124,9 @@ def base_config(family: str) -> ConfigDict:
     # (cua_jax.data.sft); file batches hold rl.rows_per_step episodes.
     c.sft.source = "oracle"
     c.sft.episodes_per_task = 4
+    # Share of oracle demonstrations that start with a scripted miss (a click at a random point,
+    # no loss on it) and then recover: the model sees second turns, not only perfect first ones.
+    c.sft.recovery_share = 0.0
 
     # ---- environment -------------------------------------------------------------------------
     c.env = ConfigDict()

@@ -104,6 +104,11 @@ def validate_config(config: Any) -> None:
             "ratio is anchored at the learner's own log-probs; truncated importance sampling "
             "with rl.tis_cap corrects the nucleus truncation)"
         )
+    if not 0.0 <= config.sft.recovery_share <= 1.0:
+        raise ConfigError(
+            f"config.sft.recovery_share={config.sft.recovery_share} must be in [0, 1] (the share "
+            "of oracle demonstrations that start with a scripted miss)"
+        )
     src = config.sft.source
     if config.sft.steps > 0 and src != "oracle":
         if not (os.path.isdir(src) or (os.path.isfile(src) and src.endswith(".jsonl"))):
@@ -644,7 +649,7 @@ async def _oracle_sft_batches(config, learner, agent, pool, cursor, workdir):
         for t in cursor.tasks
         for r in range(config.sft.episodes_per_task)
     ]
-    demos = await agent.demonstrations(pool, demo_tasks)
+    demos = await agent.demonstrations(pool, demo_tasks, _recovery_detours(config, len(demo_tasks)))
     good = [d for d in demos if d.success]
     if not good:
         raise RuntimeError("no oracle demonstration succeeded; check the env and task oracles")
@@ -665,8 +670,28 @@ async def _oracle_sft_batches(config, learner, agent, pool, cursor, workdir):
             idx = rng.choice(len(samples), size=min(len(samples), rows), replace=False)
             yield learner.pack([samples[i] for i in idx])
 
-    info = {"sft/demos": float(len(good)), "sft/demo_success": float(len(good) / len(demos))}
+    info = {
+        "sft/demos": float(len(good)),
+        "sft/demo_success": float(len(good) / len(demos)),
+        "sft/recovery_demos": float(sum(not d.turns[0].trained for d in good if d.turns)),
+    }
     return batches(), info
+
+
+def _recovery_detours(config: Any, n: int) -> list[Any]:
+    """`config.sft.recovery_share` of `n` demonstrations start with a click at a uniformly random
+    point of the screen (a miss, mostly; one that ends or spoils the episode is dropped with the
+    failed demonstrations), the rest with the oracle."""
+    from cua_jax.actions import Click
+
+    rng = np.random.default_rng(config.seed + 1)
+    k = round(config.sft.recovery_share * n)
+    which = set(rng.choice(n, size=k, replace=False).tolist()) if k else set()
+    w, h = config.env.viewport_width, config.env.viewport_height
+    return [
+        Click(float(rng.integers(0, w)), float(rng.integers(0, h))) if i in which else None
+        for i in range(n)
+    ]
 
 
 def sft_file_batches(path: str, learner: Any, *, batch_size: int, seed: int = 0):

@@ -224,6 +224,7 @@ class AgentLoop:
         group_id: str = "",
         greedy: bool = False,
         oracle: bool = False,
+        detour: A.Action | None = None,
         screens: list[np.ndarray] | None = None,
     ) -> Trajectory:
         """Plays `task` to the end and returns its trajectory (never raises for env faults).
@@ -231,6 +232,9 @@ class AgentLoop:
         seed: the sampling seed of the first turn (turn k uses a seed derived from it).
         oracle: the actions come from the task's oracle instead of the sampler, written as the
           model would write them (its token ids, log-probs 0): SFT demonstrations.
+        detour: with `oracle`, the first turn plays this action instead (say, a click that
+          misses) and is marked untrained; the oracle then recovers from the state it left: a
+          recovery demonstration, which teaches what to do after a mistake.
         screens: when a list is given, the screenshot each turn saw is appended to it (for the
           episode viewer, `cua_jax.viz`); `Turn.action` holds the parsed actions in screen pixels.
         """
@@ -294,7 +298,10 @@ class AgentLoop:
                 logprobs = np.asarray(out.logprobs, np.float32)
                 versions.append(int(out.version))
             else:
-                action = await _oracle_next(env, task, turn)
+                scripted = detour is not None and turn == 0
+                # A fixed oracle sequence starts over after the detour.
+                step = turn - (detour is not None)
+                action = detour if scripted else await _oracle_next(env, task, step)
                 if action is None:
                     records.pop()
                     break
@@ -334,6 +341,7 @@ class AgentLoop:
                     extends_previous=bool(extends),
                     action=acts,
                     feedback=feedback,
+                    trained=not (oracle and detour is not None and turn == 0),
                 )
             )
             prev_full = np.concatenate([prompt, np.asarray(gen_ids, np.int32)])
@@ -434,12 +442,24 @@ class AgentLoop:
 
         return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
 
-    async def demonstrations(self, pool: EnvPool, tasks: Sequence[Task]) -> list[Trajectory]:
-        """Oracle episodes (SFT data): the env's scripted solution, in the model's format."""
+    async def demonstrations(
+        self,
+        pool: EnvPool,
+        tasks: Sequence[Task],
+        detours: Sequence[A.Action | None] | None = None,
+    ) -> list[Trajectory]:
+        """Oracle episodes (SFT data): the env's scripted solution, in the model's format.
+        `detours[i]`, when given and not None, makes episode i a recovery demonstration (see
+        `run_episode`)."""
+        detours = list(detours) if detours is not None else [None] * len(tasks)
+        if len(detours) != len(tasks):
+            raise ValueError(f"{len(detours)} detours for {len(tasks)} tasks")
 
         async def one(i: int, task: Task) -> Trajectory:
             async with pool.acquire() as env:
-                return await self.run_episode(env, task, seed=i, group_id=f"demo/{i}", oracle=True)
+                return await self.run_episode(
+                    env, task, seed=i, group_id=f"demo/{i}", oracle=True, detour=detours[i]
+                )
 
         return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
 

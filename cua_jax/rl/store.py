@@ -418,6 +418,7 @@ class TrajectoryWriter:
                     "extends_previous": bool(t.extends_previous),
                     "action": _jsonable(t.action),
                     "feedback": t.feedback,
+                    "trained": bool(t.trained),
                 }
                 if t.pixel_values is not None and self.persist_images:
                     pv = np.asarray(t.pixel_values, np.float32)
@@ -494,6 +495,7 @@ class TrajectoryReader:
                     extends_previous=t["extends_previous"],
                     action=t["action"],
                     feedback=t["feedback"],
+                    trained=t.get("trained", True),  # absent in trajectories written before
                 )
             )
         return Trajectory(

@@ -40,6 +40,9 @@ class Turn:
     extends_previous: bool = False  # prompt_ids starts with the previous turn's full sequence
     action: Any = None  # the parsed action (any object; not persisted unless JSON-able)
     feedback: str = ""  # env feedback text shown to the model next turn
+    # False: the turn is context only, its tokens get no loss (the scripted wrong first step
+    # of a recovery demonstration).
+    trained: bool = True
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt_ids, np.int32).reshape(-1)
@@ -174,6 +177,8 @@ def trajectory_to_samples(
     """Training samples of one trajectory (one per chain of extending turns; see module doc)."""
     samples = []
     for chain in turn_chains(traj):
+        if not any(turn.trained for turn in chain):
+            continue  # context only: nothing to learn from
         last = chain[-1]
         ids = last.full_ids
         mask = np.zeros(ids.size, bool)
@@ -182,7 +187,7 @@ def trajectory_to_samples(
             # Each turn's generated tokens sit right after its prompt in the final sequence.
             start = turn.prompt_ids.size
             end = start + turn.generated_ids.size
-            mask[start:end] = True
+            mask[start:end] = turn.trained
             blp[start:end] = turn.logprobs
         if ids.size and mask[0]:
             raise ValueError("a sample cannot start with a generated token (empty prompt)")

@@ -45,6 +45,10 @@ def _launch(*args):
             "config.ckpt.init_params_from='/nope' is not a directory",
         ),
         (
+            ["--config=configs/qwen3vl_grpo.py:smoke", "--config.sft.recovery_share=1.5"],
+            "config.sft.recovery_share=1.5 must be in [0, 1]",
+        ),
+        (
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.rl.logits_chunk=-1"],
             "config.rl.logits_chunk=-1 must be >= 0",
         ),

@@ -139,6 +139,28 @@ def test_oracle_demo_transcript_and_samples(engine, proc):
     assert (sample.input_ids == tok.image_pad_id).sum() == 3 * 4
 
 
+def test_recovery_demo_trains_only_on_the_recovery(engine, proc):
+    """A detour makes the first turn a scripted miss (no loss on it); the oracle then recovers
+    from the state the miss left."""
+    loop = _loop(engine, proc, max_history_images=4)
+    pool = Pool(1)
+    miss = A.Click(50, 10)
+    plain, recovered = asyncio.run(loop.demonstrations(pool, [TASK, TASK], [None, miss]))
+    assert recovered.success and recovered.failure_reason is None
+    assert [t.trained for t in recovered.turns] == [False, True, True]
+    assert [type(a) for t in recovered.turns for a in t.action] == [A.Click, A.Click, A.Done]
+    assert recovered.turns[0].action[0].x == pytest.approx(50, abs=1)
+    assert [t.trained for t in plain.turns] == [True, True, True]
+    (sample,) = trajectory_to_samples(recovered, 1.0, rope_position_fn(engine.config))
+    trained = sum(t.generated_ids.size for t in recovered.turns[1:])
+    assert sample.loss_mask.sum() == trained
+    first = recovered.turns[0]
+    start = first.prompt_ids.size
+    assert not sample.loss_mask[start : start + first.generated_ids.size].any()
+    with pytest.raises(ValueError, match="1 detours for 2 tasks"):
+        asyncio.run(loop.demonstrations(pool, [TASK, TASK], [miss]))
+
+
 def test_history_window_drops_old_screenshots(engine, proc):
     loop = _loop(engine, proc, max_history_images=1)
     (traj,) = asyncio.run(loop.demonstrations(Pool(1), [TASK]))

@@ -163,6 +163,7 @@ def test_state_dict_round_trip():
 def test_persistence_round_trip(tmp_path):
     st = TrajectoryStore(capacity=4, group_size=2, persist_dir=str(tmp_path / "traj"))
     a = _traj("a", uid="u1", n=5, images=True)
+    a.turns[0].trained = False  # a recovery demonstration's scripted first step
     a.turns.append(
         Turn(
             prompt_ids=np.r_[a.turns[0].full_ids, 7],
@@ -191,6 +192,7 @@ def test_persistence_round_trip(tmp_path):
             np.testing.assert_array_equal(tg.generated_ids, tw.generated_ids)
             np.testing.assert_array_equal(tg.logprobs, tw.logprobs)
             assert tg.extends_previous == tw.extends_previous and tg.feedback == tw.feedback
+            assert tg.trained == tw.trained
             if tw.pixel_values is not None:
                 np.testing.assert_array_equal(tg.pixel_values, tw.pixel_values)
                 np.testing.assert_array_equal(tg.image_grid_thw, tw.image_grid_thw)
