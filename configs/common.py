@@ -291,6 +291,9 @@ def apply_smoke(c: ConfigDict) -> None:
     c.sft.steps = 300
     c.sft.learning_rate = 1e-3
     c.sft.episodes_per_task = 4
+    # Half the demonstrations recover from a scripted miss: without them the model has never
+    # seen a second turn and writes broken tool calls there (BENCHMARKS.md, recovery demos).
+    c.sft.recovery_share = 0.5
     c.env.concurrency = 8
     c.env.max_turns = 2
     c.env.max_history_images = 1
