@@ -15,7 +15,10 @@ N_ENVS = 4
 
 @pytest.fixture(scope="module")
 def pool(run):
-    p = BrowserPool(N_ENVS, viewport=VIEWPORT, step_timeout_s=15.0)
+    # These tests check the tasks, not speed: a generous step timeout, so that a CI machine whose
+    # two cores are shared with JAX compiles and other jobs does not turn a slow step into a
+    # "hung page" fault (one did at 15 s, under load average ~4.7). test_env.py tests the fault.
+    p = BrowserPool(N_ENVS, viewport=VIEWPORT, step_timeout_s=60.0)
     run(p.__aenter__())
     yield p
     run(p.close())
