@@ -8,12 +8,14 @@ decode step's memory-bandwidth utilisation (figures go to BENCHMARKS.md).
    kernel on TPU, Pallas interpret mode on CPU) vs the plain-jnp reference, jitted side by side
    on the same random paged K/V (ragged lengths, shuffled pages): compile time apart, median of
    alternating timed calls, max |difference|, and the bandwidth each reaches on the live K/V.
-2. bandwidth: an `Engine` decoding `--batch` requests at once for a ~2B model (the text tower of
+2. bandwidth: an `Engine` per `--backends` entry (default: the platform's kernel, then the jnp
+   reference) decoding `--batch` requests at once for a ~2B model (the text tower of
    Qwen3-VL-2B: hidden 2048, 28 layers, GQA 16/8, head_dim 128, vocab 151936, tied embeddings,
    bf16; the vision tower is tiny since decode never runs it), random init, EOS off. Each decode
    step must read the decoder weights, the LM head and every live K/V byte once, so
    utilisation = (those bytes / step time) / (bandwidth of a plain device copy measured in the
-   same run). Prefill and compile are excluded: only the engine's decode calls are timed.
+   same run). Prefill and compile are excluded: only the engine's decode calls are timed. (On a
+   CPU with `--size=small` the weights sit in cache, so "utilisation" can pass 100%.)
 
 Needs jax, flax, numpy, safetensors and pillow, all in the GPU image (checked here under jax 0.11.2,
 the image's version); no torch.
@@ -129,23 +131,18 @@ def decode_weight_bytes(model) -> int:
     return total
 
 
-def bench_bandwidth(args) -> None:
-    from flax import nnx
-
-    from cua_jax.models import qwen_vl
+def _decode_run(model, backend: str, args) -> dict:
+    """One engine with `backend` decoding args.batch requests twice (the first run compiles);
+    the decode calls of the second run are timed one by one."""
     from cua_jax.sampler import Engine, SamplingParams
 
-    cfg = config_2b(args.size)
-    t0 = time.perf_counter()
-    model = qwen_vl.QwenVL(cfg, rngs=nnx.Rngs(0))
-    init_s = time.perf_counter() - t0
-    t = cfg.text
+    t = model.config.text
     B, prompt, new, C = args.batch, args.prompt_len, args.new_tokens, args.decode_chunk
     page = 64
     per_seq = -(-(prompt + new) // page) + 1
     engine = Engine(
         model, max_slots=B, page_size=page, num_pages=B * per_seq + 1,
-        max_seq_len=per_seq * page, decode_chunk=C,
+        max_seq_len=per_seq * page, decode_chunk=C, attn_backend=backend,
     )  # fmt: skip
     calls: list[tuple[float, np.ndarray, np.ndarray]] = []
     decode = engine._decode_fn
@@ -170,10 +167,8 @@ def bench_bandwidth(args) -> None:
     outs = engine.generate_batch(reqs)
     wall = time.perf_counter() - t0
     assert all(len(o.tokens) == new for o in outs), "a request stopped early"
-
     kv_per_token = t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim
     kv_per_token *= jnp.dtype(engine.cache.k[0].dtype).itemsize
-    w_bytes = decode_weight_bytes(model)
     steps = step_time = kv_bytes = 0.0
     for dt, lengths, n_steps in calls:
         for i in range(int(n_steps.max())):
@@ -181,22 +176,46 @@ def bench_bandwidth(args) -> None:
             kv_bytes += float(np.sum((lengths + i + 1) * live)) * kv_per_token
         steps += int(n_steps.max())
         step_time += dt
-    per_step = step_time / steps
-    step_bytes = w_bytes + kv_bytes / steps
-    copy_bw = copy_bandwidth(args.copy_mib * 2**20)
-    achieved = step_bytes / per_step
+    return dict(
+        attn=engine._attn, first_s=first_s, wall=wall, calls=len(calls), steps=steps,
+        per_step=step_time / steps, kv_bytes=kv_bytes / steps, tokens=[o.tokens for o in outs],
+    )  # fmt: skip
+
+
+_WIDTHS = (10, 10, 9, 8, 8, 12, 8, 7, 6, 11)
+
+
+def bench_bandwidth(args) -> None:
+    from flax import nnx
+
+    from cua_jax.models import qwen_vl
+
+    cfg = config_2b(args.size)
+    t0 = time.perf_counter()
+    model = qwen_vl.QwenVL(cfg, rngs=nnx.Rngs(0))
+    init_s = time.perf_counter() - t0
+    B, new = args.batch, args.new_tokens
+    w_bytes = decode_weight_bytes(model)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    print(f"\n== bandwidth: {_device()}, {args.size} ({n_params / 1e6:.0f}M params, "
-          f"bf16), batch {B}, prompt {prompt} + {new} new, decode_chunk {C}, "
-          f"attention backend {engine._attn} ==")  # fmt: skip
-    print(f"init {init_s:.1f} s, first run (compile + prefill + decode) {first_s:.1f} s, "
-          f"timed run {wall:.2f} s ({B * new / wall:.0f} tok/s incl. prefill)")  # fmt: skip
-    print(f"decode: {len(calls)} calls, {steps:.0f} steps, {per_step * 1e3:.2f} ms/step, "
-          f"{B / per_step:.0f} tok/s")  # fmt: skip
-    print(f"bytes per step: weights {w_bytes / 2**30:.3f} GiB + live K/V "
-          f"{kv_bytes / steps / 2**30:.3f} GiB (mean) = {step_bytes / 2**30:.3f} GiB")  # fmt: skip
-    print(f"achieved {achieved / 1e9:.1f} GB/s; copy bandwidth (read + write) "
-          f"{copy_bw / 1e9:.1f} GB/s; utilisation {achieved / copy_bw:.1%}")  # fmt: skip
+    runs = {b: _decode_run(model, b, args) for b in args.backends.split(",")}
+    copy_bw = copy_bandwidth(args.copy_mib * 2**20)
+    print(f"\n== bandwidth: {_device()}, {args.size} ({n_params / 1e6:.0f}M params, bf16, "
+          f"init {init_s:.1f} s), batch {B}, prompt {args.prompt_len} + {new} new, "
+          f"decode_chunk {args.decode_chunk}; weights read per step {w_bytes / 2**30:.3f} GiB; "
+          f"copy bandwidth (read + write) {copy_bw / 1e9:.1f} GB/s ==")  # fmt: skip
+    head = ("backend", "attention", "1st run s", "timed s", "ms/step", "decode tok/s", "K/V GiB",
+            "GB/s", "util", "same tokens")  # fmt: skip
+    print(" ".join(f"{h:>{w}}" for h, w in zip(head, _WIDTHS, strict=True)))
+    ref = next(iter(runs.values()))["tokens"]
+    for b, r in runs.items():
+        step_bytes = w_bytes + r["kv_bytes"]
+        achieved = step_bytes / r["per_step"]
+        same = np.mean([x == y for x, y in zip(r["tokens"], ref, strict=True)])
+        cells = (b, r["attn"], f"{r['first_s']:.1f}", f"{r['wall']:.2f}",
+                 f"{r['per_step'] * 1e3:.2f}", f"{B / r['per_step']:.0f}",
+                 f"{r['kv_bytes'] / 2**30:.3f}", f"{achieved / 1e9:.1f}",
+                 f"{achieved / copy_bw:.1%}", f"{same:.0%}")  # fmt: skip
+        print(" ".join(f"{c:>{w}}" for c, w in zip(cells, _WIDTHS, strict=True)))
 
 
 def main() -> None:
@@ -207,6 +226,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--decode-chunk", type=int, default=16)
+    ap.add_argument(
+        "--backends", default="auto,reference",
+        help="bandwidth part: engine attention backends, side by side (tokens vs the first)",
+    )  # fmt: skip
     ap.add_argument("--copy-mib", type=int, default=2048)
     ap.add_argument("--dtype", default="bfloat16", help="kernel part's q / K / V dtype")
     ap.add_argument(
