@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,6 +25,7 @@ from flax import nnx  # noqa: E402
 
 from cua_jax.models import qwen_vl  # noqa: E402
 from cua_jax.rl.learner import Learner, OptimizerConfig  # noqa: E402
+from tools._learner_step import compile_and_time  # noqa: E402
 from tools.bench_train import make_config, make_groups  # noqa: E402
 
 
@@ -56,19 +55,11 @@ def main() -> None:
             logits_chunk=chunk,
         )
         batch, _ = learner.prepare_batch(groups, num_rows=args.rows)
-        t0 = time.perf_counter()
-        compiled = learner.lower_step(batch).compile()
-        t_compile = time.perf_counter() - t0
-        temp = compiled.memory_analysis().temp_size_in_bytes
-        times, m = [], {}
-        for _ in range(args.steps + 1):
-            t0 = time.perf_counter()
-            m = learner.train_step(batch)
-            times.append(time.perf_counter() - t0)
+        temp, t_compile, t_step, m = compile_and_time(learner, batch, args.steps)
         print(f"| {chunk or 'off'} | {temp / 2**30:.2f} GiB | {t_compile:.1f} s | "
-              f"{statistics.median(times[1:]):.2f} s | {m['loss']:.6f} | {m['grad_norm']:.6f} |",
+              f"{t_step:.2f} s | {m['loss']:.6f} | {m['grad_norm']:.6f} |",
               flush=True)  # fmt: skip
-        del learner, compiled
+        del learner
 
 
 if __name__ == "__main__":

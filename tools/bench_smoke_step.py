@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import statistics
 import sys
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,6 +25,7 @@ from cua_jax import train  # noqa: E402
 from cua_jax.models.qwen_vl import vision  # noqa: E402
 from cua_jax.rl.store import TrajectoryReader  # noqa: E402
 from cua_jax.rl.trajectory import trajectory_to_samples  # noqa: E402
+from tools._learner_step import compile_and_time  # noqa: E402
 
 
 def main() -> None:
@@ -58,17 +57,11 @@ def main() -> None:
             for s in trajectory_to_samples(demos[i], 1.0 if i % 2 else -1.0, pos)
         ]
         batch = learner.pack(samples)
-        compiled = learner.lower_step(batch).compile()
-        temp = compiled.memory_analysis().temp_size_in_bytes
-        times, m = [], {}
-        for _ in range(args.steps + 1):
-            t0 = time.perf_counter()
-            m = learner.train_step(batch)
-            times.append(time.perf_counter() - t0)
+        temp, _, t_step, m = compile_and_time(learner, batch, args.steps)
         ((_, _, pixels),) = learner.compiled_shapes  # (mode, batch shape, padded patches)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         print(f"| {name} | {batch.shape[0]} x {batch.shape[1]} | {pixels[0]} | "
-              f"{temp / 2**30:.2f} GiB | {statistics.median(times[1:]):.2f} s | {rss:.1f} GiB | "
+              f"{temp / 2**30:.2f} GiB | {t_step:.2f} s | {rss:.1f} GiB | "
               f"{m['loss']:.6f} | {m['grad_norm']:.6f} |", flush=True)  # fmt: skip
     vision._query_chunk = per_image
 
