@@ -262,6 +262,7 @@ class AgentLoop:
         done = False
         feedback = ""
         for turn in range(self.settings.max_turns):
+            scripted = oracle and detour is not None and turn == 0  # a recovery demo's miss
             if screens is not None:
                 screens.append(obs.screenshot)
             images = self.processor.preprocess_images([obs.screenshot])
@@ -298,7 +299,6 @@ class AgentLoop:
                 logprobs = np.asarray(out.logprobs, np.float32)
                 versions.append(int(out.version))
             else:
-                scripted = detour is not None and turn == 0
                 # A fixed oracle sequence starts over after the detour.
                 step = turn - (detour is not None)
                 action = detour if scripted else await _oracle_next(env, task, step)
@@ -341,7 +341,7 @@ class AgentLoop:
                     extends_previous=bool(extends),
                     action=acts,
                     feedback=feedback,
-                    trained=not (oracle and detour is not None and turn == 0),
+                    trained=not scripted,
                 )
             )
             prev_full = np.concatenate([prompt, np.asarray(gen_ids, np.int32)])
