@@ -72,6 +72,8 @@ def base_config(family: str) -> ConfigDict:
     c.sampler.max_seq_len = 4096
     c.sampler.decode_chunk = 8
     c.sampler.backend = "auto"  # paged-attention backend: auto | tpu | gpu | interpret | reference
+    # our Pallas GPU kernel's tuning, e.g. "pages_per_block=4,f32_dots=false" (GpuKernelOptions)
+    c.sampler.gpu_kernel = ""
 
     # ---- rl --------------------------------------------------------------------------------------
     c.rl = ConfigDict()

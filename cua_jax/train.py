@@ -33,6 +33,7 @@ from cua_jax.checkpoint.orbax_io import Checkpointer, CheckpointError, init_para
 from cua_jax.env_api import Task
 from cua_jax.rl.rollout import AgentLoop, RolloutSettings, episode_seed
 from cua_jax.rl.trajectory import Trajectory
+from cua_jax.sampler.kernels.paged_attention import GpuKernelOptions
 
 _ENUMS = {
     "model.family": ("qwen2_5_vl", "qwen3_vl"),
@@ -75,6 +76,10 @@ def validate_config(config: Any) -> None:
             f"config.rl.invalid_action_penalty={config.rl.invalid_action_penalty} must be >= 0 "
             "(it is subtracted from the reward per invalid action)"
         )
+    try:
+        GpuKernelOptions.parse(config.sampler.gpu_kernel)
+    except ValueError as e:
+        raise ConfigError(f"config.sampler.gpu_kernel={config.sampler.gpu_kernel!r}: {e}") from None
     init_from = config.ckpt.init_params_from
     if init_from:
         if config.ckpt.load_checkpoint_path:
@@ -287,6 +292,7 @@ def build_engine(model: Any, config: Any, tokenizer: Any):
         max_seq_len=sc.max_seq_len,
         decode_chunk=sc.decode_chunk,
         attn_backend=sc.backend,
+        attn_options=sc.gpu_kernel,
         detokenize=tokenizer.decode,
     )
 

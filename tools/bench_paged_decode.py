@@ -8,14 +8,17 @@ decode step's memory-bandwidth utilisation (figures go to BENCHMARKS.md).
    kernel on TPU, Pallas interpret mode on CPU) vs the plain-jnp reference, jitted side by side
    on the same random paged K/V (ragged lengths, shuffled pages): compile time apart, median of
    alternating timed calls, max |difference|, and the bandwidth each reaches on the live K/V.
-2. bandwidth: an `Engine` per `--backends` entry (default: the platform's kernel, then the jnp
-   reference) decoding `--batch` requests at once for a ~2B model (the text tower of
-   Qwen3-VL-2B: hidden 2048, 28 layers, GQA 16/8, head_dim 128, vocab 151936, tied embeddings,
-   bf16; the vision tower is tiny since decode never runs it), random init, EOS off. Each decode
-   step must read the decoder weights, the LM head and every live K/V byte once, so
-   utilisation = (those bytes / step time) / (bandwidth of a plain device copy measured in the
-   same run). Prefill and compile are excluded: only the engine's decode calls are timed. (On a
-   CPU with `--size=small` the weights sit in cache, so "utilisation" can pass 100%.)
+   On a GPU every tuning variant in `GPU_SWEEP` (pages per loop step, bf16 or f32 dots, Triton
+   warps) gets its own row; a variant that fails to compile is reported, not fatal.
+2. bandwidth: an `Engine` per `--backends` entry (default: the platform's kernel with default
+   options, with the kernel part's fastest options if they differ, then the jnp reference)
+   decoding `--batch` requests at once for a ~2B model (the text tower of Qwen3-VL-2B: hidden
+   2048, 28 layers, GQA 16/8, head_dim 128, vocab 151936, tied embeddings, bf16; the vision
+   tower is tiny since decode never runs it), random init, EOS off. Each decode step must read
+   the decoder weights, the LM head and every live K/V byte once, so utilisation = (those bytes
+   / step time) / (bandwidth of a plain device copy measured in the same run). Prefill and
+   compile are excluded: only the engine's decode calls are timed. (On a CPU with `--size=small`
+   the weights sit in cache, so "utilisation" can pass 100%.)
 
 Needs jax, flax, numpy, safetensors and pillow, all in the GPU image (checked here under jax 0.11.2,
 the image's version); no torch.
@@ -58,8 +61,23 @@ def copy_bandwidth(nbytes: int, iters: int = 10) -> float:
 
 
 # ------------------------------------------------------------------------------------ kernel
-def bench_kernel(args) -> None:
-    from cua_jax.sampler.kernels.paged_attention import paged_attention, resolve_backend
+# GPU kernel variants the kernel part times side by side (`GpuKernelOptions.parse` specs; the
+# first is the default). `tests/sampler/test_kernel_lowering.py` lowers each one for an H100.
+GPU_SWEEP = tuple(
+    f"pages_per_block={n},f32_dots={d},num_warps={w}"
+    for d in ("true", "false")
+    for n in (1, 2, 4)
+    for w in ("none", 8)
+)
+
+
+def bench_kernel(args) -> str | None:
+    """Returns the fastest GPU kernel variant's spec (None off a GPU)."""
+    from cua_jax.sampler.kernels.paged_attention import (
+        GpuKernelOptions,
+        paged_attention,
+        resolve_backend,
+    )
 
     backend = resolve_backend("auto")
     backend = "interpret" if backend == "reference" else backend
@@ -75,29 +93,68 @@ def bench_kernel(args) -> None:
     k = jnp.asarray(rng.standard_normal((K, total, L, H)), dtype)
     v = jnp.asarray(rng.standard_normal((K, total, L, H)), dtype)
     table, lengths = jnp.asarray(table), jnp.asarray(lengths)
-    fns = {
-        name: jax.jit(functools.partial(paged_attention, backend=name))
-        for name in (backend, "reference")
-    }
-    compile_s, outs = {}, {}
+    # One row per variant: the platform's kernel (every GPU variant on a GPU), then the reference.
+    # Off a GPU only an explicit --gpu-options list is swept (interpret mode is slow).
+    sweep = backend == "gpu" or (backend == "interpret" and args.gpu_options != "sweep")
+    specs = _gpu_specs(args) if sweep else [""]
+    fns = {}
+    for spec in specs:
+        opts = GpuKernelOptions.parse(spec)
+        name = backend if len(specs) == 1 else f"{backend}[{_short(opts)}]"
+        fns[name] = jax.jit(functools.partial(paged_attention, backend=backend, gpu_options=opts))
+    fns["reference"] = jax.jit(functools.partial(paged_attention, backend="reference"))
+    spec_of = dict(zip(fns, [*specs, None], strict=True))
+    compile_s, outs, failed = {}, {}, {}
     for name, f in fns.items():
         t0 = time.perf_counter()
-        outs[name] = np.asarray(jax.block_until_ready(f(q, k, v, table, lengths)), np.float32)
+        try:
+            outs[name] = np.asarray(jax.block_until_ready(f(q, k, v, table, lengths)), np.float32)
+        except Exception as e:  # one variant failing to compile (e.g. shared memory) is a result
+            failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            continue
         compile_s[name] = time.perf_counter() - t0
+    fns = {n: f for n, f in fns.items() if n not in failed}
     times = {name: [] for name in fns}
-    for _ in range(args.iters):  # alternate, so load hits both alike
+    for _ in range(args.iters):  # alternate, so load hits all alike
         for name, f in fns.items():
             times[name] += _time(f, q, k, v, table, lengths, iters=1)
+    med = {name: statistics.median(t) for name, t in times.items()}
     live = int(np.sum(np.asarray(lengths))) * K * H * 2 * dtype.itemsize
-    diff = float(np.max(np.abs(outs[backend] - outs["reference"])))
     print(f"\n== kernel: {_device()}, B={B} q_heads={N} kv_heads={K} head_dim={H} page={L} "
           f"ctx<={ctx} {dtype.name}; live K/V {live / 2**20:.1f} MiB ==")  # fmt: skip
-    print(f"{'backend':>10} {'compile+1st s':>13} {'median ms':>10} {'live GB/s':>10}")
+    w = max(10, *(len(n) for n in spec_of))
+    print(f"{'backend':>{w}} {'compile+1st s':>13} {'median ms':>10} {'live GB/s':>10} "
+          f"{'ref / this':>10} {'max |diff|':>10}")  # fmt: skip
     for name in fns:
-        med = statistics.median(times[name])
-        print(f"{name:>10} {compile_s[name]:>13.2f} {med * 1e3:>10.3f} {live / med / 1e9:>10.1f}")
-    ratio = statistics.median(times["reference"]) / statistics.median(times[backend])
-    print(f"reference / {backend}: {ratio:.2f}x; max |difference| {diff:.2e}")
+        diff = float(np.max(np.abs(outs[name] - outs["reference"])))
+        print(f"{name:>{w}} {compile_s[name]:>13.2f} {med[name] * 1e3:>10.3f} "
+              f"{live / med[name] / 1e9:>10.1f} {med['reference'] / med[name]:>9.2f}x "
+              f"{diff:>10.2e}")  # fmt: skip
+    for name, why in failed.items():
+        print(f"{name:>{w}} failed: {why}")
+    kernels = [n for n in fns if n != "reference"]
+    if not kernels:
+        return None
+    best = min(kernels, key=med.get)
+    print(f"fastest: {best} ({spec_of[best] or 'defaults'}), reference / fastest "
+          f"{med['reference'] / med[best]:.2f}x")  # fmt: skip
+    return spec_of[best] if backend == "gpu" else None
+
+
+def _gpu_specs(args) -> list[str]:
+    from cua_jax.sampler.kernels.paged_attention import GpuKernelOptions
+
+    specs = GPU_SWEEP if args.gpu_options == "sweep" else args.gpu_options.split(";")
+    by_options = {GpuKernelOptions.parse(s): s.strip() for s in reversed(specs)}  # first wins
+    return list(reversed(by_options.values()))
+
+
+def _short(opts) -> str:
+    """ "p4 bf16 w8" for pages_per_block=4, f32_dots=False, num_warps=8."""
+    parts = [f"p{opts.pages_per_block}", "f32" if opts.f32_dots else "bf16"]
+    parts += [f"w{opts.num_warps}"] * bool(opts.num_warps)
+    parts += [f"s{opts.num_stages}"] * bool(opts.num_stages)
+    return " ".join(parts)
 
 
 # --------------------------------------------------------------------------------- bandwidth
@@ -131,7 +188,7 @@ def decode_weight_bytes(model) -> int:
     return total
 
 
-def _decode_run(model, backend: str, args) -> dict:
+def _decode_run(model, backend: str, args, gpu_options: str = "") -> dict:
     """One engine with `backend` decoding args.batch requests twice (the first run compiles);
     the decode calls of the second run are timed one by one."""
     from cua_jax.sampler import Engine, SamplingParams
@@ -142,7 +199,7 @@ def _decode_run(model, backend: str, args) -> dict:
     per_seq = -(-(prompt + new) // page) + 1
     engine = Engine(
         model, max_slots=B, page_size=page, num_pages=B * per_seq + 1,
-        max_seq_len=per_seq * page, decode_chunk=C, attn_backend=backend,
+        max_seq_len=per_seq * page, decode_chunk=C, attn_backend=backend, attn_options=gpu_options,
     )  # fmt: skip
     calls: list[tuple[float, np.ndarray, np.ndarray]] = []
     decode = engine._decode_fn
@@ -185,10 +242,11 @@ def _decode_run(model, backend: str, args) -> dict:
 _WIDTHS = (10, 10, 9, 8, 8, 12, 8, 7, 6, 11)
 
 
-def bench_bandwidth(args) -> None:
+def bench_bandwidth(args, best_spec: str | None = None) -> None:
     from flax import nnx
 
     from cua_jax.models import qwen_vl
+    from cua_jax.sampler.kernels.paged_attention import GpuKernelOptions
 
     cfg = config_2b(args.size)
     t0 = time.perf_counter()
@@ -197,7 +255,17 @@ def bench_bandwidth(args) -> None:
     B, new = args.batch, args.new_tokens
     w_bytes = decode_weight_bytes(model)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    runs = {b: _decode_run(model, b, args) for b in args.backends.split(",")}
+    runs = {}
+    for b in args.backends.split(","):
+        if b != "best":
+            runs[b] = _decode_run(model, b, args)
+        elif best_spec is None or GpuKernelOptions.parse(best_spec) == GpuKernelOptions():
+            print(f"(backend 'best' skipped: the kernel part found no GPU variant faster than the "
+                  f"defaults{'' if best_spec is None else ' (' + best_spec + ')'})")  # fmt: skip
+        else:
+            runs[f"gpu[{_short(GpuKernelOptions.parse(best_spec))}]"] = _decode_run(
+                model, "gpu", args, best_spec
+            )
     copy_bw = copy_bandwidth(args.copy_mib * 2**20)
     print(f"\n== bandwidth: {_device()}, {args.size} ({n_params / 1e6:.0f}M params, bf16, "
           f"init {init_s:.1f} s), batch {B}, prompt {args.prompt_len} + {new} new, "
@@ -227,8 +295,16 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--decode-chunk", type=int, default=16)
     ap.add_argument(
-        "--backends", default="auto,reference",
-        help="bandwidth part: engine attention backends, side by side (tokens vs the first)",
+        "--backends", default="auto,best,reference",
+        help="bandwidth part: engine attention backends, side by side (tokens vs the first); "
+        "'best' is the GPU kernel with the kernel part's fastest options (run when they differ "
+        "from the defaults)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--gpu-options", default="sweep",
+        help="kernel part: GPU kernel variants to time, ';'-separated GpuKernelOptions specs "
+        "(e.g. 'pages_per_block=1;pages_per_block=4,f32_dots=false'), or 'sweep' for GPU_SWEEP; "
+        "off a GPU, an explicit list runs in interpret mode",
     )  # fmt: skip
     ap.add_argument("--copy-mib", type=int, default=2048)
     ap.add_argument("--dtype", default="bfloat16", help="kernel part's q / K / V dtype")
@@ -249,10 +325,9 @@ def main() -> None:
     now = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"jax {jax.__version__}, devices {jax.devices()}, {now}, "
           f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
-    if "kernel" in parts:
-        bench_kernel(args)
+    best_spec = bench_kernel(args) if "kernel" in parts else None
     if "bandwidth" in parts:
-        bench_bandwidth(args)
+        bench_bandwidth(args, best_spec)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ from cua_jax.models.qwen_vl.rope import get_rope_index
 from cua_jax.models.qwen_vl.vision import vision_metadata
 from cua_jax.sampler import kv_cache
 from cua_jax.sampler.kernels.paged_attention import (
+    GpuKernelOptions,
     chunk_attention_reference,
     contiguous_decode_attention,
     paged_attention,
@@ -191,6 +192,8 @@ class Engine:
       decode_chunk: decode steps per jitted call.
       attn_backend: paged-attention backend for decode ("auto", "tpu", "gpu", "interpret",
         "reference"); prefill always uses the jnp chunk attention.
+      attn_options: tuning of our Pallas kernel when it is the one used ("gpu", "interpret"): a
+        `GpuKernelOptions` or its string form, e.g. "pages_per_block=4,f32_dots=false".
       detokenize: ids -> text, needed only for stop strings.
       static_batching: admit new requests only when the batch has drained (for benchmarks).
       share_prefix: fork the pages of a running request with an identical prompt (GRPO groups).
@@ -208,6 +211,7 @@ class Engine:
         max_seq_len: int = 1024,
         decode_chunk: int = 8,
         attn_backend: str = "auto",
+        attn_options: GpuKernelOptions | str | None = None,
         detokenize: Callable[[Sequence[int]], str] | None = None,
         static_batching: bool = False,
         share_prefix: bool = True,
@@ -270,6 +274,9 @@ class Engine:
         self._attn = select_backend(
             attn_backend, head_dim=t.head_dim, page_size=page_size, platform=platform
         )
+        if isinstance(attn_options, str):
+            attn_options = GpuKernelOptions.parse(attn_options)
+        self.attn_options = attn_options or GpuKernelOptions()
         on_cpu = platform == "cpu"
         self._compiler_options = dict(_CPU_COMPILER_OPTIONS) if on_cpu else None
         self._decode_fn = jax.jit(
@@ -818,7 +825,7 @@ class Engine:
                     )
                     o = paged_attention(
                         q_BTNH[:, 0], k_bufs[li], v_bufs[li], table_SP, attn_len,
-                        scale=self._scale, backend=self._attn,
+                        scale=self._scale, backend=self._attn, gpu_options=self.attn_options,
                     )  # fmt: skip
                 return o[:, None].astype(q_BTNH.dtype)
 

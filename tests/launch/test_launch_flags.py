@@ -56,6 +56,10 @@ def _launch(*args):
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.sft.source=/nope/demos.jsonl"],
             "config.sft.source='/nope/demos.jsonl' does not exist",
         ),
+        (
+            ["--config=configs/qwen3vl_grpo.py:smoke", "--config.sampler.gpu_kernel=warps=8"],
+            "config.sampler.gpu_kernel='warps=8': GPU kernel option 'warps=8'",
+        ),
     ],
 )
 def test_bad_command_line_fails_at_start(args, expected):

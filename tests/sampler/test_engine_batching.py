@@ -99,12 +99,14 @@ def test_group_prefix_is_prefilled_once(model):
 
 
 def test_decode_through_pallas_kernel_interpret(model, alone):
-    """The engine's decode loop with the Pallas kernel (interpret mode) == the jnp reference."""
+    """The engine's decode loop with the Pallas kernel (interpret mode, a non-default tuning
+    given as the config's string form) == the jnp reference."""
     _, reqs, solo = alone
     picked = [1, 2]  # greedy requests
     assert all(reqs[i]["params"].greedy for i in picked)
     engine = Engine(model, max_slots=2, page_size=4, num_pages=32, max_seq_len=64, decode_chunk=4,
-                    attn_backend="interpret")  # fmt: skip
+                    attn_backend="interpret", attn_options="pages_per_block=3")  # fmt: skip
+    assert engine.attn_options.pages_per_block == 3
     outs = engine.generate_batch([reqs[i] for i in picked])
     _assert_same(outs, [solo[i] for i in picked])
 

@@ -29,6 +29,7 @@ from cua_jax.models import qwen_vl
 from cua_jax.sampler.engine import Engine
 from cua_jax.sampler.kernels import paged_attention as pa
 from cua_jax.sampler.sampling import SamplingParams, SlotSampling
+from tools.bench_paged_decode import GPU_SWEEP
 
 # lowering platform, abstract device kind
 TARGETS = {"gpu": ("cuda", "NVIDIA H100"), "tpu": ("tpu", "TPU v5 lite")}
@@ -134,3 +135,16 @@ def test_auto_falls_back_explicit_backend_fails_up_front(caplog):
             *[jnp.zeros(s.shape, s.dtype) for s in _structs(1, 4, 2, 32, 12, 2, jnp.float32)],
             backend="gpu",
         )
+
+
+@pytest.mark.parametrize("spec", GPU_SWEEP)
+def test_every_gpu_option_in_the_bench_sweep_lowers(spec):
+    """What `tools/bench_paged_decode.py --parts=kernel` will compile on a GPU lowers to Triton
+    here, so a GPU session's one bench call does not end in a lowering error."""
+    opts = pa.GpuKernelOptions.parse(spec)
+    args = _structs(3, 16, 8, 128, 64, 16, jnp.bfloat16)
+    fn = lambda q, k, v, t, n: pa.paged_attention(q, k, v, t, n, backend="gpu", gpu_options=opts)  # noqa: E731
+    text = _lower("gpu", fn, *args)
+    assert "xla.gpu.triton" in text
+    if opts.num_warps:
+        assert f"num_warps = {opts.num_warps}" in text or f'"num_warps": {opts.num_warps}' in text

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from cua_jax.sampler.kernels.paged_attention import (
+    GpuKernelOptions,
     chunk_attention_reference,
     contiguous_decode_attention,
     paged_attention,
@@ -130,3 +131,61 @@ def test_contiguous_decode_attention_matches_reference(page_size, q_heads, kv_he
     ref = np.asarray(paged_attention(q, k, v, table, lens, scale=0.37, backend="reference"))
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
+
+
+OPTION_CASES = [
+    # pages_per_block over: a block with pages past the table's end (P=3 with 2 per block), an
+    # empty sequence, exact page boundaries; all unused cells NaN.
+    ("pages_per_block=2", 4, 8, 2, [0, 1, 4, 8, 12, 9]),
+    ("pages_per_block=4", 8, 8, 1, [8, 16, 3, 17, 0]),
+    ("pages_per_block=3,f32_dots=false", 4, 4, 2, [5, 12, 1, 0, 11]),
+]
+
+
+@pytest.mark.parametrize("spec,page_size,q_heads,kv_heads,lengths", OPTION_CASES)
+def test_kernel_options_match_reference(spec, page_size, q_heads, kv_heads, lengths):
+    """Every GPU tuning knob the bench sweeps computes the same attention (interpret mode)."""
+    rng = np.random.default_rng(len(spec) + page_size)
+    q, k, v, table, lens, _ = _make_case(rng, page_size, q_heads, kv_heads, lengths)
+    opts = GpuKernelOptions.parse(spec)
+    got = np.asarray(
+        paged_attention(q, k, v, table, lens, scale=0.3, backend="interpret", gpu_options=opts)
+    )
+    ref = np.asarray(paged_attention(q, k, v, table, lens, scale=0.3, backend="reference"))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("f32_dots", [True, False])
+def test_kernel_bf16_pages_within_bf16_rounding(f32_dots):
+    """bf16 K/V: f32 dots match the reference to f32 rounding; bf16 dots (probabilities rounded
+    to bf16 before the V product, as flash attention does) to bf16 rounding."""
+    rng = np.random.default_rng(11)
+    q, k, v, table, lens, _ = _make_case(rng, 8, 8, 2, [40, 17, 8, 1], head_dim=16)
+    q, k, v = (jnp.asarray(np.nan_to_num(x), jnp.bfloat16) for x in (q, k, v))
+    opts = GpuKernelOptions(pages_per_block=2, f32_dots=f32_dots)
+    got = np.asarray(
+        paged_attention(q, k, v, table, lens, scale=0.25, backend="interpret", gpu_options=opts)
+    )
+    ref = np.asarray(paged_attention(q, k, v, table, lens, scale=0.25, backend="reference"))
+    tol = 1e-5 if f32_dots else 2e-2
+    np.testing.assert_allclose(got, ref, atol=tol, rtol=tol)
+    if not f32_dots:
+        assert np.abs(got - ref).max() > 0  # the bf16 path really is a different computation
+
+
+def test_kernel_options_parse():
+    assert GpuKernelOptions.parse("") == GpuKernelOptions()
+    o = GpuKernelOptions.parse(" pages_per_block=4 , f32_dots=false,num_warps=8,num_stages=none")
+    assert o == GpuKernelOptions(pages_per_block=4, f32_dots=False, num_warps=8, num_stages=None)
+    assert GpuKernelOptions.parse(str(o)) == o
+    for bad, match in [
+        ("pages=4", "names"),
+        ("pages_per_block", "name=value"),
+        ("f32_dots=maybe", "true or false"),
+        ("num_warps=eight", "integer"),
+        ("pages_per_block=0", ">= 1"),
+        ("pages_per_block=none", "integer"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            GpuKernelOptions.parse(bad)

@@ -23,7 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from cua_jax.sampler.kernels.paged_attention.kernel import paged_attention_kernel
+from cua_jax.sampler.kernels.paged_attention.kernel import GpuKernelOptions, paged_attention_kernel
 from cua_jax.sampler.kernels.paged_attention.reference import (
     chunk_attention_reference,
     contiguous_decode_attention,
@@ -34,6 +34,7 @@ BACKENDS = ("auto", "tpu", "gpu", "interpret", "reference")
 
 __all__ = [
     "BACKENDS",
+    "GpuKernelOptions",
     "chunk_attention_reference",
     "contiguous_decode_attention",
     "paged_attention",
@@ -155,10 +156,12 @@ def paged_attention(
     *,
     scale: float | None = None,
     backend: str = "auto",
+    gpu_options: GpuKernelOptions | None = None,
 ) -> jax.Array:
     """Decode attention of one query token per sequence over its paged K/V. Returns f32[B, N, H].
 
-    `scale` defaults to 1/sqrt(head_dim). Sequences of length 0 give zeros.
+    `scale` defaults to 1/sqrt(head_dim). Sequences of length 0 give zeros. `gpu_options` tune our
+    Pallas kernel ("gpu" and "interpret" backends); the others ignore them.
     """
     validate_inputs(q, k_pages, v_pages, page_indices, lengths)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -176,4 +179,5 @@ def paged_attention(
         scale=scale,
         interpret=backend == "interpret",
         min_block_g=16 if backend == "gpu" else 1,
+        options=gpu_options or GpuKernelOptions(),
     )

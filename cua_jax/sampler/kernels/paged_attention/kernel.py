@@ -1,7 +1,8 @@
 """Pallas paged-attention decode kernel (one query token per sequence, grouped-query heads).
 
 Grid (B, K): program (b, k) takes the G query heads that share kv-head k of sequence b, walks the
-sequence's pages one at a time through the page table and keeps an online (flash) softmax in f32.
+sequence's pages through the page table (`pages_per_block` pages per loop step) and keeps an
+online (flash) softmax in f32.
 Only the first cdiv(lengths[b], L) pages are touched, and positions past lengths[b] inside the last
 page are masked for both K and V, so stale or NaN data in unused pages never leaks in.
 
@@ -15,11 +16,68 @@ P pages per sequence.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuKernelOptions:
+    """Tuning knobs of the GPU kernel (they change speed, not results beyond rounding).
+
+    pages_per_block: pages each loop step loads and scores together (more loads in flight).
+    f32_dots: cast K/V to f32 and use f32 dots (True, the default), or feed the dots K/V in their
+        own dtype with f32 accumulation (bf16 tensor cores; the softmax stays f32).
+    num_warps, num_stages: Triton's launch parameters (None: Pallas' defaults).
+
+    The defaults are the first version's behaviour, not yet tuned on a GPU:
+    `tools/bench_paged_decode.py --parts=kernel` times a grid of these on one, side by side.
+    """
+
+    pages_per_block: int = 1
+    f32_dots: bool = True
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def __post_init__(self):
+        if self.pages_per_block < 1:
+            raise ValueError(f"pages_per_block must be >= 1; got {self.pages_per_block}.")
+        for name in ("num_warps", "num_stages"):
+            n = getattr(self, name)
+            if n is not None and n < 1:
+                raise ValueError(f"{name} must be >= 1 or None; got {n}.")
+
+    @classmethod
+    def parse(cls, spec: str) -> GpuKernelOptions:
+        """From "pages_per_block=4,f32_dots=false,num_warps=8" (empty: the defaults)."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kw: dict = {}
+        for item in filter(None, (x.strip() for x in spec.split(","))):
+            name, eq, value = item.partition("=")
+            name, value = name.strip(), value.strip().lower()
+            if not eq or name not in fields:
+                raise ValueError(
+                    f"GPU kernel option {item!r}: expected name=value, names {sorted(fields)}."
+                )
+            if name == "f32_dots":
+                if value not in ("true", "false", "1", "0"):
+                    raise ValueError(f"GPU kernel option {item!r}: f32_dots is true or false.")
+                kw[name] = value in ("true", "1")
+            elif value == "none" and name != "pages_per_block":
+                kw[name] = None
+            else:
+                try:
+                    kw[name] = int(value)
+                except ValueError:
+                    raise ValueError(f"GPU kernel option {item!r}: {name} is an integer.") from None
+        return cls(**kw)
+
+    def __str__(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
 
 
 def _decode_kernel(
@@ -31,41 +89,63 @@ def _decode_kernel(
     o_ref,  # [G, H]
     *,
     scale: float,
+    pages_per_block: int,
+    f32_dots: bool,
 ):
     b = pl.program_id(0)
     length = lengths_ref[b]
     G, H = q_ref.shape
     L = k_ref.shape[1]
-    q = q_ref[...].astype(jnp.float32) * scale
+    P = page_indices_ref.shape[1]
+    n = pages_per_block
+    f32 = jnp.float32
+    if f32_dots:
+        q = q_ref[...].astype(f32) * scale
+    else:
+        q = q_ref[...]
+
+    def dot(a, b_, contract):
+        return jax.lax.dot_general(a, b_, (contract, ((), ())), preferred_element_type=f32)
 
     def body(i, carry):
         o, m, l = carry
-        page = page_indices_ref[b, i]
-        k = k_ref[page].astype(jnp.float32)  # [L, H]
-        v = v_ref[page].astype(jnp.float32)
-        valid = i * L + jnp.arange(L) < length  # [L]
-        logits = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())))  # [G, L]
-        logits = jnp.where(valid[None, :], logits, -jnp.inf)
-        v = jnp.where(valid[:, None], v, 0.0)
-        m_new = jnp.maximum(m, jnp.max(logits, axis=1))  # finite: page i has a valid position
+        logits, values = [], []
+        for j in range(n):  # unrolled: n independent page loads per step
+            idx = i * n + j
+            page = page_indices_ref[b, jnp.minimum(idx, P - 1)]  # past the end: masked below
+            k = k_ref[page]  # [L, H]
+            v = v_ref[page]
+            if f32_dots:
+                k, v = k.astype(f32), v.astype(f32)
+            valid = idx * L + jnp.arange(L) < length  # [L]
+            s = dot(q, k, ((1,), (1,)))  # [G, L]
+            if not f32_dots:
+                s = s * scale
+            logits.append(jnp.where(valid[None, :], s, -jnp.inf))
+            values.append(jnp.where(valid[:, None], v, jnp.zeros((), v.dtype)))
+        # finite: the block's first page holds a valid position
+        m_new = functools.reduce(jnp.maximum, [jnp.max(s, axis=1) for s in logits], m)
         corr = jnp.exp(m - m_new)
-        p = jnp.exp(logits - m_new[:, None])
-        l_new = corr * l + jnp.sum(p, axis=1)
-        o_new = corr[:, None] * o + jnp.dot(p, v)
+        l_new = corr * l
+        o_new = corr[:, None] * o
+        for s, v in zip(logits, values, strict=True):
+            p = jnp.exp(s - m_new[:, None])
+            l_new = l_new + jnp.sum(p, axis=1)
+            o_new = o_new + dot(p.astype(v.dtype), v, ((1,), (0,)))
         return o_new, m_new, l_new
 
     init = (
-        jnp.zeros((G, H), jnp.float32),
-        jnp.full((G,), -jnp.inf, jnp.float32),
-        jnp.zeros((G,), jnp.float32),
+        jnp.zeros((G, H), f32),
+        jnp.full((G,), -jnp.inf, f32),
+        jnp.zeros((G,), f32),
     )
-    o, _, l = jax.lax.fori_loop(0, pl.cdiv(length, L), body, init)
+    o, _, l = jax.lax.fori_loop(0, pl.cdiv(length, n * L), body, init)
     o_ref[...] = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0).astype(
         o_ref.dtype
     )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "min_block_g"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "min_block_g", "options"))
 def paged_attention_kernel(
     q_BNH: jax.Array,
     k_pages: jax.Array,  # f[K, Ptot, L, H]
@@ -76,6 +156,7 @@ def paged_attention_kernel(
     scale: float,
     interpret: bool = False,
     min_block_g: int = 1,
+    options: GpuKernelOptions = GpuKernelOptions(),
 ) -> jax.Array:
     """Decode attention through the Pallas kernel. Returns f32[B, N, H].
 
@@ -86,10 +167,22 @@ def paged_attention_kernel(
     G = N // K
     Gp = max(G, min_block_g)
     q = q_BNH.reshape(B, K, G, H)
+    if not options.f32_dots:
+        q = q.astype(k_pages.dtype)
     if Gp != G:
         q = jnp.pad(q, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+    compiler_params = None
+    if not interpret and (options.num_warps or options.num_stages):
+        compiler_params = pltriton.CompilerParams(
+            num_warps=options.num_warps, num_stages=options.num_stages
+        )
     out = pl.pallas_call(
-        functools.partial(_decode_kernel, scale=scale),
+        functools.partial(
+            _decode_kernel,
+            scale=scale,
+            pages_per_block=options.pages_per_block,
+            f32_dots=options.f32_dots,
+        ),
         grid=(B, K),
         in_specs=[
             pl.BlockSpec(lengths_B.shape, lambda b, k: (0,)),
@@ -101,5 +194,6 @@ def paged_attention_kernel(
         out_specs=pl.BlockSpec((None, None, Gp, H), lambda b, k: (b, k, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((B, K, Gp, H), jnp.float32),
         interpret=interpret,
+        compiler_params=compiler_params,
     )(lengths_B, page_indices_BP, q, k_pages, v_pages)
     return out[:, :, :G].reshape(B, N, H)
