@@ -687,17 +687,20 @@ async def _oracle_sft_batches(config, learner, agent, pool, cursor, workdir):
 def _recovery_detours(config: Any, n: int) -> list[Any]:
     """`config.sft.recovery_share` of `n` demonstrations start with a click at a uniformly random
     point of the screen (a miss, mostly; one that ends or spoils the episode is dropped with the
-    failed demonstrations), the rest with the oracle."""
+    failed demonstrations), the rest with the oracle. The point is drawn as a fraction of the
+    screen and placed on the size the episode's first screenshot has (VM screens differ from
+    `config.env.viewport_*`)."""
     from cua_jax.actions import Click
 
     rng = np.random.default_rng(config.seed + 1)
     k = round(config.sft.recovery_share * n)
     which = set(rng.choice(n, size=k, replace=False).tolist()) if k else set()
-    w, h = config.env.viewport_width, config.env.viewport_height
-    return [
-        Click(float(rng.integers(0, w)), float(rng.integers(0, h))) if i in which else None
-        for i in range(n)
-    ]
+    fractions = rng.random((n, 2))
+
+    def click_at(fx: float, fy: float) -> Callable[[int, int], Click]:
+        return lambda w, h: Click(float(int(fx * w)), float(int(fy * h)))
+
+    return [click_at(*fractions[i]) if i in which else None for i in range(n)]
 
 
 def sft_file_batches(path: str, learner: Any, *, batch_size: int, seed: int = 0):

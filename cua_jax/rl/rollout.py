@@ -224,7 +224,7 @@ class AgentLoop:
         group_id: str = "",
         greedy: bool = False,
         oracle: bool = False,
-        detour: A.Action | None = None,
+        detour: A.Action | Callable[[int, int], A.Action] | None = None,
         screens: list[np.ndarray] | None = None,
     ) -> Trajectory:
         """Plays `task` to the end and returns its trajectory (never raises for env faults).
@@ -234,7 +234,9 @@ class AgentLoop:
           model would write them (its token ids, log-probs 0): SFT demonstrations.
         detour: with `oracle`, the first turn plays this action instead (say, a click that
           misses) and is marked untrained; the oracle then recovers from the state it left: a
-          recovery demonstration, which teaches what to do after a mistake.
+          recovery demonstration, which teaches what to do after a mistake. A callable gets
+          the first screenshot's (width, height) and returns the action (so a random click
+          lands on the screen the env really has, whatever its size).
         screens: when a list is given, the screenshot each turn saw is appended to it (for the
           episode viewer, `cua_jax.viz`); `Turn.action` holds the parsed actions in screen pixels.
         """
@@ -301,7 +303,11 @@ class AgentLoop:
             else:
                 # A fixed oracle sequence starts over after the detour.
                 step = turn - (detour is not None)
-                action = detour if scripted else await _oracle_next(env, task, step)
+                if scripted and callable(detour):
+                    h, w = obs.screenshot.shape[:2]
+                    action = detour(w, h)
+                else:
+                    action = detour if scripted else await _oracle_next(env, task, step)
                 if action is None:
                     records.pop()
                     break
@@ -446,7 +452,7 @@ class AgentLoop:
         self,
         pool: EnvPool,
         tasks: Sequence[Task],
-        detours: Sequence[A.Action | None] | None = None,
+        detours: Sequence[A.Action | Callable[[int, int], A.Action] | None] | None = None,
     ) -> list[Trajectory]:
         """Oracle episodes (SFT data): the env's scripted solution, in the model's format.
         `detours[i]`, when given and not None, makes episode i a recovery demonstration (see

@@ -159,6 +159,13 @@ def test_recovery_demo_trains_only_on_the_recovery(engine, proc):
     assert not sample.loss_mask[start : start + first.generated_ids.size].any()
     with pytest.raises(ValueError, match="1 detours for 2 tasks"):
         asyncio.run(loop.demonstrations(pool, [TASK, TASK], [miss]))
+    # A callable detour is placed on the screen the episode really has.
+    seen = []
+    (placed,) = asyncio.run(
+        loop.demonstrations(pool, [TASK], [lambda w, h: seen.append((w, h)) or A.Click(50, 10)])
+    )
+    assert seen == [(W, H)] and placed.success
+    assert [t.trained for t in placed.turns] == [False, True, True]
 
 
 def test_history_window_drops_old_screenshots(engine, proc):

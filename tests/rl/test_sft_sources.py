@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from configs.qwen3vl_grpo import get_config
 from cua_jax import train
 from cua_jax.models import qwen_vl
 from cua_jax.rl.learner import Learner, OptimizerConfig
@@ -83,3 +84,20 @@ def test_bad_sources_name_the_problem(tmp_path, files):
     only_failed.write_text(json.dumps(_episodes()[4]) + "\n")
     with pytest.raises(train.ConfigError, match="no successful episode"):
         train.sft_file_batches(str(only_failed), learner, batch_size=2)
+
+
+def test_recovery_detours_land_on_the_episodes_screen():
+    """`sft.recovery_share` of the demos get a random first click, drawn as a screen fraction and
+    placed on the size the episode's screenshot has (a 1920x1080 VM, not the config viewport)."""
+    config = get_config("smoke")
+    config.sft.recovery_share = 0.5
+    detours = train._recovery_detours(config, 40)
+    clicks = [d for d in detours if d is not None]
+    assert len(clicks) == 20
+    for w, h in [(1920, 1080), (config.env.viewport_width, config.env.viewport_height)]:
+        pts = np.array([[c.x, c.y] for c in (d(w, h) for d in clicks)])
+        assert (pts >= 0).all() and (pts[:, 0] < w).all() and (pts[:, 1] < h).all()
+        assert pts[:, 0].max() > 0.75 * w and pts[:, 1].max() > 0.75 * h  # spread over the screen
+    assert [c(100, 100) for c in clicks] == [c(100, 100) for c in clicks]  # deterministic
+    config.sft.recovery_share = 0.0
+    assert train._recovery_detours(config, 40) == [None] * 40
