@@ -76,6 +76,14 @@ def validate_config(config: Any) -> None:
             f"config.rl.invalid_action_penalty={config.rl.invalid_action_penalty} must be >= 0 "
             "(it is subtracted from the reward per invalid action)"
         )
+    sc = config.sampler
+    if -(-sc.max_seq_len // sc.page_size) > sc.num_pages - 1:
+        raise ConfigError(
+            f"config.sampler.max_seq_len={sc.max_seq_len} needs "
+            f"{-(-sc.max_seq_len // sc.page_size)} KV pages of config.sampler.page_size="
+            f"{sc.page_size}, but config.sampler.num_pages={sc.num_pages} holds "
+            f"{sc.num_pages - 1} (page 0 is scratch)"
+        )
     try:
         GpuKernelOptions.parse(config.sampler.gpu_kernel)
     except ValueError as e:

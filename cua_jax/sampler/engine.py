@@ -227,6 +227,16 @@ class Engine:
         self.attn_backend, self.detokenize = attn_backend, detokenize
         self.static_batching, self.share_prefix = static_batching, share_prefix
         self.pages_per_seq = -(-max_seq_len // page_size)
+        if self.pages_per_seq > num_pages - 1:
+            # As vLLM refuses a max_model_len its KV cache cannot hold: otherwise a request that
+            # fits max_seq_len could fail half-way through its output, after every other
+            # sequence was preempted.
+            raise ValueError(
+                f"Engine: one sequence of max_seq_len={max_seq_len} tokens needs "
+                f"{self.pages_per_seq} KV pages of page_size={page_size}, but num_pages="
+                f"{num_pages} holds {num_pages - 1} (page 0 is scratch); use num_pages >= "
+                f"{self.pages_per_seq + 1} or a smaller max_seq_len."
+            )
         self.alloc = PageAllocator(num_pages, page_size, max_slots, self.pages_per_seq)
         # Params are swapped by update_params; other variables (if any) stay as built.
         self._graphdef, self._state, self._other = nnx.split(model, nnx.Param, ...)

@@ -57,6 +57,10 @@ def _launch(*args):
             "config.sft.source='/nope/demos.jsonl' does not exist",
         ),
         (
+            ["--config=configs/qwen3vl_grpo.py:smoke", "--config.sampler.num_pages=32"],
+            "config.sampler.max_seq_len=1024 needs 64 KV pages",
+        ),
+        (
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.sampler.gpu_kernel=warps=8"],
             "config.sampler.gpu_kernel='warps=8': GPU kernel option 'warps=8'",
         ),

@@ -76,6 +76,14 @@ def test_too_few_pages_preempts_and_still_completes(model, alone):
     assert engine.alloc.num_free == engine.num_pages - 1
 
 
+def test_pool_must_hold_one_max_length_sequence(model):
+    """Refused at construction (as vLLM refuses a max_model_len its cache cannot hold): else a
+    request within max_seq_len could fail half-way through its output."""
+    with pytest.raises(ValueError, match=r"max_seq_len=64 tokens needs 16 KV pages.*>= 17"):
+        Engine(model, max_slots=2, page_size=4, num_pages=16, max_seq_len=64)
+    Engine(model, max_slots=2, page_size=4, num_pages=17, max_seq_len=64)
+
+
 def test_group_prefix_is_prefilled_once(model):
     """8 rollouts of one GRPO group: the shared prompt (with a screenshot) is prefilled once."""
     pv, grid = image_inputs(FAM, [(56, 84)], seed=1)
@@ -192,7 +200,7 @@ def test_attention_over_a_pages_bucket_equals_the_full_table(model, alone, monke
 
     _, reqs, solo = alone
     monkeypatch.setattr(engine_mod, "_MIN_ATTN_TOKENS", 4)
-    engine = Engine(model, max_slots=8, page_size=4, num_pages=256, max_seq_len=1024,
+    engine = Engine(model, max_slots=8, page_size=4, num_pages=257, max_seq_len=1024,
                     decode_chunk=4)  # fmt: skip
     assert engine.pages_per_seq == 256
     assert [engine._pages_bucket(n) for n in (1, 4, 5, 9, 33, 1024)] == [1, 1, 2, 4, 16, 256]

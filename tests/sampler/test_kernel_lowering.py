@@ -129,7 +129,9 @@ def test_auto_falls_back_explicit_backend_fails_up_front(caplog):
     assert pa.select_backend("auto", head_dim=128, page_size=12, platform="gpu") == "reference"
     assert pa.select_backend("auto", head_dim=32, page_size=12, platform="cpu") == "reference"
     with pytest.raises(ValueError, match=r"backend='tpu'.*head_dim % 128 == 0 \(got head_dim=32\)"):
-        Engine(_model("qwen3_vl", 32), max_slots=2, num_pages=16, attn_backend="tpu")
+        Engine(
+            _model("qwen3_vl", 32), max_slots=2, num_pages=16, max_seq_len=128, attn_backend="tpu"
+        )
     with pytest.raises(ValueError, match=r"power-of-two head_dim and page_size.*page_size=12"):
         pa.paged_attention(
             *[jnp.zeros(s.shape, s.dtype) for s in _structs(1, 4, 2, 32, 12, 2, jnp.float32)],
