@@ -17,18 +17,15 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from cua_jax.models import qwen_vl  # noqa: E402
 from cua_jax.sampler import Engine, SamplingParams  # noqa: E402
-from tests.models.hf_tiny import VOCAB, image_inputs, make_hf_model, prompt_ids  # noqa: E402
+from tests.models.hf_tiny import VOCAB, image_inputs, prompt_ids  # noqa: E402
 
 FAM = "qwen2_5_vl"
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    d = tmp_path_factory.mktemp("hf")
-    make_hf_model(FAM, seed=2).save_pretrained(str(d))
-    return qwen_vl.from_pretrained(str(d))
+def model(hf_model_qwen25):
+    return hf_model_qwen25
 
 
 @pytest.fixture(scope="module")
