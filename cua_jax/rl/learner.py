@@ -18,9 +18,10 @@ for the whole batch outside the scan through `jax.vjp`; the scan returns the cot
 embeddings, which are pulled back through the vision tower once at the end. So image batches
 accumulate gradients too, and the vision tower runs once per step.
 
-Reference policy for the KL penalty: with LoRA, the same weights with every adapter B = 0
-(`lora.adapters_off`, no extra copy); full fine-tuning keeps a frozen copy of the trainable
-params only when ``kl_coef > 0``.
+Reference policy for the KL penalty (only when ``kl_coef > 0``): the policy the learner starts
+from, as a frozen copy of the trainable params (with LoRA only the adapters, so the base weights
+are shared). A learner built after the SFT warm-up therefore keeps the SFT policy as its
+reference; the copy is part of `state_dict`, so a resumed run keeps it.
 """
 
 from __future__ import annotations
@@ -254,9 +255,13 @@ class Learner:
         opt_state = self._tx.init(trainable)
         self._opt_sh = jax.tree.map(self._leaf_sharding, opt_state)
         self._opt_state = jax.device_put(opt_state, self._opt_sh)
-        # Full fine-tuning with a KL term: a frozen copy of the initial trainable params.
+        # With a KL term, the reference policy is the one this learner starts from: a frozen copy
+        # of the trainable params (LoRA: only the small adapters; full: all of them). A learner
+        # built after an SFT warm-up so keeps the SFT policy as its reference (the base model,
+        # "adapters off", would pull RL back to before SFT). `state_dict` saves it, so a resumed
+        # run keeps the same reference rather than its freshly initialised weights.
         self._ref = None
-        if loss.kl_coef > 0 and not self.use_lora:
+        if loss.kl_coef > 0:
             self._ref = jax.tree.map(jnp.copy, trainable)
         batch_axes = tuple(a for a in ("data", "fsdp") if self.mesh.shape[a] > 1) or None
         self._batch_parallel = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
@@ -385,12 +390,16 @@ class Learner:
         return nnx.state(self.model, nnx.Param)
 
     def state_dict(self) -> dict[str, Any]:
-        """Pytree for `Checkpointer.save`: trainable params, optimizer state, version."""
-        return {
+        """Pytree for `Checkpointer.save`: trainable params, optimizer state, version, and the
+        KL reference params when the loss has a KL term."""
+        out = {
             "params": self._trainable.to_pure_dict(),
             "opt_state": self._opt_state,
             "version": jnp.asarray(self.version, jnp.int32),
         }
+        if self._ref is not None:
+            out["reference"] = self._ref.to_pure_dict()
+        return out
 
     def abstract_state(self) -> dict[str, Any]:
         """Shapes, dtypes and shardings of `state_dict()` (the restore target)."""
@@ -406,6 +415,10 @@ class Learner:
         self._opt_state = jax.device_put(state["opt_state"], self._opt_sh)
         self.version = int(state["version"])
         nnx.update(self.model, self._trainable)
+        if self._ref is not None and "reference" in state:
+            ref = nnx.State(self._ref)
+            nnx.replace_by_pure_dict(ref, state["reference"])
+            self._ref = jax.device_put(ref, self._trainable_sh)
 
     # ----------------------------------------------------------------------------- internals
 
@@ -416,11 +429,9 @@ class Learner:
         return self._repl
 
     def _reference_params(self, trainable: nnx.State) -> nnx.State:
-        if self.use_lora:
-            return jax.lax.stop_gradient(lora_lib.adapters_off(trainable))
         if self._ref is not None:
             return self._ref
-        raise ValueError("no reference policy: use LoRA or LossConfig(kl_coef > 0)")
+        raise ValueError("no reference policy: build the learner with LossConfig(kl_coef > 0)")
 
     def _device_batch(self, batch: PackedBatch, substeps: int):
         rows, length = batch.shape

@@ -1,4 +1,5 @@
-"""LoRA on the tiny Qwen3-VL: only adapters train; adapters-off reference == the base model;
+"""LoRA on the tiny Qwen3-VL: only adapters train; a fresh learner's reference == the base model,
+a learner built after SFT keeps the SFT policy as reference, also after a checkpoint round trip;
 merge-then-forward == the adapted forward."""
 
 import dataclasses
@@ -81,7 +82,7 @@ def test_lora_learner_reference_and_merge():
     assert len(adapters) == 2 * 7 and all(
         np.abs(v).max() > 0 for k, v in adapters.items() if k[-1] == "lora_b"
     )
-    # Reference log-probs (adapters off, no copy) == the base model's.
+    # Reference log-probs (the adapters as the learner started: B = 0) == the base model's.
     mask = batch.loss_mask[:, 1:]
     ref = learner.token_logprobs(batch, reference=True)[:, 1:]
     want = _logprobs(base, batch)
@@ -92,3 +93,44 @@ def test_lora_learner_reference_and_merge():
     merged = lora.merge_lora(nnx.clone(model))
     assert not lora.has_lora(merged) and lora.has_lora(model)
     np.testing.assert_allclose(_logprobs(merged, batch)[mask], adapted[mask], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("use_lora", [True, False])
+def test_reference_is_the_policy_rl_starts_from_and_survives_a_resume(use_lora, tmp_path):
+    """After an SFT warm-up the RL learner's KL reference is the SFT policy (KL 0 at its first
+    step), not the base model; a resumed learner, built from freshly initialised weights, gets
+    the same reference back from the checkpoint."""
+    from cua_jax.checkpoint.orbax_io import Checkpointer
+
+    kw = dict(lora=LoraConfig(rank=4, alpha=8.0) if use_lora else None, seq_len_buckets=(32,),
+              optimizer=OptimizerConfig(learning_rate=1e-2))  # fmt: skip
+    model = qwen_vl.QwenVL(CFG, rngs=nnx.Rngs(0))
+    sft = Learner(model, **kw)
+    batch, _ = sft.prepare_batch(_groups())
+    for _ in range(3):
+        sft.sft_step(batch)
+    mask = batch.loss_mask[:, 1:]
+    sft_lp = sft.token_logprobs(batch)[:, 1:]
+    base_lp = _logprobs(qwen_vl.QwenVL(CFG, rngs=nnx.Rngs(0)), batch)
+    assert np.abs(sft_lp[mask] - base_lp[mask]).max() > 1e-2  # SFT moved the policy
+
+    rl = Learner(model, loss=LossConfig(kl_coef=0.1, kl_estimator="k3"), **kw)
+    ref = rl.token_logprobs(batch, reference=True)[:, 1:]
+    np.testing.assert_allclose(ref[mask], sft_lp[mask], rtol=1e-5, atol=1e-5)
+    assert rl.train_step(batch)["kl"] == pytest.approx(0.0, abs=1e-6)
+    rl.train_step(batch)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))
+    ckpt.save(2, rl.state_dict(), {}, force=True)
+    ckpt.wait()
+
+    fresh = qwen_vl.QwenVL(CFG, rngs=nnx.Rngs(0))  # a resumed run starts from init weights
+    resumed = Learner(fresh, loss=LossConfig(kl_coef=0.1, kl_estimator="k3"), **kw)
+    state, _ = ckpt.restore(resumed.abstract_state())
+    resumed.load_state_dict(state)
+    ckpt.close()
+    again = resumed.token_logprobs(batch, reference=True)[:, 1:]
+    np.testing.assert_allclose(again[mask], sft_lp[mask], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        resumed.token_logprobs(batch)[:, 1:][mask], rl.token_logprobs(batch)[:, 1:][mask],
+        rtol=1e-5, atol=1e-5,
+    )  # fmt: skip
