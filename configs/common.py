@@ -96,6 +96,9 @@ def base_config(family: str) -> ConfigDict:
     c.rl.old_logprobs = "behaviour"
     c.rl.tis_cap = 2.0
     c.rl.loss_agg = "token-mean"
+    # Dr. GRPO's constant C for loss_agg="seq-mean-token-sum-norm" (0: the generation budget,
+    # rl.max_tokens x env.max_turns)
+    c.rl.loss_norm = 0.0
     c.rl.std_normalize = True
     c.rl.filter_zero_variance = True
     c.rl.num_substeps = 1

@@ -71,6 +71,10 @@ def validate_config(config: Any) -> None:
         section, name = key.split(".")
         if config[section][name] < 1:
             raise ConfigError(f"config.{key}={config[section][name]} must be >= 1")
+    if config.rl.loss_norm < 0:
+        raise ConfigError(
+            f"config.rl.loss_norm={config.rl.loss_norm} must be >= 0 (0: the generation budget)"
+        )
     if config.rl.invalid_action_penalty < 0:
         raise ConfigError(
             f"config.rl.invalid_action_penalty={config.rl.invalid_action_penalty} must be >= 0 "
@@ -256,6 +260,7 @@ def build_learner(model: Any, config: Any, mesh: Any, rules: Any, *, sft: bool):
         kl_estimator=rl.kl_estimator,
         entropy_coef=rl.entropy_coef,
         agg_mode=rl.loss_agg,
+        loss_norm=rl.loss_norm or rl.max_tokens * config.env.max_turns,
         temperature=1.0 if sft else rl.temperature,
     )
     advantages = L.AdvantageConfig(

@@ -125,8 +125,15 @@ class LossConfig:
     kl_estimator: losses.KLEstimator = "k3"
     entropy_coef: float = 0.0
     agg_mode: losses.AggMode = "token-mean"
-    loss_norm: float | None = None  # Dr. GRPO's constant (defaults to the row length)
+    loss_norm: float | None = None  # Dr. GRPO's constant C; "seq-mean-token-sum-norm" needs it
     temperature: float = 1.0
+
+    def __post_init__(self):
+        if self.agg_mode == "seq-mean-token-sum-norm" and not (self.loss_norm or 0) > 0:
+            raise ValueError(
+                "agg_mode='seq-mean-token-sum-norm' needs loss_norm > 0: Dr. GRPO's constant, "
+                "e.g. the generation budget (max new tokens per turn x turns)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -113,12 +113,18 @@ def loss_weights(
     segment_ids_BT: np.ndarray | None = None,
     mode: AggMode = "token-mean",
     loss_norm: float | None = None,
+    *,
+    sequence_ids_BT: np.ndarray | None = None,
 ) -> np.ndarray:
     """Per-token aggregation weights w, f32[B, T] (host numpy), zero where the mask is off.
 
-    A *sequence* is a (row, segment id) pair; without ``segment_ids_BT`` each row is one
-    sequence. ``loss_norm`` is Dr. GRPO's constant C (e.g. the generation budget); it defaults
-    to T. Weights of the whole batch sum to 1 for "token-mean" and "seq-mean-token-mean".
+    A *sequence* (the unit the seq-mean modes average over: one rollout) is a (row, segment id)
+    pair; without ``segment_ids_BT`` each row is one sequence. ``sequence_ids_BT`` overrides
+    both: tokens with the same id are one sequence wherever they sit (an episode whose history
+    window split it into several samples is still one rollout). ``loss_norm`` is Dr. GRPO's
+    constant C, required by "seq-mean-token-sum-norm" (e.g. the generation budget: a constant,
+    not the row length, which depends on what else is in the batch). Weights of the whole batch
+    sum to 1 for "token-mean" and "seq-mean-token-mean".
     """
     mask = np.asarray(loss_mask_BT, dtype=bool)
     if mask.ndim != 2:
@@ -133,7 +139,11 @@ def loss_weights(
     if mode == "token-mean":
         w[mask] = 1.0 / n_tok
         return w
-    if segment_ids_BT is None:
+    if sequence_ids_BT is not None:
+        seg = np.asarray(sequence_ids_BT)
+        if seg.shape != mask.shape:
+            raise ValueError(f"sequence_ids shape {seg.shape} != loss mask {mask.shape}")
+    elif segment_ids_BT is None:
         seg = np.broadcast_to(np.arange(b)[:, None], (b, t))
     else:
         seg_ids = np.asarray(segment_ids_BT)
@@ -147,9 +157,12 @@ def loss_weights(
     if mode == "seq-mean-token-mean":
         w[mask] = 1.0 / (n_seq * counts[inverse])
     else:
-        c = float(t if loss_norm is None else loss_norm)
-        if c <= 0:
-            raise ValueError(f"loss_norm must be positive, got {loss_norm}")
+        if loss_norm is None or loss_norm <= 0:
+            raise ValueError(
+                f"mode {mode!r} needs loss_norm > 0 (Dr. GRPO's constant, e.g. the generation "
+                f"budget max_new_tokens x max_turns); got {loss_norm}"
+            )
+        c = float(loss_norm)
         w[mask] = 1.0 / (n_seq * c)
     return w
 

@@ -84,6 +84,11 @@ def _round_rows(n: int, row_multiple: int) -> int:
     return row_multiple * size
 
 
+def _episode_key(sample: Sample, index: int) -> int:
+    """The loss-aggregation sequence of `sample`: its episode, or itself (a negative key)."""
+    return sample.episode if sample.episode >= 0 else -1 - index
+
+
 def pack(
     samples: Sequence[Sample],
     *,
@@ -129,6 +134,7 @@ def pack(
     mask = np.zeros((num_rows, seq_len), bool)
     blp = np.zeros((num_rows, seq_len), np.float32)
     adv = np.zeros((num_rows, seq_len), np.float32)
+    episodes = np.zeros((num_rows, seq_len), np.int64)
     pvs, grids = [], []
     for r, members in enumerate(rows):
         o = 0
@@ -141,11 +147,12 @@ def pack(
             mask[r, o : o + n] = s.loss_mask
             blp[r, o : o + n] = s.behaviour_logprobs
             adv[r, o : o + n] = s.advantage
+            episodes[r, o : o + n] = _episode_key(s, i)
             if s.pixel_values is not None:
                 pvs.append(np.asarray(s.pixel_values))
                 grids.append(np.asarray(s.image_grid_thw, np.int32))
             o += n
-    weights = loss_weights(mask, seg, agg_mode, loss_norm)
+    weights = loss_weights(mask, seg, agg_mode, loss_norm, sequence_ids_BT=episodes)
     return PackedBatch(
         input_ids=ids,
         segment_ids=seg,
@@ -189,8 +196,15 @@ def unpacked(samples: Sequence[Sample], **kwargs) -> PackedBatch:
         behaviour_logprobs=cat("behaviour_logprobs"),
         advantages=cat("advantages"),
         loss_weights=loss_weights(
-            mask, seg, kwargs.get("agg_mode", "token-mean"), kwargs.get("loss_norm")
-        ),
+            mask,
+            seg,
+            kwargs.get("agg_mode", "token-mean"),
+            kwargs.get("loss_norm"),
+            sequence_ids_BT=np.broadcast_to(
+                np.asarray([_episode_key(s, i) for i, s in enumerate(samples)])[:, None],
+                mask.shape,
+            ),
+        ),  # fmt: skip
         pixel_values=np.concatenate(pvs) if pvs else None,
         image_grid_thw=np.concatenate(grids) if grids else None,
         num_samples=len(samples),

@@ -19,6 +19,7 @@ False) a new chain starts, so each such turn is trained with the exact context t
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -102,6 +103,9 @@ class Sample:
     image_grid_thw: np.ndarray | None = None  # i32[I, 3]
     policy_version: int = 0
     task_id: str = ""
+    # The rollout this sample came from (>= 0): samples of one episode (its chains, when the
+    # history window splits it) are one sequence for the seq-mean loss modes. -1: on its own.
+    episode: int = -1
 
     @property
     def length(self) -> int:
@@ -174,7 +178,9 @@ def turn_chains(traj: Trajectory) -> list[list[Turn]]:
 def trajectory_to_samples(
     traj: Trajectory, advantage: float, position_fn: PositionFn = text_position_ids
 ) -> list[Sample]:
-    """Training samples of one trajectory (one per chain of extending turns; see module doc)."""
+    """Training samples of one trajectory (one per chain of extending turns; see module doc),
+    all with the same fresh `Sample.episode` id."""
+    episode = next(_EPISODE_IDS)
     samples = []
     for chain in turn_chains(traj):
         if not any(turn.trained for turn in chain):
@@ -203,6 +209,10 @@ def trajectory_to_samples(
                 image_grid_thw=grid,
                 policy_version=traj.policy_version,
                 task_id=traj.task_id,
+                episode=episode,
             )
         )
     return samples
+
+
+_EPISODE_IDS = itertools.count()

@@ -57,6 +57,10 @@ def _launch(*args):
             "config.sft.source='/nope/demos.jsonl' does not exist",
         ),
         (
+            ["--config=configs/qwen3vl_grpo.py:smoke", "--config.rl.loss_norm=-1"],
+            "config.rl.loss_norm=-1.0 must be >= 0",
+        ),
+        (
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.sampler.num_pages=32"],
             "config.sampler.max_seq_len=1024 needs 64 KV pages",
         ),

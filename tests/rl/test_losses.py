@@ -81,6 +81,11 @@ def test_aggregation_modes_hand_numbers():
         assert np.sum(w * packed) == pytest.approx(want), mode
     with pytest.raises(ValueError, match="aggregation mode"):
         losses.loss_weights(mask, mode="sum")
+    with pytest.raises(ValueError, match="needs loss_norm"):  # never a batch-dependent C
+        losses.loss_weights(mask, mode="seq-mean-token-sum-norm")
+    # sequence ids join tokens of different rows into one sequence (one rollout, two chains)
+    w = losses.loss_weights(mask, mode="seq-mean-token-mean", sequence_ids_BT=np.zeros((2, 4)))
+    assert np.sum(w * per_tok) == pytest.approx(2.5)  # one sequence: the token mean
 
 
 def _setup(seed=0, b=2, t=5, v=7):

@@ -107,3 +107,40 @@ def test_pack_errors_name_the_fix():
         packing.pack(_samples([100]), seq_len_buckets=(32, 64))
     with pytest.raises(ValueError, match="num_rows"):
         packing.pack(_samples([60, 60, 60]), seq_len_buckets=(64,), num_rows=2)
+
+
+def test_seq_mean_modes_average_over_rollouts_not_chains():
+    """A rollout whose history window split it into two samples is still one sequence: under
+    "seq-mean-token-mean" rollouts A (one chain) and B (two chains) weigh 1/2 each, and Dr.
+    GRPO divides by the 2 rollouts and the constant C, whatever the row length."""
+    pos = lambda ids, g: np.zeros((3, len(ids)))  # noqa: E731
+    a = Trajectory("task", "g0", [_turn([1, 2, 3], [10, 11, 12, 13])])
+    b = Trajectory("task", "g0", [
+        _turn([1, 2], [10], images=1), _turn([1, 2, 10, 3], [11], extends=True, images=1),
+        _turn([7, 3], [12, 13], images=1),
+    ])  # fmt: skip
+    samples = trajectory_to_samples(a, 1.0, pos) + trajectory_to_samples(b, -1.0, pos)
+    assert len(samples) == 3 and samples[1].episode == samples[2].episode != samples[0].episode
+
+    def per_rollout(batch):
+        w = batch.loss_weights
+        a_rows = batch.advantages > 0
+        return float(w[a_rows].sum()), float(w[batch.advantages < 0].sum()), w
+
+    for kw in [dict(seq_len_buckets=(16,)), dict(seq_len_buckets=(8,), num_rows=3)]:
+        wa, wb, _ = per_rollout(packing.pack(samples, agg_mode="seq-mean-token-mean", **kw))
+        assert wa == pytest.approx(0.5) and wb == pytest.approx(0.5)
+        wa, wb, w = per_rollout(
+            packing.pack(samples, agg_mode="seq-mean-token-sum-norm", loss_norm=10, **kw)
+        )
+        assert wa == pytest.approx(4 / 20) and wb == pytest.approx(4 / 20)  # tokens / (2 x C)
+        np.testing.assert_allclose(w[w > 0], 1 / 20)
+    # Samples built by hand (no episode) stay sequences of their own.
+    lone = _samples([6, 8])
+    assert all(s.episode >= 0 for s in lone)
+    for s in lone:
+        s.episode = -1
+    w = packing.pack(lone, agg_mode="seq-mean-token-mean", seq_len_buckets=(16,)).loss_weights
+    assert w.sum() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="needs loss_norm"):
+        packing.pack(samples, agg_mode="seq-mean-token-sum-norm", seq_len_buckets=(16,))
