@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from cua_jax.actions import (
+    PYAUTOGUI_KEY_NAMES,
     Action,
     Answer,
     Click,
@@ -65,12 +67,10 @@ from envs.vm import osworld
 from envs.vm.client import VMClient, VMError
 from envs.vm.providers import Desktop, DesktopPool
 
-# Our canonical key names -> pyautogui key names where they differ.
-_PYAUTOGUI_KEYS = {"meta": "win", "menu": "apps", "printscreen": "printscreen"}
-
 
 def _key(k: str) -> str:
-    return _PYAUTOGUI_KEYS.get(k, k)
+    """Our canonical key name -> pyautogui's."""
+    return PYAUTOGUI_KEY_NAMES.get(k, k)
 
 
 def _n(v: float) -> str:
@@ -95,7 +95,13 @@ def action_to_pyautogui(action: Action) -> str | None:
             # A short duration: X apps need intermediate motion events to see a drag.
             return pre + f"pyautogui.dragTo({_n(x)}, {_n(y)}, duration=0.2, button='left')"
         case TypeText(text):
-            return f"pyautogui.typewrite({text!r})"
+            if text.isascii():
+                return f"pyautogui.typewrite({text!r})"
+            # pyautogui.typewrite silently skips characters it has no key for ('é', '→');
+            # xdotool types any character. Without xdotool in the VM this fails (returncode 1),
+            # which step() reports as invalid-action feedback.
+            argv = ["xdotool", "type", "--delay", "12", "--", text]
+            return f"import subprocess; subprocess.run({argv!r}, check=True)"
         case Key(keys):
             if len(keys) == 1:
                 return f"pyautogui.press({_key(keys[0])!r})"
@@ -118,6 +124,14 @@ def action_to_pyautogui(action: Action) -> str | None:
     return None
 
 
+def _finite(v: Any) -> float:
+    """float(v), or ValueError for NaN / infinity (they would crash the pyautogui code later)."""
+    f = float(v)
+    if not math.isfinite(f):
+        raise ValueError(f"{v!r} is not a finite number")
+    return f
+
+
 def computer13_to_action(d: dict[str, Any]) -> Action:
     """An OSWorld ``computer_13`` dict -> a typed action. Malformed -> InvalidAction."""
     raw = repr(d)[:300]
@@ -132,28 +146,30 @@ def computer13_to_action(d: dict[str, Any]) -> Action:
     try:
         if t == "MOVE_TO":
             return (
-                Move(float(p["x"]), float(p["y"]))
+                Move(_finite(p["x"]), _finite(p["y"]))
                 if has_xy
                 else InvalidAction(raw, "MOVE_TO needs x, y")
             )
         if t == "CLICK":
             return Click(
-                float(xy[0]) if has_xy else None,
-                float(xy[1]) if has_xy else None,
+                _finite(xy[0]) if has_xy else None,
+                _finite(xy[1]) if has_xy else None,
                 p.get("button", "left"),
                 int(p.get("num_clicks", 1)),
             )
         if t in ("RIGHT_CLICK", "DOUBLE_CLICK"):
-            x, y = (float(xy[0]), float(xy[1])) if has_xy else (None, None)
+            x, y = (_finite(xy[0]), _finite(xy[1])) if has_xy else (None, None)
             return Click(x, y, "right", 1) if t == "RIGHT_CLICK" else Click(x, y, "left", 2)
         if t == "DRAG_TO":
-            return Drag(float(p["x"]), float(p["y"]))
+            return Drag(_finite(p["x"]), _finite(p["y"]))
         if t == "SCROLL":
-            return Scroll(None, None, float(p.get("dx", 0)), -float(p.get("dy", 0)))
+            return Scroll(None, None, _finite(p.get("dx", 0)), -_finite(p.get("dy", 0)))
         if t == "TYPING":
             return TypeText(str(p["text"]))
         if t in ("PRESS", "HOTKEY"):
-            names = [p["key"]] if t == "PRESS" else list(p["keys"])
+            names = [p["key"]] if t == "PRESS" else p["keys"]
+            # HOTKEY keys: ["ctrl", "c"] or "ctrl+c" (list() of the string would be its letters)
+            names = names.split("+") if isinstance(names, str) else list(names)
             keys = tuple(normalize_key(str(k)) for k in names)
             if not keys or None in keys:
                 return InvalidAction(raw, f"unknown key in {names}; use names like 'enter', 'a'")
@@ -174,7 +190,7 @@ def computer13_to_action(d: dict[str, Any]) -> Action:
             return Done()
         if t == "FAIL":
             return Fail()
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         return InvalidAction(raw, f"bad parameters for {t}: {type(e).__name__} {e}")
     return InvalidAction(raw, f"unknown computer_13 action_type {t!r}")
 
@@ -227,6 +243,7 @@ class VMEnv:
       pause_s: seconds to wait after an action before the screenshot (OSWorld waits 2 s; our
         local apps settle in well under 0.1 s).
       action_timeout: the run-time limit of one action's pyautogui command in the VM.
+      max_wait_s: cap on ``Wait`` actions (the model picks their length).
     """
 
     def __init__(
@@ -236,6 +253,7 @@ class VMEnv:
         observe_a11y: bool = False,
         pause_s: float = 0.0,
         action_timeout: float = 30.0,
+        max_wait_s: float = 5.0,
     ):
         self._pool = target if isinstance(target, DesktopPool) else None
         self._desktop: Desktop | None = (
@@ -245,6 +263,7 @@ class VMEnv:
         self.observe_a11y = observe_a11y
         self.pause_s = pause_s
         self.action_timeout = action_timeout
+        self.max_wait_s = max_wait_s
         self._task: Task | None = None
         self._ot: osworld.OSWorldTask | None = None
         self._screen: tuple[int, int] = (0, 0)
@@ -339,7 +358,7 @@ class VMEnv:
         code = act if isinstance(act, str) else action_to_pyautogui(act)
         try:
             if isinstance(act, Wait):
-                await asyncio.sleep(max(0.0, float(act.seconds)))
+                await asyncio.sleep(self._wait_seconds(act.seconds))
             elif code is not None:
                 r = await self.client.pyautogui(code, timeout=self.action_timeout)
                 if r.get("status") != "success" or r.get("returncode", 0) != 0:
@@ -361,6 +380,14 @@ class VMEnv:
             self._done = True
             info[INFO_DONE_REASON] = "max_steps"
         return StepResult(obs, self._done, 0.0, info)
+
+    def _wait_seconds(self, seconds: Any) -> float:
+        """A model-chosen wait within [0, max_wait_s]: NaN, negative or junk -> 0, inf -> cap."""
+        try:
+            s = float(seconds)
+        except (TypeError, ValueError):
+            return 0.0
+        return 0.0 if math.isnan(s) else min(max(s, 0.0), self.max_wait_s)
 
     def _fault_result(self, e: BaseException) -> StepResult:
         self._fault = f"{type(e).__name__}: {e}"

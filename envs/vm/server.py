@@ -86,9 +86,11 @@ class XScreen:
             self._dpy.xfixes_query_version()
 
     def size(self) -> tuple[int, int]:
+        # The root window's live geometry: screen().width_in_pixels is python-xlib's copy of the
+        # connection setup data and stays stale after a resolution change (xrandr).
         with self._lock:
-            s = self._dpy.screen()
-            return int(s.width_in_pixels), int(s.height_in_pixels)
+            g = self._root.get_geometry()
+            return int(g.width), int(g.height)
 
     def cursor_position(self) -> tuple[int, int]:
         with self._lock:
@@ -161,8 +163,11 @@ class PathGuard:
         raise web.HTTPForbidden(text=f"path {raw!r} is outside the allowed roots ({allowed})")
 
 
-def _expand_home(command: Any) -> Any:
-    """OSWorld expands a leading ``~/`` in each argument of a list command."""
+def _expand_home(command: Any, shell: bool) -> Any:
+    """Like OSWorld: a string command run without a shell is shlex-split (ValueError when it
+    cannot be), then a leading ``~/`` is expanded in each argument of the list."""
+    if isinstance(command, str) and not shell:
+        command = shlex.split(command)
     if isinstance(command, list):
         return [
             os.path.expanduser(a) if isinstance(a, str) and a.startswith("~/") else a
@@ -271,18 +276,27 @@ async def _wmctrl_windows() -> list[dict[str, Any]]:
 # (newline-delimited JSON on stdin/stdout). Each snippet gets fresh globals and pyautogui's
 # defaults (PAUSE=0.1, FAILSAFE=True) reset, so it behaves like the `python -c` process OSWorld's
 # client asks for, minus the ~0.3-1 s of interpreter start-up and `import pyautogui`.
+# Requests and replies travel on private copies of fds 0 and 1 (os.dup: not inherited), because
+# processes a snippet starts (os.system, subprocess) inherit fds 0 and 1: there they get /dev/null
+# for input and a temp file for output, whose text joins the snippet's output (as it would in a
+# fresh process). Each reply carries its request's id, so a reply out of step is caught.
 _WORKER_SRC = r"""
-import contextlib, io, json, sys, traceback
-import pyautogui
-out_stream = sys.stdout
+import contextlib, io, json, os, sys, tempfile, traceback
+requests, replies = os.fdopen(os.dup(0), "r"), os.fdopen(os.dup(1), "w")
+os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+child_out = tempfile.TemporaryFile()
+os.dup2(child_out.fileno(), 1)
 sys.stdout = sys.stderr
-for line in sys.stdin:
-    code = json.loads(line)["code"]
+import pyautogui
+for line in requests:
+    req = json.loads(line)
+    child_out.seek(0)
+    child_out.truncate()
     pyautogui.PAUSE, pyautogui.FAILSAFE = 0.1, True
     o, e, rc = io.StringIO(), io.StringIO(), 0
     with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):
         try:
-            exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+            exec(compile(req["code"], "<string>", "exec"), {"__name__": "__main__"})
         except SystemExit as x:
             rc = x.code if isinstance(x.code, int) else (0 if x.code is None else 1)
             if x.code is not None and not isinstance(x.code, int):
@@ -290,9 +304,11 @@ for line in sys.stdin:
         except BaseException:
             traceback.print_exc()
             rc = 1
-    out_stream.write(json.dumps({"output": o.getvalue(), "error": e.getvalue(),
-                                 "returncode": rc}) + "\n")
-    out_stream.flush()
+    child_out.seek(0)
+    out = child_out.read().decode("utf-8", "replace") + o.getvalue()
+    replies.write(json.dumps({"id": req["id"], "output": out, "error": e.getvalue(),
+                              "returncode": rc}) + "\n")
+    replies.flush()
 """
 
 
@@ -315,6 +331,7 @@ class PyAutoGUIWorker:
     def __init__(self) -> None:
         self._proc: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
+        self._next_id = 0
 
     async def _ensure(self) -> asyncio.subprocess.Process:
         if self._proc is None or self._proc.returncode is not None:
@@ -335,8 +352,10 @@ class PyAutoGUIWorker:
         async with self._lock:
             proc = await self._ensure()
             assert proc.stdin is not None and proc.stdout is not None
+            self._next_id += 1
+            rid = self._next_id
             try:
-                proc.stdin.write((json.dumps({"code": code}) + "\n").encode())
+                proc.stdin.write((json.dumps({"id": rid, "code": code}) + "\n").encode())
                 await proc.stdin.drain()
                 line = await asyncio.wait_for(proc.stdout.readline(), timeout=limit_s)
             except TimeoutError:
@@ -348,7 +367,14 @@ class PyAutoGUIWorker:
             if not line:  # the snippet killed the worker (os._exit, a crash)
                 self.kill()
                 return 1, "", "pyautogui worker exited while running the code"
-            r = json.loads(line)
+            try:
+                r = json.loads(line)
+                ok = r["id"] == rid
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            if not ok:  # never hand back another call's reply: start a fresh worker
+                self.kill()
+                return 1, "", f"pyautogui worker reply out of step (restarted): {line[:200]!r}"
             return int(r["returncode"]), r["output"], r["error"]
 
     def kill(self) -> None:
@@ -439,7 +465,10 @@ def make_app(
     async def execute(request: web.Request) -> web.Response:
         data = await _json_body(request)
         shell = bool(data.get("shell", False))
-        command = _expand_home(data.get("command", "" if shell else []))
+        try:
+            command = _expand_home(data.get("command", "" if shell else []), shell)
+        except ValueError as e:  # an unbalanced quote
+            return _error(str(e))
         if not command:
             return _error('no command given: send {"command": [...] or "..."}', 400)
         lim = limit(data.get("timeout"), exec_limit_s)
@@ -460,7 +489,10 @@ def make_app(
     async def launch(request: web.Request) -> web.Response:
         data = await _json_body(request)
         shell = bool(data.get("shell", False))
-        command = _expand_home(data.get("command", ""))
+        try:
+            command = _expand_home(data.get("command", ""), shell)
+        except ValueError as e:
+            return _error(f"failed to launch {data.get('command')!r}: {e}")
         if not command:
             return _error("no command given", 400)
         try:
@@ -474,7 +506,7 @@ def make_app(
                     start_new_session=True,
                 )
             else:
-                argv = shlex.split(command) if isinstance(command, str) else list(command)
+                argv = list(command)  # _expand_home split a string command
                 proc = await asyncio.create_subprocess_exec(
                     *argv,
                     stdin=asyncio.subprocess.DEVNULL,
@@ -488,7 +520,8 @@ def make_app(
         # Reap it when it exits (no zombies), without awaiting it here.
         task = asyncio.ensure_future(proc.wait())
         task.add_done_callback(lambda _t, p=proc: launched.discard(p))
-        return web.Response(text=f"{command} launched successfully")
+        shown = command if isinstance(command, str) else " ".join(map(str, command))
+        return web.Response(text=f"{shown} launched successfully")
 
     @r.post("/run_python")
     async def run_python(request: web.Request) -> web.Response:

@@ -290,3 +290,91 @@ def test_warm_worker_recovers_from_timeout_and_exit(desk, aio):
     assert r["returncode"] == 1 and "exited" in r["error"]
     r = aio(desk.client.pyautogui("pyautogui.moveTo(50, 60)"))
     assert r["returncode"] == 0 and aio(desk.client.cursor_position()) == (50, 60)
+
+
+def test_warm_worker_replies_stay_in_step_when_child_processes_write_to_stdout(desk, aio):
+    # A child process inherits the worker's fd 1; writing there must not become the next reply.
+    r1 = aio(desk.client.pyautogui("import os; os.system('echo hi-from-child')"))
+    r2 = aio(desk.client.pyautogui("print('second')"))
+    r3 = aio(desk.client.pyautogui("print('third')"))
+    assert r1["returncode"] == 0 and r1["output"] == "hi-from-child\n", r1
+    assert r2["output"] == "second\n" and r3["output"] == "third\n", (r2, r3)
+    # Same as a fresh `python -c` process (whose child output goes to the same pipe).
+    assert aio(desk.client.execute(_cold("import os; os.system('echo hi-from-child')")))[
+        "output"
+    ] == ("hi-from-child\n")
+    # A child reading stdin gets end-of-file, not the worker's next request.
+    r = aio(
+        desk.client.pyautogui(
+            "import subprocess; print(repr(subprocess.run(['cat'], capture_output=True).stdout))"
+        )
+    )
+    assert r["output"] == "b''\n", r
+    assert aio(desk.client.pyautogui("print('fourth')"))["output"] == "fourth\n"
+
+
+def test_warm_worker_with_a_mismatched_reply_id_is_restarted(aio, monkeypatch):
+    # A worker that answers with someone else's reply id: detected, never returned as ours.
+    monkeypatch.setattr(
+        vm_server,
+        "_WORKER_SRC",
+        "import json, sys\n"
+        "for line in sys.stdin:\n"
+        "    print(json.dumps({'id': -1, 'output': 'stale', 'error': '', 'returncode': 0}),"
+        " flush=True)\n",
+    )
+    worker = vm_server.PyAutoGUIWorker()
+
+    async def go():
+        rc, out, err = await worker.run("print('mine')", 10)
+        proc_after = worker._proc
+        worker.kill()
+        return rc, out, err, proc_after
+
+    rc, out, err, proc_after = aio(go())
+    assert rc == 1 and out == "" and "out of step" in err
+    assert proc_after is None  # killed: the next call starts a fresh worker
+
+
+def test_screen_size_follows_a_resolution_change(desk, aio):
+    try:
+        aio(desk.client.execute(["xrandr", "--fb", "320x240"]))  # complains, but resizes Xvfb
+        assert "dimensions:    320x240 pixels" in _sh(aio, desk, "xdpyinfo")
+        assert aio(desk.client.screen_size()) == (320, 240)
+        assert Image.open(io.BytesIO(aio(desk.client.screenshot()))).size == (320, 240)
+    finally:
+        aio(desk.client.execute(["xrandr", "--fb", f"{W}x{H}"]))
+    assert aio(desk.client.screen_size()) == (W, H)
+
+
+def test_string_command_without_shell_expands_home_after_splitting(desk, aio):
+    _sh(aio, desk, "mkdir -p ~/tilde_dir/inner")
+    # OSWorld shlex-splits a string command run without a shell, then expands each "~/" arg.
+    r = aio(desk.client.execute("ls '~/tilde_dir'"))
+    assert r["returncode"] == 0 and r["output"] == "inner\n", r
+    aio(desk.client.launch("touch ~/tilde_dir/launched"))
+    for _ in range(100):
+        if (desk.home / "tilde_dir" / "launched").exists():
+            break
+        time.sleep(0.05)
+    assert (desk.home / "tilde_dir" / "launched").exists()
+
+
+def test_type_non_ascii_text_through_the_env_code(desk, aio):
+    from cua_jax.actions import TypeText
+    from envs.vm.env import action_to_pyautogui
+
+    text = "café naïve → ok 'q' \"dq\" \\ end"
+    aio(
+        desk.client.launch(
+            ["xterm", "-geometry", "60x10+0+0", "-T", "utyper", "-e", "sh", "-c", "cat > ~/u.txt"]
+        )
+    )
+    aio(_wait_window(desk.client, "utyper"))
+    aio(desk.client.activate_window("utyper", strict=True))
+    aio(desk.client.pyautogui("pyautogui.click(100, 80)"))
+    r = aio(desk.client.pyautogui(action_to_pyautogui(TypeText(text + "\n"))))
+    assert r["returncode"] == 0, r
+    aio(desk.client.pyautogui("pyautogui.hotkey('ctrl', 'd')"))
+    aio(_wait_window(desk.client, "utyper", present=False))
+    assert aio(desk.client.download("~/u.txt")).decode() == text + "\n"

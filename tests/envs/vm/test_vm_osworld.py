@@ -7,9 +7,12 @@ desktop in test_vm_tasks.py.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import time
 
 import pytest
+from PIL import Image
 
 from cua_jax.actions import (
     Click,
@@ -25,8 +28,10 @@ from cua_jax.actions import (
     TypeText,
     Wait,
 )
+from cua_jax.env_api import INFO_ERROR, INFO_INVALID_ACTION, Task
 from envs.vm import osworld
-from envs.vm.env import action_to_pyautogui, computer13_to_action, task_from_osworld
+from envs.vm.client import VMClient
+from envs.vm.env import VMEnv, action_to_pyautogui, computer13_to_action, task_from_osworld
 
 
 class FakeClient:
@@ -366,3 +371,91 @@ def test_task_sources_registered_with_envs_tasks(tmp_path):
         load_tasks({"source_type": "osworld", "path": str(tmp_path)})
     got = load_tasks({"source_type": "osworld", "path": str(tmp_path), "skip_unsupported": True})
     assert [t.id for t in got] == ["osworld/os/good"]
+
+
+@pytest.mark.parametrize(
+    "d",
+    [
+        {"action_type": "CLICK", "parameters": {"x": "nan", "y": 5}},
+        {"action_type": "MOVE_TO", "parameters": {"x": float("inf"), "y": 5}},
+        {"action_type": "DRAG_TO", "parameters": {"x": 1, "y": "-inf"}},
+        {"action_type": "RIGHT_CLICK", "parameters": {"x": 1, "y": float("nan")}},
+        {"action_type": "SCROLL", "parameters": {"dx": 0, "dy": float("nan")}},
+        {"action_type": "SCROLL", "parameters": {"dx": "1e400"}},
+        {"action_type": "CLICK", "parameters": {"num_clicks": float("inf")}},
+        {"action_type": "HOTKEY", "parameters": {"keys": "ctrl+nosuchkey"}},
+    ],
+)
+def test_computer13_non_finite_numbers_are_invalid_actions(d):
+    assert isinstance(computer13_to_action(d), InvalidAction)
+
+
+def test_computer13_hotkey_keys_as_a_plus_joined_string():
+    c13 = computer13_to_action
+    assert c13({"action_type": "HOTKEY", "parameters": {"keys": "ctrl+c"}}) == Key(("ctrl", "c"))
+    assert c13({"action_type": "HOTKEY", "parameters": {"keys": "Ctrl+Shift+t"}}) == Key(
+        ("ctrl", "shift", "t")
+    )
+    assert c13({"action_type": "HOTKEY", "parameters": {"keys": ["ctrl", "c"]}}) == Key(
+        ("ctrl", "c")
+    )
+
+
+def test_non_ascii_text_is_typed_with_xdotool():
+    # pyautogui.typewrite has no key for 'é' or '→' and silently skips them.
+    code = action_to_pyautogui(TypeText("café → ok\n"))
+    assert "typewrite" not in code
+    assert "['xdotool', 'type', '--delay', '12', '--', 'café → ok\\n']" in code
+    assert "check=True" in code  # no xdotool / a failure -> non-zero return code
+    assert action_to_pyautogui(TypeText("plain")) == "pyautogui.typewrite('plain')"
+
+
+class _ScreenOnlyVM(VMClient):
+    """Just enough of a VM for VMEnv.reset/step: a screenshot, a screen size, pyautogui."""
+
+    def __init__(self):
+        super().__init__("http://127.0.0.1:9")  # never contacted: every call used is overridden
+        buf = io.BytesIO()
+        Image.new("RGB", (8, 6)).save(buf, format="PNG")
+        self.png, self.codes = buf.getvalue(), []
+
+    async def screen_size(self):
+        return (8, 6)
+
+    async def screenshot(self):
+        return self.png
+
+    async def pyautogui(self, code, timeout=None):
+        self.codes.append(code)
+        return {"status": "success", "output": "", "error": "", "returncode": 0}
+
+
+def _env_step(env, action):
+    async def go():
+        await env.reset(Task(id="t", instruction="i", source="test", spec=_task()))
+        t0 = time.monotonic()
+        res = await asyncio.wait_for(env.step(action), 10)
+        return res, time.monotonic() - t0
+
+    return run(go())
+
+
+@pytest.mark.parametrize("seconds", [86400.0, float("inf"), float("nan"), -5.0])
+def test_vm_env_wait_is_capped_and_never_raises(seconds):
+    assert VMEnv(_ScreenOnlyVM()).max_wait_s == 5.0  # the default, like the browser env's
+    res, took = _env_step(VMEnv(_ScreenOnlyVM(), max_wait_s=0.3), Wait(seconds))
+    assert took < 2.0 and not res.done and INFO_ERROR not in res.info, (took, res.info)
+
+
+@pytest.mark.parametrize(
+    "d",
+    [
+        {"action_type": "CLICK", "parameters": {"x": "nan", "y": 5}},
+        {"action_type": "SCROLL", "parameters": {"dx": 0, "dy": float("nan")}},
+        {"action_type": "MOVE_TO", "parameters": {"x": 1e300 * 1e300, "y": 5}},
+    ],
+)
+def test_vm_env_step_with_non_finite_computer13_never_raises(d):
+    vm = _ScreenOnlyVM()
+    res, _ = _env_step(VMEnv(vm), d)
+    assert INFO_INVALID_ACTION in res.info and not res.done and vm.codes == []
