@@ -243,7 +243,23 @@ _KEY_ALIASES = {
     "print": "printscreen",
     "ins": "insert",
     "caps_lock": "capslock",
+    "plus": "+",
+    "minus": "-",
+    # pyautogui's names (pyautogui.KEY_NAMES) that have a canonical equivalent:
+    "apps": "menu",
+    "prtscr": "printscreen",
+    "prntscrn": "printscreen",
+    "optionleft": "alt",
+    "optionright": "alt",
+    "add": "+",
+    "subtract": "-",
+    "multiply": "*",
+    "divide": "/",
+    "decimal": ".",
+    **{f"num{i}": str(i) for i in range(10)},
 }
+# Canonical names that pyautogui spells differently (the rest are pyautogui names as they are).
+PYAUTOGUI_KEY_NAMES = {"meta": "win", "menu": "apps"}
 
 
 def normalize_key(name: str) -> str | None:
@@ -257,17 +273,27 @@ def normalize_key(name: str) -> str | None:
         return low
     low = _KEY_ALIASES.get(low, low.replace("-", "").replace(" ", ""))
     low = _KEY_ALIASES.get(low, low)
-    return low if low in KEY_NAMES else None
+    return low if low in KEY_NAMES or low in _KEY_ALIASES.values() else None  # '+' for 'plus'
 
 
 def _split_chord(text: str) -> list[str]:
-    """'ctrl+c' / 'ctrl c' / 'Ctrl-Shift-T' -> parts; a single '+' or '-' stays a key."""
+    """'ctrl+c' / 'ctrl c' / 'Ctrl-Shift-T' -> parts; a single '+' or '-' stays a key.
+
+    A '+' where a key name is expected is the '+' key: 'ctrl++' / 'ctrl + +' -> ['ctrl', '+'].
+    """
     t = text.strip()
     if len(t) <= 1:
         return [t] if t else []
-    for sep in ("+", " "):
-        if sep in t:
-            return [p for p in t.split(sep) if p] or [t]
+    if "+" in t:
+        parts: list[str] = []
+        for p in re.sub(r"\s*\+\s*", "+", t).split("+"):
+            if p:
+                parts.append(p)
+            elif parts[-1:] != ["+"]:  # empty pieces around a '+' key: one '+'
+                parts.append("+")
+        return parts
+    if " " in t:
+        return [p for p in t.split(" ") if p]
     if "-" in t and all(normalize_key(p) for p in t.split("-") if p):
         return [p for p in t.split("-") if p]
     return [t]
@@ -903,7 +929,7 @@ class PyAutoGUI:
         if handler is None:
             return InvalidAction(raw, f"unsupported pyautogui function {fn!r}")
         try:
-            return handler(args, kwargs, space, raw)
+            return handler(_bind(fn, args, kwargs), space, raw)
         except _Bad as e:
             return InvalidAction(raw, str(e))
 
@@ -938,9 +964,10 @@ class PyAutoGUI:
             case TypeText(text):
                 return f"pyautogui.typewrite({text!r})"
             case Key(keys):
-                if len(keys) == 1:
-                    return f"pyautogui.press({keys[0]!r})"
-                return "pyautogui.hotkey(" + ", ".join(repr(k) for k in keys) + ")"
+                names = [PYAUTOGUI_KEY_NAMES.get(k, k) for k in keys]
+                if len(names) == 1:
+                    return f"pyautogui.press({names[0]!r})"
+                return "pyautogui.hotkey(" + ", ".join(repr(k) for k in names) + ")"
             case Scroll(x, y, dx, dy):
                 where = (
                     f", x={space.to_model(x, y)[0]}, y={space.to_model(x, y)[1]}"
@@ -959,7 +986,7 @@ class PyAutoGUI:
                 return f"pyautogui.{fn}({p}{', ' if p else ''}button={button!r})"
             case KeyDown(key) | KeyUp(key):
                 fn = "keyDown" if isinstance(action, KeyDown) else "keyUp"
-                return f"pyautogui.{fn}({key!r})"
+                return f"pyautogui.{fn}({PYAUTOGUI_KEY_NAMES.get(key, key)!r})"
             case Wait(seconds):
                 return f"time.sleep({_fmt_num(seconds)})"
             case Done():
@@ -975,30 +1002,62 @@ class _Bad(Exception):
     pass
 
 
-def _get(args: list, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
-    if len(args) > i:
-        return args[i]
-    return kwargs.get(name, default)
+# pyautogui's parameters, in positional order, of the functions parsed here (hotkey takes *keys).
+_TAIL = ("logScreenshot", "_pause")
+_CLICK_1 = ("x", "y", "interval", "duration", "tween", *_TAIL)  # leftClick / rightClick / ...
+_CLICK_N = ("x", "y", "interval", "button", "duration", "tween", *_TAIL)  # doubleClick / triple
+_BUTTON = ("x", "y", "button", "duration", "tween", *_TAIL)  # mouseDown / mouseUp
+_SCROLL = ("clicks", "x", "y", *_TAIL)
+_TYPE = ("message", "interval", *_TAIL)
+_KEY_HOLD = ("key", *_TAIL)
+_PYAUTOGUI_PARAMS: dict[str, tuple[str, ...]] = {
+    "click": ("x", "y", "clicks", "interval", "button", "duration", "tween", *_TAIL),
+    "leftClick": _CLICK_1,
+    "doubleClick": _CLICK_N,
+    "tripleClick": _CLICK_N,
+    "rightClick": _CLICK_1,
+    "middleClick": _CLICK_1,
+    "moveTo": ("x", "y", "duration", "tween", *_TAIL),
+    "dragTo": ("x", "y", "duration", "tween", "button", *_TAIL, "mouseDownUp"),
+    "typewrite": _TYPE,
+    "write": _TYPE,
+    "press": ("keys", "presses", "interval", *_TAIL),
+    "scroll": _SCROLL,
+    "vscroll": _SCROLL,
+    "hscroll": _SCROLL,
+    "mouseDown": _BUTTON,
+    "mouseUp": _BUTTON,
+    "keyDown": _KEY_HOLD,
+    "keyUp": _KEY_HOLD,
+}
 
 
-def _xy_opt(
-    args: list, kwargs: dict, space: CoordinateSpace
-) -> tuple[tuple[float, float] | None, int]:
-    """pyautogui's (x, y) or ((x, y),) positional forms, or x=/y= keywords.
+def _bind(fn: str, args: list, kwargs: dict) -> dict[str, Any]:
+    """The call's arguments by parameter name, bound by pyautogui's signature of ``fn``."""
+    if fn == "hotkey":  # hotkey(*keys, interval=0.0, ...); it ignores other keywords
+        return {**kwargs, "keys": list(args)}
+    params = _PYAUTOGUI_PARAMS[fn]
+    if len(args) > len(params):
+        raise _Bad(f"{fn}() takes at most {len(params)} positional arguments, got {len(args)}")
+    bound = dict(zip(params, args, strict=False))
+    for k, v in kwargs.items():
+        if k not in params:
+            raise _Bad(f"{fn}() got an unexpected keyword argument {k!r}")
+        if k in bound:
+            raise _Bad(f"{fn}() got multiple values for argument {k!r}")
+        bound[k] = v
+    return bound
 
-    Returns (screen point or None when absent, number of positional args the point used).
-    """
-    x = _get(args, kwargs, 0, "x")
-    used = 1 if args else 0
+
+def _xy(a: dict, space: CoordinateSpace) -> tuple[float, float] | None:
+    """The screen point of pyautogui's x, y (or x=(x, y)); None when both are absent."""
+    x, y = a.get("x"), a.get("y")
     if isinstance(x, list | tuple):
-        if len(x) != 2:
-            raise _Bad(f"a point must be (x, y), got {x!r}")
+        if len(x) != 2 or y is not None:
+            raise _Bad(f"a point is x, y or x=(x, y); got x={x!r}, y={y!r}")
         x, y = x
-    else:
-        y = _get(args, kwargs, 1, "y")
-        used = min(len(args), 2)
     if x is None and y is None:
-        return None, used
+        return None
     fx, fy = _num(x), _num(y)
     if fx is None or fy is None:
         raise _Bad(f"coordinates must be numbers, got x={x!r}, y={y!r}")
@@ -1006,14 +1065,14 @@ def _xy_opt(
         raise _Bad(
             f"({fx:g}, {fy:g}) is outside the screen (0..{space.model_w:g} x 0..{space.model_h:g})"
         )
-    return space.to_screen(fx, fy), used
+    return space.to_screen(fx, fy)
 
 
-def _click_handler(button: str | None, count: int | None) -> Callable:
-    def h(args, kwargs, space, raw):
-        p, used = _xy_opt(args, kwargs, space)
-        n = count if count is not None else _get(args, kwargs, used, "clicks", 1)
-        b = button if button is not None else kwargs.get("button", "left")
+def _click_handler(button: str, count: int | None) -> Callable:
+    def h(a, space, raw):
+        p = _xy(a, space)
+        n = count if count is not None else a.get("clicks", 1)
+        b = a.get("button", button)  # only click / doubleClick / tripleClick take a button
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 3:
             raise _Bad(f"clicks must be 1, 2 or 3, got {n!r}")
         if b not in BUTTONS:
@@ -1023,24 +1082,24 @@ def _click_handler(button: str | None, count: int | None) -> Callable:
     return h
 
 
-def _move(args, kwargs, space, raw):
-    p, _ = _xy_opt(args, kwargs, space)
+def _move(a, space, raw):
+    p = _xy(a, space)
     if p is None:
         raise _Bad("moveTo needs x, y")
     return [Move(*p)]
 
 
-def _drag(args, kwargs, space, raw):
-    p, _ = _xy_opt(args, kwargs, space)
+def _drag(a, space, raw):
+    p = _xy(a, space)
     if p is None:
         raise _Bad("dragTo needs x, y")
-    if kwargs.get("button", "left") != "left":
+    if a.get("button", "left") != "left":
         raise _Bad("only left-button drags are supported")
     return [Drag(*p)]
 
 
-def _type(args, kwargs, space, raw):
-    msg = _get(args, kwargs, 0, "message")
+def _type(a, space, raw):
+    msg = a.get("message")
     if isinstance(msg, str):
         return [TypeText(msg)]
     if isinstance(msg, list | tuple) and msg and all(isinstance(k, str) for k in msg):
@@ -1054,9 +1113,9 @@ def _type(args, kwargs, space, raw):
     raise _Bad("typewrite needs a string (or a list of key names)")
 
 
-def _press(args, kwargs, space, raw):
-    keys = _get(args, kwargs, 0, "keys")
-    presses = kwargs.get("presses", 1)
+def _press(a, space, raw):
+    keys = a.get("keys")
+    presses = a.get("presses", 1)
     if not isinstance(presses, int) or isinstance(presses, bool) or not 1 <= presses <= 50:
         raise _Bad(f"presses must be an int in 1..50, got {presses!r}")
     names = [keys] if isinstance(keys, str) else keys
@@ -1068,11 +1127,11 @@ def _press(args, kwargs, space, raw):
         if isinstance(k, InvalidAction):
             raise _Bad(k.reason)
         out.append(k)
-    return out * presses
+    return out * presses  # press(keys, presses=n): one Key per press, in pyautogui's order
 
 
-def _hotkey(args, kwargs, space, raw):
-    names = list(args)
+def _hotkey(a, space, raw):
+    names = a["keys"]
     if len(names) == 1 and isinstance(names[0], list | tuple):
         names = list(names[0])
     if not names:
@@ -1087,12 +1146,11 @@ def _hotkey(args, kwargs, space, raw):
 
 
 def _scroll_handler(horizontal: bool) -> Callable:
-    def h(args, kwargs, space, raw):
-        clicks = _num(_get(args, kwargs, 0, "clicks"))
+    def h(a, space, raw):
+        clicks = _num(a.get("clicks"))
         if clicks is None:
             raise _Bad("scroll needs clicks: a number")
-        p, _ = _xy_opt(args[1:], kwargs, space)
-        x, y = p if p else (None, None)
+        x, y = _xy(a, space) or (None, None)
         # pyautogui: positive clicks scroll up / right.
         return [Scroll(x, y, clicks, 0.0) if horizontal else Scroll(x, y, 0.0, -clicks)]
 
@@ -1100,9 +1158,9 @@ def _scroll_handler(horizontal: bool) -> Callable:
 
 
 def _button_handler(cls: type) -> Callable:
-    def h(args, kwargs, space, raw):
-        p, used = _xy_opt(args, kwargs, space)  # mouseDown(x=None, y=None, button='left')
-        b = _get(args, kwargs, used, "button", "left")
+    def h(a, space, raw):
+        p = _xy(a, space)
+        b = a.get("button", "left")
         if b not in BUTTONS:
             raise _Bad(f"button must be one of {BUTTONS}, got {b!r}")
         return [cls(p[0] if p else None, p[1] if p else None, b)]
@@ -1111,8 +1169,8 @@ def _button_handler(cls: type) -> Callable:
 
 
 def _key_hold_handler(cls: type) -> Callable:
-    def h(args, kwargs, space, raw):
-        name = _get(args, kwargs, 0, "key")
+    def h(a, space, raw):
+        name = a.get("key")
         k = normalize_key(name) if isinstance(name, str) else None
         if k is None:
             raise _Bad(f"unknown key {name!r}; use names like 'shift', 'ctrl', 'a'")
@@ -1121,8 +1179,9 @@ def _key_hold_handler(cls: type) -> Callable:
     return h
 
 
+# Handlers take (arguments bound by name, space, raw) and return actions or raise _Bad.
 _PYAUTOGUI: dict[str, Callable] = {
-    "click": _click_handler(None, None),
+    "click": _click_handler("left", None),
     "leftClick": _click_handler("left", 1),
     "doubleClick": _click_handler("left", 2),
     "tripleClick": _click_handler("left", 3),

@@ -1,5 +1,7 @@
 """Action parsing/formatting: round trips, hand-written model outputs, and fuzzing."""
 
+import ast
+import importlib.util
 import json
 
 import pytest
@@ -345,3 +347,226 @@ def test_fuzz_structured_qwen(action, args):
     text = "<tool_call>" + json.dumps(call) + "</tool_call>"
     out = A.parse_action(text, "qwen3vl", CoordinateSpace.relative(*SCREEN))
     assert out and all(isinstance(a, A.Action) for a in out)
+
+
+# -- '+' as a key ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "chord,keys",
+    [
+        ("ctrl++", ("ctrl", "+")),
+        ("Ctrl + +", ("ctrl", "+")),
+        ("ctrl+shift++", ("ctrl", "shift", "+")),
+        ("ctrl+plus", ("ctrl", "+")),
+        ("+", ("+",)),
+        ("ctrl+shift+=", ("ctrl", "shift", "=")),
+        ("ctrl+-", ("ctrl", "-")),
+    ],
+)
+def test_plus_key_in_chords(chord, keys):
+    """'ctrl++' (zoom in) keeps its '+' in every format that reads chords from one string."""
+    call = {"name": "computer_use", "arguments": {"action": "key", "keys": [chord]}}
+    text = "<tool_call>" + json.dumps(call) + "</tool_call>"
+    for fmt in ("qwen25vl", "qwen3vl"):
+        assert A.parse_action(text, fmt, SPACES["qwen25_resized"]) == [Key(keys)], fmt
+    space = SPACES["identity"]
+    assert A.parse_action(f"pyautogui.press({chord!r})", "pyautogui", space) == [Key(keys)]
+    hot = "pyautogui.hotkey(" + ", ".join(repr(k) for k in keys) + ")"
+    assert A.parse_action(hot, "pyautogui", space) == [Key(keys)]
+
+
+@pytest.mark.parametrize("fmt", A.FORMATS)
+@pytest.mark.parametrize("action", [Key(("+",)), Key(("ctrl", "+")), Key(("ctrl", "shift", "+"))])
+def test_plus_key_round_trip(fmt, action):
+    space = SPACES["identity"]
+    assert A.parse_action(A.format_action(action, fmt, space), fmt, space) == [action]
+
+
+# -- pyautogui key names -----------------------------------------------------------------------
+
+
+def _pyautogui_key_names() -> list[str]:
+    """pyautogui.KEY_NAMES, read from its source (importing pyautogui needs an X display)."""
+    spec = importlib.util.find_spec("pyautogui")
+    if spec is None or spec.origin is None:
+        pytest.skip("pyautogui is not installed")
+    with open(spec.origin, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "KEY_NAMES":
+            return ast.literal_eval(node.value)
+    raise AssertionError("KEY_NAMES not found in pyautogui's source")
+
+
+def test_pyautogui_format_writes_pyautogui_key_names():
+    """OSWorld runs the code: a key name pyautogui does not know presses nothing."""
+    known = set(_pyautogui_key_names())
+    space = SPACES["identity"]
+    fmt = A.get_format("pyautogui")
+    assert fmt.format(Key(("meta",)), space) == "pyautogui.press('win')"
+    assert fmt.format(Key(("menu",)), space) == "pyautogui.press('apps')"
+    assert fmt.format(Key(("ctrl", "meta")), space) == "pyautogui.hotkey('ctrl', 'win')"
+    assert fmt.format(A.KeyDown("meta"), space) == "pyautogui.keyDown('win')"
+    for k in sorted(A.KEY_NAMES) + ["+", "a", "A", "/"]:
+        for action in (Key((k,)), Key(("ctrl", k)), A.KeyDown(k), A.KeyUp(k)):
+            text = fmt.format(action, space)
+            call = ast.parse(text, mode="eval").body
+            names = {ast.literal_eval(a) for a in call.args}
+            assert {n for n in names if len(n) > 1} <= known, (k, text)  # 'A' is a character
+            assert fmt.parse(text, space) == [action], (k, text)
+
+
+def test_pyautogui_key_aliases():
+    """pyautogui's own names that have a canonical equivalent parse to it."""
+    expect = {
+        "apps": "menu",
+        "win": "meta",
+        "winleft": "meta",
+        "winright": "meta",
+        "command": "meta",
+        "prtscr": "printscreen",
+        "prntscrn": "printscreen",
+        "prtsc": "printscreen",
+        "print": "printscreen",
+        "optionleft": "alt",
+        "optionright": "alt",
+        "escape": "esc",
+        "del": "delete",
+        "return": "enter",
+        "pgup": "pageup",
+        "pgdn": "pagedown",
+        "add": "+",
+        "subtract": "-",
+        "plus": "+",
+        **{f"num{i}": str(i) for i in range(10)},
+    }
+    for name, canon in expect.items():
+        assert A.normalize_key(name) == canon, name
+    space = SPACES["identity"]
+    assert A.parse_action("pyautogui.hotkey('winleft', 'apps')", "pyautogui", space) == [
+        Key(("meta", "menu"))
+    ]
+    assert A.parse_action("pyautogui.press('num7')", "pyautogui", space) == [Key(("7",))]
+    assert A.parse_action("pyautogui.keyDown('prntscrn')", "pyautogui", space) == [
+        A.KeyDown("printscreen")
+    ]
+
+
+# -- pyautogui positional arguments ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "positional,keyword,expected",
+    [
+        (
+            "pyautogui.press('down', 3)",
+            "pyautogui.press(keys='down', presses=3)",
+            [Key(("down",))] * 3,
+        ),
+        (
+            "pyautogui.press(['tab', 'enter'], 2, 0.1)",
+            "pyautogui.press(['tab', 'enter'], presses=2, interval=0.1)",
+            [Key(("tab",)), Key(("enter",))] * 2,
+        ),
+        (
+            "pyautogui.click(100, 200, 1, 0.0, 'right')",
+            "pyautogui.click(x=100, y=200, clicks=1, interval=0.0, button='right')",
+            [Click(100.0, 200.0, "right", 1)],
+        ),
+        (
+            "pyautogui.click(100, 200, 2, 0.1, 'middle', 0.5)",
+            "pyautogui.click(100, 200, clicks=2, button='middle', duration=0.5)",
+            [Click(100.0, 200.0, "middle", 2)],
+        ),
+        (
+            "pyautogui.doubleClick(100, 200, 0.1, 'right')",
+            "pyautogui.doubleClick(x=100, y=200, interval=0.1, button='right')",
+            [Click(100.0, 200.0, "right", 2)],
+        ),
+        (
+            "pyautogui.tripleClick((100, 200), None, 0.1)",
+            "pyautogui.tripleClick((100, 200), interval=0.1)",
+            [Click(100.0, 200.0, "left", 3)],
+        ),
+        (
+            "pyautogui.rightClick(100, 200, 0.1)",
+            "pyautogui.rightClick(x=100, y=200, interval=0.1)",
+            [Click(100.0, 200.0, "right", 1)],
+        ),
+        (
+            "pyautogui.moveTo(10, 20, 0.5)",
+            "pyautogui.moveTo(x=10, y=20, duration=0.5)",
+            [Move(10.0, 20.0)],
+        ),
+        (
+            "pyautogui.dragTo(10, 20, 0.5)",
+            "pyautogui.dragTo(x=10, y=20, duration=0.5, button='left')",
+            [Drag(10.0, 20.0)],
+        ),
+        (
+            "pyautogui.mouseDown(10, 20, 'right')",
+            "pyautogui.mouseDown(x=10, y=20, button='right')",
+            [A.MouseDown(10.0, 20.0, "right")],
+        ),
+        (
+            "pyautogui.mouseUp(None, None, 'middle')",
+            "pyautogui.mouseUp(button='middle')",
+            [A.MouseUp(None, None, "middle")],
+        ),
+        (
+            "pyautogui.scroll(-3, 10, 20)",
+            "pyautogui.scroll(clicks=-3, x=10, y=20)",
+            [Scroll(10.0, 20.0, 0.0, 3.0)],
+        ),
+        (
+            "pyautogui.hscroll(2, 10, 20)",
+            "pyautogui.hscroll(2, x=10, y=20)",
+            [Scroll(10.0, 20.0, 2.0, 0.0)],
+        ),
+        (
+            "pyautogui.typewrite('hi', 0.1)",
+            "pyautogui.typewrite(message='hi', interval=0.1)",
+            [TypeText("hi")],
+        ),
+        (
+            "pyautogui.write('hi', 0.1)",
+            "pyautogui.write(message='hi', interval=0.1)",
+            [TypeText("hi")],
+        ),
+        (
+            "pyautogui.hotkey('ctrl', 'c')",
+            "pyautogui.hotkey('ctrl', 'c', interval=0.1)",
+            [Key(("ctrl", "c"))],
+        ),
+        (
+            "pyautogui.keyDown('shift')",
+            "pyautogui.keyDown(key='shift')",
+            [A.KeyDown("shift")],
+        ),
+        ("pyautogui.keyUp('shift')", "pyautogui.keyUp(key='shift')", [A.KeyUp("shift")]),
+    ],
+)
+def test_pyautogui_positional_arguments(positional, keyword, expected):
+    """Arguments bind by pyautogui's real signatures: positional and keyword forms agree."""
+    space = SPACES["identity"]
+    assert A.parse_action(positional, "pyautogui", space) == expected
+    assert A.parse_action(keyword, "pyautogui", space) == expected
+
+
+@pytest.mark.parametrize(
+    "code,reason_part",
+    [
+        ("pyautogui.press('a', 'x')", "presses must be"),
+        ("pyautogui.press('a', 0)", "presses must be"),
+        ("pyautogui.click(1, 2, 1, 0.0, 'left', 0.0, None, None, True, 5)", "at most 9 positional"),
+        ("pyautogui.click(1, 2, x=3)", "multiple values"),
+        ("pyautogui.rightClick(1, 2, button='left')", "unexpected keyword"),
+        ("pyautogui.click(1, 2, 1, 0.0, 'side')", "button must be"),
+        ("pyautogui.click((1, 2), 3)", "(x, y)"),
+        ("pyautogui.keyDown('shift', key='ctrl')", "multiple values"),
+    ],
+)
+def test_pyautogui_bad_arguments(code, reason_part):
+    (a,) = A.parse_action(code, "pyautogui", CoordinateSpace.identity(*SCREEN))
+    assert isinstance(a, InvalidAction) and reason_part in a.reason, a
