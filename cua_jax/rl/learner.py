@@ -316,6 +316,10 @@ class Learner:
     ) -> tuple[PackedBatch | None, dict[str, float]]:
         """GRPO advantages per group, zero-variance filtering, samples, packing.
 
+        Episodes ended by an infrastructure fault (`Trajectory.infra_fault`: env, sampler or
+        checker errors) are left out: they neither get samples nor enter their group's reward
+        statistics, and a group left with fewer than two episodes is dropped.
+
         Returns (batch or None when every group was filtered, info dict for logging).
         """
         sizes = {len(g) for g in groups}
@@ -323,24 +327,32 @@ class Learner:
             raise ValueError(f"groups must all have the same size, got sizes {sorted(sizes)}")
         rewards = np.array([[t.reward for t in g] for g in groups], np.float32)
         ac = self.advantage_config
-        adv, keep = group_advantages(
-            rewards,
-            normalize_std=ac.normalize_std,
-            leave_one_out=ac.leave_one_out,
-            eps=ac.eps,
-            zero_variance=ac.zero_variance,
-        )
         pos_fn = self.position_fn()
         samples = []
-        for g, a_g, k in zip(groups, adv, keep, strict=True):
+        filtered = too_few = 0
+        for g in groups:
+            live = [t for t in g if not t.infra_fault]
+            if len(live) < 2:
+                too_few += 1
+                continue
+            (a_g,), (k,) = group_advantages(
+                np.array([[t.reward for t in live]], np.float32),
+                normalize_std=ac.normalize_std,
+                leave_one_out=ac.leave_one_out,
+                eps=ac.eps,
+                zero_variance=ac.zero_variance,
+            )
+            filtered += not k
             if k:
-                for traj, a in zip(g, a_g, strict=True):
+                for traj, a in zip(live, a_g, strict=True):
                     samples += trajectory_to_samples(traj, float(a), pos_fn)
         info = {
             "reward_mean": float(rewards.mean()),
             "success_rate": float(np.mean([t.success for g in groups for t in g])),
             "groups": float(len(groups)),
-            "groups_filtered_zero_variance": float((~keep).sum()),
+            "groups_filtered_zero_variance": float(filtered),
+            "episodes_infra_fault": float(sum(t.infra_fault for g in groups for t in g)),
+            "groups_dropped_infra_fault": float(too_few),
             "samples": float(len(samples)),
         }
         if not samples:

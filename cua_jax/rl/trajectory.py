@@ -89,6 +89,16 @@ class Trajectory:
     def num_generated(self) -> int:
         return sum(t.generated_ids.size for t in self.turns)
 
+    @property
+    def infra_fault(self) -> bool:
+        """The episode was ended by the environment, the sampler or the task's checker failing,
+        not by the policy: its reward says nothing about the policy (GRPO leaves it out)."""
+        return (self.failure_reason or "").startswith(INFRA_FAULTS)
+
+
+# failure_reason prefixes of episodes ended by infrastructure faults (see Trajectory.infra_fault)
+INFRA_FAULTS = ("env_error", "sampler_error", "evaluate_error")
+
 
 @dataclasses.dataclass
 class Sample:

@@ -267,3 +267,26 @@ def test_row_count_is_rounded_to_a_shape_bucket(learner, samples):
             assert learner.pack(samples[:n]).shape[0] <= rows
         finally:
             learner._bucket_shapes = True
+
+
+def test_infra_faults_are_left_out_of_groups(learner):
+    """An episode ended by an env / sampler / checker fault gets no samples and does not enter
+    its group's statistics (reward 0 there would be a fake failure); a group left with one
+    episode is dropped. Hand numbers: rewards [1, 0, 0.5] of the live episodes."""
+    groups = make_groups(images=False)
+    g0, g1 = groups
+    for t, r in zip(g0, [1.0, 0.0, 0.5, 0.0], strict=True):
+        t.reward = r
+    g0[3].failure_reason = "env_error: step: browser crashed"
+    g1[0].failure_reason = "sampler_error: out of pages"
+    g1[1].failure_reason = "evaluate_error: RuntimeError: checker"
+    g1[2].failure_reason = "env_error: reset: timeout"
+    g1[3].failure_reason = "max_turns"  # the policy's own failure: not a fault
+    assert [t.infra_fault for t in g0 + g1] == [False] * 3 + [True] * 4 + [False]
+    batch, info = learner.prepare_batch(groups)
+    assert info["episodes_infra_fault"] == 4 and info["groups_dropped_infra_fault"] == 1
+    want = (np.array([1.0, 0.0, 0.5]) - 0.5) / (np.std([1.0, 0.0, 0.5], ddof=1) + 1e-6)
+    n_samples = [len(trajectory_to_samples(t, 0.0)) for t in g0[:3]]
+    assert info["samples"] == sum(n_samples)
+    got = sorted({round(float(a), 5) for a in batch.advantages[batch.loss_mask]})
+    np.testing.assert_allclose(got, sorted(np.round(want, 5)), atol=1e-5)
