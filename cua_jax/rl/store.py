@@ -11,7 +11,8 @@ accounted exactly once:
 
 ``trained`` counts trajectories handed to the consumer; ``replaced`` counts those swapped out of
 an all-equal-reward group by keep-best replay (ARPO, Lu et al. 2025: a group whose rollouts all
-failed gets one stored success of the same task, so it carries a learning signal);
+failed gets one stored success of the same task, so it carries a learning signal; only a
+success within ``max_steps_off_policy`` versions of the learner is replayed);
 ``lost_on_restore`` counts what was pending when a checkpointed state was saved (pending
 trajectories live only in memory).
 
@@ -336,6 +337,8 @@ class TrajectoryStore:
         best = self._best.get(group[0].task_id)
         if best is None or best.reward == rewards[0] or any(t is best for t in group):
             return group
+        if self._version - best.policy_version > self.max_steps_off_policy:
+            return group  # the staleness bound holds for replayed successes too
         # Swap the last rollout for the stored success; the swapped one is accounted "replaced".
         self._counts["trained"] -= 1
         self._counts["replaced"] += 1

@@ -144,6 +144,12 @@ def test_keep_best_replay_refills_all_failed_group():
     st.put(_traj("g3", task="y"))
     st.put(_traj("g3", task="y"))
     assert [t.reward for t in st.get_groups(1)[0]] == [0.0, 0.0]
+    # A stored success older than max_steps_off_policy (1) is not replayed.
+    st.set_version(2)
+    st.put(_traj("g4", reward=0.0, task="x", version=2))
+    st.put(_traj("g4", reward=0.0, task="x", version=2))
+    assert [t.reward for t in st.get_groups(1)[0]] == [0.0, 0.0]
+    assert st.stats()["replayed"] == 1
 
 
 def test_state_dict_round_trip():
