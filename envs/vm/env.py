@@ -78,6 +78,13 @@ def _n(v: float) -> str:
     return str(int(round(v)))
 
 
+MAX_SCROLL_CLICKS = 50
+
+
+def _clicks(v: float) -> int:
+    return int(round(min(max(v, -MAX_SCROLL_CLICKS), MAX_SCROLL_CLICKS)))
+
+
 def action_to_pyautogui(action: Action) -> str | None:
     """pyautogui code for an action, or None for actions that run nothing in the VM."""
     match action:
@@ -116,10 +123,12 @@ def action_to_pyautogui(action: Action) -> str | None:
         case Scroll(x, y, dx, dy):
             at = f", x={_n(x)}, y={_n(y)}" if x is not None and y is not None else ""
             code = []
+            # X scrolls one wheel event per click: a model's scroll(1e9) would run until the
+            # action timeout, so clicks are capped at MAX_SCROLL_CLICKS a direction.
             if dy:  # ours: +dy scrolls down; pyautogui: +clicks scrolls up
-                code.append(f"pyautogui.scroll({int(round(-dy))}{at})")
+                code.append(f"pyautogui.scroll({_clicks(-dy)}{at})")
             if dx:
-                code.append(f"pyautogui.hscroll({int(round(dx))}{at})")
+                code.append(f"pyautogui.hscroll({_clicks(dx)}{at})")
             return "; ".join(code) or None
     return None
 

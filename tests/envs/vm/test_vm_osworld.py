@@ -319,6 +319,7 @@ def test_typed_actions_to_pyautogui_code():
     # ours: +dy = down; pyautogui: +clicks = up
     assert action_to_pyautogui(Scroll(7, 8, 0, 3)) == "pyautogui.scroll(-3, x=7, y=8)"
     assert action_to_pyautogui(Scroll(None, None, 2, 0)) == "pyautogui.hscroll(2)"
+    assert action_to_pyautogui(Scroll(None, None, 0, 1e300)) == "pyautogui.scroll(-50)"  # capped
     assert action_to_pyautogui(Wait(1.0)) is None
 
 
