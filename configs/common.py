@@ -46,14 +46,12 @@ def base_config(family: str) -> ConfigDict:
     c.model.remat = "none"  # "none" | "full" | "dots"
     c.model.lora_rank = 0  # 0 = full fine-tuning
     c.model.lora_alpha = 16.0
+    # Regexes over dotted module paths (= cua_jax.models.lora.DEFAULT_TARGETS): the language
+    # model's attention and MLP projections only. Bare names such as "gate_proj" would also
+    # match Qwen2.5-VL's vision MLP, which model.freeze_vision does not stop under LoRA.
     c.model.lora_targets = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
+        r"language_model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj$",
+        r"language_model\.layers\.\d+\.mlp\.(gate|up|down)_proj$",
     )
     c.model.freeze_vision = False
 

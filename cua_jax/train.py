@@ -66,6 +66,7 @@ def validate_config(config: Any) -> None:
     positive = (
         *("rl.group_size", "rl.groups_per_batch", "rl.max_tokens", "env.concurrency"),
         *("env.max_turns", "sampler.max_slots", "sampler.page_size", "sampler.num_pages"),
+        *("log.eval_every", "ckpt.keep", "ckpt.save_every"),
     )
     for key in positive:
         section, name = key.split(".")
@@ -326,7 +327,13 @@ def build_rollout_settings(config: Any, model: Any) -> RolloutSettings:
 
 
 class TaskCursor:
-    """Deterministic, resumable order over the training tasks (reshuffled every epoch)."""
+    """Deterministic, resumable order over the training tasks (reshuffled every epoch).
+
+    Async mode takes tasks ahead of the learner (`take_tracked`): a task stays *outstanding*
+    until the learner takes its group (`done`). A checkpoint saves those positions with the
+    cursor (`pending`), and a resumed run rolls them out again first (`replay`), so no task the
+    learner never saw is skipped by a restart.
+    """
 
     def __init__(self, tasks: Sequence[Task], seed: int, position: int = 0):
         if not tasks:
@@ -334,19 +341,42 @@ class TaskCursor:
         self.tasks = list(tasks)
         self.seed = seed
         self.position = position
+        self.replay: list[int] = []  # positions to roll out before new ones (after a resume)
+        self._outstanding: dict[int, None] = {}  # insertion-ordered set
 
     def _order(self, epoch: int) -> list[int]:
         order = list(range(len(self.tasks)))
         random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
+    def task_at(self, position: int) -> Task:
+        epoch, i = divmod(position, len(self.tasks))
+        return self.tasks[self._order(epoch)[i]]
+
     def take(self, n: int) -> list[Task]:
         out = []
         for _ in range(n):
-            epoch, i = divmod(self.position, len(self.tasks))
-            out.append(self.tasks[self._order(epoch)[i]])
+            out.append(self.task_at(self.position))
             self.position += 1
         return out
+
+    def take_tracked(self) -> tuple[int, Task]:
+        """(position, task): a replayed position first, else the next one; outstanding until
+        `done(position)`."""
+        if self.replay:
+            pos = self.replay.pop(0)
+        else:
+            pos = self.position
+            self.position += 1
+        self._outstanding[pos] = None
+        return pos, self.task_at(pos)
+
+    def done(self, position: int) -> None:
+        self._outstanding.pop(position, None)
+
+    def pending(self) -> list[int]:
+        """Positions taken but not yet trained on, and those still to replay."""
+        return sorted({*self._outstanding, *self.replay})
 
 
 def success_by_category(trajs: Sequence[Trajectory], tasks: Sequence[Task]) -> dict[str, float]:
@@ -366,7 +396,6 @@ def rollout_metrics(groups: Sequence[Sequence[Trajectory]], version: int) -> dic
     turns = [len(t.turns) for t in trajs]
     gen = [t.num_generated for t in trajs]
     invalid = sum(t.timings.get("invalid_actions", 0.0) for t in trajs)
-    failures = [t.failure_reason or "" for t in trajs]
     return {
         "rollout/reward": float(np.mean([t.reward for t in trajs])),
         "rollout/score": float(np.mean([t.score or 0.0 for t in trajs])),
@@ -374,9 +403,7 @@ def rollout_metrics(groups: Sequence[Sequence[Trajectory]], version: int) -> dic
         "rollout/episode_turns": float(np.mean(turns)),
         "rollout/generated_tokens": float(np.sum(gen)),
         "rollout/invalid_action_rate": float(invalid / max(1, sum(turns))),
-        "rollout/env_failures": float(
-            sum(f.startswith(("env_error", "sampler")) for f in failures)
-        ),
+        "rollout/env_failures": float(sum(t.infra_fault for t in trajs)),
         "rollout/staleness_max": float(max(version - t.policy_version for t in trajs)),
         "rollout/staleness_mean": float(np.mean([version - t.policy_version for t in trajs])),
     }
@@ -472,14 +499,20 @@ async def _main(config, workdir, env_factory, tasks, eval_tasks) -> dict[str, fl
         state, meta = resume_from.restore(learner.abstract_state())
         learner.load_state_dict(state)
         step, cursor.position, sft_done = int(meta["step"]), int(meta["cursor"]), True
+        cursor.replay = [int(p) for p in meta.get("replay", [])]
         store.load_state_dict(meta["store"])
         writer.truncate_after(step)
         logging.info("resumed from %s at step %d", resume_from.directory, step)
+    else:  # a rerun of a run that died before its first checkpoint starts its metrics afresh
+        writer.truncate_after(-1)
     engine.update_params(learner.params_for_sampler(), learner.version)
     store.set_version(learner.version)
 
     def save(force: bool = False) -> None:
-        meta = {"cursor": cursor.position, "store": store.state_dict(), "sft_done": True}
+        meta = {
+            "cursor": cursor.position, "replay": cursor.pending(), "store": store.state_dict(),
+            "sft_done": True,
+        }  # fmt: skip
         ckpt.save(step, learner.state_dict(), meta, force=force)
 
     progress = metrics_lib.Progress(
@@ -554,6 +587,9 @@ async def _main(config, workdir, env_factory, tasks, eval_tasks) -> dict[str, fl
             t0 = time.perf_counter()
             groups = await store.get_groups_async(rl.groups_per_batch, timeout=3600)
             timers["idle"] = time.perf_counter() - t0 if rl.mode == "async" else 0.0
+            if rl.mode == "async":  # these tasks are trained on now: nothing to replay
+                for g in groups:
+                    cursor.done(int(g[0].group_id.removeprefix("a")))
             step_metrics = rollout_metrics(groups, learner.version)
             t0 = time.perf_counter()
             batch, info = learner.prepare_batch(groups)
@@ -613,7 +649,10 @@ async def _main(config, workdir, env_factory, tasks, eval_tasks) -> dict[str, fl
             "eval_success_step0": next(
                 (r["eval/success"] for r in rows if r["step"] == 0 and "eval/success" in r), None
             ),
-            "eval_success_final": last_eval.get("eval/success"),
+            # the last eval logged (a rerun of a finished run evaluates nothing new)
+            "eval_success_final": next(
+                (r["eval/success"] for r in reversed(rows) if "eval/success" in r), None
+            ),
             "steps": step,
             "wall_s": time.perf_counter() - t_job,
         }
@@ -787,7 +826,6 @@ async def _produce(agent, pool, store, cursor, config, gate: StalenessGate) -> N
     rl = config.rl
     sem = asyncio.Semaphore(max(1, config.env.concurrency // rl.group_size))
     tasks: set[asyncio.Task] = set()
-    n = 0
 
     trained_at_start = store.stats()["trained"]
 
@@ -801,6 +839,8 @@ async def _produce(agent, pool, store, cursor, config, gate: StalenessGate) -> N
 
     async def one(task: Task, k: int) -> None:
         try:
+            # seed and group id follow the task's cursor position: a replayed task after a
+            # resume rolls out exactly as it would have
             group = await agent.run_group(
                 pool, task, rl.group_size, seed=episode_seed(config.seed, "async", k),
                 group_id=f"a{k}",
@@ -822,11 +862,10 @@ async def _produce(agent, pool, store, cursor, config, gate: StalenessGate) -> N
         while True:
             await sem.acquire()
             await gate.wait_open(ahead)
-            (task,) = cursor.take(1)
-            t = asyncio.create_task(one(task, n))
+            pos, task = cursor.take_tracked()
+            t = asyncio.create_task(one(task, pos))
             tasks.add(t)
             t.add_done_callback(finished)
-            n += 1
     finally:  # cancelled at the end of training: stop the episodes still running
         for t in list(tasks):
             t.cancel()

@@ -61,6 +61,9 @@ def _rows(workdir):
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     wd = str(tmp_path_factory.mktemp("smoke"))
+    # Rows of an earlier attempt that died before its first checkpoint: the run starts afresh.
+    with open(os.path.join(wd, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 0, "stale_attempt": 1.0}) + "\n")
     r = subprocess.run(_cmd(wd), cwd=ROOT, env=_env(), capture_output=True, text=True,
                        timeout=900)  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
@@ -71,6 +74,7 @@ def test_smoke_run_writes_everything(full_run):
     wd = full_run
     rows = _rows(wd)
     assert [r["step"] for r in rows] == [0, 0, 1, 2, 3]
+    assert not any("stale_attempt" in r for r in rows)
     step0, after_sft = rows[0], rows[1]
     assert step0["phase_sft"] == 0.0 and "eval/success" in step0
     assert after_sft["phase_sft"] == 1.0 and after_sft["sft/demos"] >= 1
@@ -82,6 +86,7 @@ def test_smoke_run_writes_everything(full_run):
     assert "eval/success" in rows[-1]
     summary = json.load(open(os.path.join(wd, "summary.json")))
     assert summary["steps"] == 3 and summary["eval_success_step0"] == step0["eval/success"]
+    assert summary["eval_success_final"] == rows[-1]["eval/success"]
     assert os.path.getsize(os.path.join(wd, "curves.png")) > 1000
     pages = os.listdir(os.path.join(wd, "episodes"))
     assert "eval_step0.html" in pages and "eval_step3.html" in pages

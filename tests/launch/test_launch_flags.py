@@ -57,6 +57,14 @@ def _launch(*args):
             "config.sft.source='/nope/demos.jsonl' does not exist",
         ),
         (
+            ["--config=configs/qwen3vl_grpo.py:smoke", "--config.log.eval_every=0"],
+            "config.log.eval_every=0 must be >= 1",
+        ),
+        (
+            ["--config=configs/qwen3vl_grpo.py:smoke", "--config.ckpt.keep=0"],
+            "config.ckpt.keep=0 must be >= 1",
+        ),
+        (
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.rl.loss_norm=-1"],
             "config.rl.loss_norm=-1.0 must be >= 0",
         ),

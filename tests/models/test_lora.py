@@ -134,3 +134,18 @@ def test_reference_is_the_policy_rl_starts_from_and_survives_a_resume(use_lora, 
         resumed.token_logprobs(batch)[:, 1:][mask], rl.token_logprobs(batch)[:, 1:][mask],
         rtol=1e-5, atol=1e-5,
     )  # fmt: skip
+
+
+def test_config_lora_targets_leave_the_vision_tower_alone():
+    """The configs' default targets are the language model's projections only: bare names would
+    also wrap Qwen2.5-VL's vision MLP (gate/up/down_proj), trained even with freeze_vision."""
+    from configs.qwen25vl_grpo import get_config
+
+    targets = tuple(get_config("smoke").model.lora_targets)
+    assert targets == lora.DEFAULT_TARGETS
+    model = qwen_vl.QwenVL(qwen_vl.tiny("qwen2_5_vl", vocab_size=256), rngs=nnx.Rngs(0))
+    paths = lora.apply_lora(model, 2, 4.0, targets, rngs=nnx.Rngs(1))
+    assert paths and not any("visual" in p for p in paths)
+    bare = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    m2 = qwen_vl.QwenVL(qwen_vl.tiny("qwen2_5_vl", vocab_size=256), rngs=nnx.Rngs(0))
+    assert any("visual" in p for p in lora.apply_lora(m2, 2, 4.0, bare, rngs=nnx.Rngs(1)))
