@@ -546,6 +546,9 @@ async def _main(config, workdir, env_factory, tasks, eval_tasks) -> dict[str, fl
 
         # ---- SFT warm-up on oracle demonstrations --------------------------------------------
         if not sft_done:
+            # The RL learner built above holds an optimizer state (and a KL reference copy) that
+            # SFT does not use: release it while the SFT learner holds its own.
+            learner = None
             sft_metrics = await _sft_warmup(
                 config, model, mesh, rules, agent, pool, cursor, workdir
             )
