@@ -68,7 +68,8 @@ class Task:
       seed: the seed ``reset`` uses when none is given.
       spec: free-form, JSON-serialisable description for the env that runs the task (template
         name, MiniWoB task name, OSWorld config, start URL, ...).
-      max_steps: the episode's step budget; the rollout loop stops there.
+      max_steps: the episode's step budget; the rollout loop stops there, or earlier at its
+        own cap (``RolloutSettings.max_turns`` = config ``env.max_turns``).
       has_checker: False for tasks with no programmatic score (custom instructions): evaluate()
         then returns 0.0 and a judge (or nobody) scores them.
       oracle: an optional fixed action sequence (screen pixels) that solves the task. Envs whose

@@ -433,8 +433,22 @@ def main(
     validate_config(config)
     tasks = load_tasks([dict(t) for t in config.tasks])
     eval_tasks = load_tasks([dict(t) for t in config.eval_tasks])
+    _warn_if_turns_cut(tasks + eval_tasks, config.env.max_turns)
     os.makedirs(workdir, exist_ok=True)
     return asyncio.run(_main(config, workdir, env_factory, tasks, eval_tasks))
+
+
+def _warn_if_turns_cut(tasks: Sequence[Task], max_turns: int) -> None:
+    """An episode lasts min(task.max_steps, env.max_turns) turns: say so where the config cuts
+    tasks short (those whose solution needs more turns cannot succeed)."""
+    cut = sorted({t.id.rsplit("/", 1)[0] for t in tasks if t.max_steps > max_turns})
+    if cut:
+        logging.warning(
+            "%d task kinds allow more steps than config.env.max_turns=%d, up to %d; their "
+            "episodes end after %d turns, so a task that needs more cannot succeed: %s",
+            len(cut), max_turns, max(t.max_steps for t in tasks), max_turns,
+            ", ".join(cut[:10]) + (" ..." if len(cut) > 10 else ""),
+        )  # fmt: skip
 
 
 async def _main(config, workdir, env_factory, tasks, eval_tasks) -> dict[str, float]:

@@ -263,7 +263,8 @@ class AgentLoop:
         invalid = 0
         done = False
         feedback = ""
-        for turn in range(self.settings.max_turns):
+        # The task's own step budget, within the trainer's cap on turns.
+        for turn in range(min(self.settings.max_turns, task.max_steps)):
             scripted = oracle and detour is not None and turn == 0  # a recovery demo's miss
             if screens is not None:
                 screens.append(obs.screenshot)

@@ -74,7 +74,9 @@ class MiniWoB:
 
     async def score(self, env: BrowserEnv, page: Page, answer: str | None) -> float:
         done, reward = await page.evaluate(miniwob.STATE_JS)
-        return float(reward) if done else 0.0
+        # An episode that ends unfinished scores as MiniWoB's own timeout does (-1): scoring it
+        # 0 would rank giving up (Done at step 0, running out of turns) above a wrong attempt.
+        return float(reward) if done else -1.0
 
     async def oracle_plan(self, env: BrowserEnv, page: Page) -> list[dict[str, Any]]:
         raise NotImplementedError("MiniWoB++ tasks have no oracle here")

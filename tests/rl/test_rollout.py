@@ -6,6 +6,7 @@ bookkeeping can be checked exactly; the real browser env runs in tests/test_trai
 
 import asyncio
 import contextlib
+import dataclasses
 
 import numpy as np
 import pytest
@@ -137,6 +138,14 @@ def test_oracle_demo_transcript_and_samples(engine, proc):
     gen_total = sum(t.generated_ids.size for t in traj.turns)
     assert sample.loss_mask.sum() == gen_total
     assert (sample.input_ids == tok.image_pad_id).sum() == 3 * 4
+
+
+def test_the_tasks_step_budget_ends_the_episode(engine, proc):
+    """min(task.max_steps, max_turns) turns: the oracle needs 3, the task allows 2."""
+    loop = _loop(engine, proc, max_history_images=4)  # max_turns 4
+    short = dataclasses.replace(TASK, max_steps=2)
+    (traj,) = asyncio.run(loop.demonstrations(Pool(1), [short]))
+    assert len(traj.turns) == 2 and traj.failure_reason == "max_turns"  # move, click; no done
 
 
 def test_recovery_demo_trains_only_on_the_recovery(engine, proc):
