@@ -25,7 +25,9 @@ import contextlib
 import io
 import logging
 import math
+import string
 import time
+import unicodedata
 from typing import Any
 
 import numpy as np
@@ -44,7 +46,7 @@ from cua_jax.env_api import (
     StepResult,
     Task,
 )
-from envs.browser import server
+from envs.browser import miniwob, server
 from envs.browser.host import BrowserHost
 
 log = logging.getLogger(__name__)
@@ -77,14 +79,27 @@ PLAYWRIGHT_KEYS = {
     "pause": "Pause",
     "menu": "ContextMenu",
     **{f"f{i}": f"F{i}" for i in range(1, 13)},
+    "\t": "Tab",  # Playwright knows "\n" (Enter) but not "\t"
 }
+# With Shift held Playwright still types a character key's own text (shift+1 -> "1"); the physical
+# key's code name types the shifted one (shift+Digit1 -> "!"), as a real keyboard (xdotool) does.
+SHIFTABLE_KEYS = {
+    **{c: f"Key{c.upper()}" for c in string.ascii_letters},
+    **{d: f"Digit{d}" for d in string.digits},
+    **{"=": "Equal", "-": "Minus", "[": "BracketLeft", "]": "BracketRight", "\\": "Backslash"},
+    **{";": "Semicolon", "'": "Quote", ",": "Comma", ".": "Period", "/": "Slash", "`": "Backquote"},
+}
+# Wheel notches a Scroll sends at most a direction (envs/vm/env.py caps its clicks alike): a
+# model's scroll(1e300) is a wheel delta that hangs Chromium's next input event.
+MAX_SCROLL_NOTCHES = 50
 
 # Returns [left, top, width, height] of the first element matching `sel`, or null.
 _BOX_JS = """(sel) => { const e = document.querySelector(sel); if (!e) return null;
   const r = e.getBoundingClientRect(); return [r.left, r.top, r.width, r.height]; }"""
 # For the element `sel`: {box: [left, top, width, height]} when its centre is in view, else
 # {scroll: [x, y, dx, dy]}: the point to scroll at (its nearest scrollable ancestor's centre, or
-# the viewport's) and the pixels to scroll; null when there is no such element.
+# the viewport's) and the pixels to scroll, 0 on an axis where the centre is in view already (no
+# needless sideways scroll); null when there is no such element.
 _TARGET_JS = """(sel) => { const e = document.querySelector(sel); if (!e) return null;
   const r = e.getBoundingClientRect(); const vw = innerWidth, vh = innerHeight;
   let c = e.parentElement;
@@ -99,10 +114,10 @@ _TARGET_JS = """(sel) => { const e = document.querySelector(sel); if (!e) return
     box = [Math.max(q.left, 0), Math.max(q.top, 0), Math.min(q.right, vw), Math.min(q.bottom, vh)];
   }
   const cx = r.left + r.width / 2, cy = r.top + r.height / 2;
-  if (cx >= box[0] + 2 && cx <= box[2] - 2 && cy >= box[1] + 2 && cy <= box[3] - 2)
-    return {box: [r.left, r.top, r.width, r.height]};
+  const inX = cx >= box[0] + 2 && cx <= box[2] - 2, inY = cy >= box[1] + 2 && cy <= box[3] - 2;
+  if (inX && inY) return {box: [r.left, r.top, r.width, r.height]};
   const mx = (box[0] + box[2]) / 2, my = (box[1] + box[3]) / 2;
-  return {scroll: [mx, my, cx - mx, cy - my]}; }"""
+  return {scroll: [mx, my, inX ? 0 : cx - mx, inY ? 0 : cy - my]}; }"""
 _RAF_JS = "() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))"
 
 
@@ -114,6 +129,10 @@ def decode_screenshot(data: bytes) -> np.ndarray:
 
 class _EpisodeOver(Exception):
     """Raised inside a step when the page/browser failed; carries the reason."""
+
+
+class _BadKey(Exception):
+    """Raised inside a step for a key Playwright cannot press (an invalid action, not a fault)."""
 
 
 class BrowserEnv:
@@ -180,6 +199,9 @@ class BrowserEnv:
         self._answer: str | None = None
         self._env_reward = 0.0
         self._mouse = (w / 2, h / 2)
+        # Keys (Playwright names) and mouse buttons a KeyDown/MouseDown left pressed.
+        self._held_keys: set[str] = set()
+        self._held_buttons: set[str] = set()
         self._oracle_plan: list[dict[str, Any]] | None = None
         self._oracle_i = 0
         self._steps = 0
@@ -207,6 +229,9 @@ class BrowserEnv:
 
     async def _drop_context(self) -> None:
         ctx, self._ctx, self._page = self._ctx, None, None
+        # Held on the page that goes away; a new page starts with nothing pressed.
+        self._held_keys.clear()
+        self._held_buttons.clear()
         if ctx is None:
             return
         try:
@@ -220,7 +245,12 @@ class BrowserEnv:
         """A page with no state from earlier episodes: the old context wiped (cheap) when it is
         healthy and ``reuse`` is on, else a brand-new context."""
         page = self._page
-        if reuse and page is not None and not self._broken and not self._crashed:
+        # A key or button still held would stay held into the next episode (shift+click, a drag)
+        # on this page. Releasing it is an input event to the old page (a mouseup that clicks a
+        # link and starts a navigation racing the reset, a Space keyup that clicks a button), so
+        # the next episode gets a new context, where nothing is pressed.
+        held = self._held_keys or self._held_buttons
+        if reuse and page is not None and not self._broken and not self._crashed and not held:
             try:
                 await asyncio.wait_for(self._wipe(page), 5.0)
                 return page
@@ -348,6 +378,11 @@ class BrowserEnv:
         if isinstance(action, A.InvalidAction):
             info[INFO_INVALID_ACTION] = action.reason
             return StepResult(self._last_obs, False, 0.0, info)
+        if isinstance(action, A.Scroll) and not all(map(math.isfinite, (action.dx, action.dy))):
+            info[INFO_INVALID_ACTION] = (
+                f"scroll amounts must be finite numbers, got dx={action.dx!r} dy={action.dy!r}"
+            )
+            return StepResult(self._last_obs, False, 0.0, info)
         if isinstance(action, A.TERMINAL_ACTIONS):
             self._active = False
             if isinstance(action, A.Answer):
@@ -361,6 +396,9 @@ class BrowserEnv:
             )
         except TimeoutError:
             return await self._fault(f"step timed out after {self.step_timeout_s:g}s (hung page?)")
+        except _BadKey as e:  # nothing was left pressed: the episode goes on
+            info[INFO_INVALID_ACTION] = str(e)
+            return StepResult(self._last_obs, False, 0.0, info)  # type: ignore[arg-type]
         except _EpisodeOver as e:
             return await self._fault(str(e))
         except Exception as e:  # noqa: BLE001 -- playwright raises many kinds
@@ -382,18 +420,39 @@ class BrowserEnv:
             return 0.0
         from envs.browser import adapters  # noqa: PLC0415
 
+        task, page = self._task, self._page
+
+        async def score() -> float:
+            if not await self._shows_task(page):
+                # e.g. an earlier episode's page: its checker must not score this episode, which
+                # scores as unfinished (MiniWoB: -1, as adapters.MiniWoB.score does)
+                return -1.0 if task.spec.get("kind") == "miniwob" else 0.0
+            return await adapters.get(task).score(self, page, self._answer)
+
         try:
-            adapter, page = adapters.get(self._task), self._page
             return float(
                 await asyncio.wait_for(
                     # a navigation the last action started may still be committing
-                    self._with_nav_retry(lambda: adapter.score(self, page, self._answer)),
+                    self._with_nav_retry(score),
                     self.step_timeout_s,
                 )
             )
         except Exception as e:  # noqa: BLE001 -- a broken page scores 0
             log.warning("evaluate failed for %s: %s", self._task.id, e)
             return 0.0
+
+    async def _shows_task(self, page: Page) -> bool:
+        """Whether ``page`` shows this episode's task (template and seed; a MiniWoB task's page)."""
+        assert self._task is not None
+        spec = self._task.spec
+        if spec.get("kind") == "builtin":
+            return await page.evaluate(
+                "([n, s]) => !!window.cua && cua.name === n && cua.seed === s",
+                [spec.get("template"), self._seed],
+            )
+        if spec.get("kind") == "miniwob":
+            return page.url.split("?")[0].split("#")[0] == miniwob.url(spec.get("name", ""))
+        return True
 
     # ---------------------------------------------------------------------------------------
     # extras
@@ -538,6 +597,7 @@ class BrowserEnv:
                 if x is not None and y is not None:
                     self._mouse = (x, y)
                 await m.click(*self._mouse, button=button, click_count=count)
+                self._held_buttons.discard(button)
             case A.Move(x, y):
                 self._mouse = (x, y)
                 await m.move(x, y)
@@ -548,19 +608,17 @@ class BrowserEnv:
                 await m.down()
                 await m.move(x, y, steps=5)
                 await m.up()
+                self._held_buttons.discard("left")
                 self._mouse = (x, y)
             case A.TypeText(text):
                 await page.keyboard.type(text[:2000])
             case A.Key(keys):
-                names = [PLAYWRIGHT_KEYS.get(k, k) for k in keys]
-                for k in names:
-                    await page.keyboard.down(k)
-                for k in reversed(names):
-                    await page.keyboard.up(k)
+                await self._press_keys(page, keys)
             case A.Scroll(x, y, dx, dy):
                 if x is not None and y is not None:
                     self._mouse = (x, y)
                 await m.move(*self._mouse)
+                dx, dy = (min(max(v, -MAX_SCROLL_NOTCHES), MAX_SCROLL_NOTCHES) for v in (dx, dy))
                 await m.wheel(dx * self.scroll_px_per_notch, dy * self.scroll_px_per_notch)
                 # Wheel scrolling is asynchronous: let two frames pass so the screenshot shows it.
                 await self._with_nav_retry(lambda: page.evaluate(_RAF_JS))
@@ -568,16 +626,51 @@ class BrowserEnv:
                 if x is not None and y is not None:
                     self._mouse = (x, y)
                     await m.move(x, y, steps=5)  # a held button drags along the way
-                press = m.down if isinstance(a, A.MouseDown) else m.up
-                await press(button=button)
+                if isinstance(a, A.MouseDown):
+                    await m.down(button=button)
+                    self._held_buttons.add(button)
+                else:
+                    await m.up(button=button)
+                    self._held_buttons.discard(button)
             case A.KeyDown(key):
-                await page.keyboard.down(PLAYWRIGHT_KEYS.get(key, key))
+                name = _key_name(key, shifted="Shift" in self._held_keys)
+                if await _send_key(page.keyboard.down, name):
+                    self._held_keys.add(name)
+                elif _typable(name):  # a key Playwright does not know: type the character
+                    await page.keyboard.insert_text(name)
+                else:
+                    raise _BadKey(f"unknown key {key!r}")
             case A.KeyUp(key):
-                await page.keyboard.up(PLAYWRIGHT_KEYS.get(key, key))
+                name = _key_name(key, shifted=False)  # "a" and "KeyA" are the same key
+                if await _send_key(page.keyboard.up, name):
+                    self._held_keys.difference_update({name, SHIFTABLE_KEYS.get(name)})
+                elif not _typable(name):
+                    raise _BadKey(f"unknown key {key!r}")
             case A.Wait(seconds):
                 await asyncio.sleep(min(max(seconds, 0.0), self.max_wait_s))
             case _:
                 raise ValueError(f"BrowserEnv cannot execute {a!r}")
+
+    async def _press_keys(self, page: Page, keys: tuple[str, ...]) -> None:
+        """A ``Key`` chord: keys go down in order and come up in reverse."""
+        shifted = "Shift" in self._held_keys or any(_key_name(k, False) == "Shift" for k in keys)
+        names = [_key_name(k, shifted) for k in keys]
+        down: list[str] = []
+        for name in names:
+            if not await _send_key(page.keyboard.down, name):
+                break
+            down.append(name)
+        for name in reversed(down):
+            await page.keyboard.up(name)
+        self._held_keys.difference_update(down)
+        if len(down) < len(names):  # Playwright does not know names[len(down)]
+            bad = keys[len(down)]
+            if len(keys) == 1 and _typable(bad):  # e.g. "é": type it, as a keyboard layout would
+                await page.keyboard.insert_text(bad)
+            elif _typable(bad):
+                raise _BadKey(f"key {bad!r} cannot be part of a chord; type it alone")
+            else:
+                raise _BadKey(f"unknown key {bad!r}")
 
     async def _observe(self) -> Observation:
         page = self._page
@@ -624,6 +717,28 @@ class BrowserEnv:
     def _blank_obs(self) -> Observation:
         w, h = self.viewport
         return Observation(np.zeros((h, w, 3), np.uint8), self._instruction)
+
+
+def _key_name(key: str, shifted: bool) -> str:
+    """The Playwright name of a canonical key name; a character key's code name when shifted."""
+    name = PLAYWRIGHT_KEYS.get(key, key)
+    return SHIFTABLE_KEYS.get(name, name) if shifted else name
+
+
+async def _send_key(press, name: str) -> bool:
+    """``press(name)`` (keyboard.down or .up); False when Playwright does not know the key."""
+    try:
+        await press(name)
+    except Exception as e:
+        if "Unknown key" not in str(e):
+            raise
+        return False
+    return True
+
+
+def _typable(key: str) -> bool:
+    """One character that is not a control character (which insert_text could type)."""
+    return len(key) == 1 and not unicodedata.category(key).startswith("C")
 
 
 def _wait_time(action: A.Action, env: BrowserEnv) -> float:

@@ -35,6 +35,8 @@ CHROMIUM_CANDIDATES = (
 # --headless etc. as the project needs them: we run as root (no sandbox), without a GPU, with the
 # network closed (no background fetches, no QUIC). --host-resolver-rules is a second fence behind
 # the per-context request routing: any name that still reached the resolver fails to resolve.
+# OverscrollHistoryNavigation off: a sideways wheel scroll past a page's edge is otherwise a "swipe"
+# that goes back in history (on a reused env: into an earlier episode's page, which could score).
 CHROMIUM_ARGS = (
     "--headless",
     "--no-sandbox",
@@ -48,7 +50,37 @@ CHROMIUM_ARGS = (
     "--hide-scrollbars",
     "--mute-audio",
     "--host-resolver-rules=MAP * ~NOTFOUND",
+    "--disable-features=OverscrollHistoryNavigation",
 )
+DISABLE_FEATURES = "--disable-features="
+
+# Playwright starts Chromium with a --disable-features switch of its own, before ours, and Chromium
+# honours only the last such switch: ours must carry Playwright's features too. They change between
+# Playwright versions, so the first launch in this process reads them off the browser's command
+# line (and relaunches it with them merged in).
+_playwright_disabled_features: tuple[str, ...] | None = None
+
+
+def merge_disable_features(args: Sequence[str], more: Sequence[str] = ()) -> list[str]:
+    """``args`` with the features of all their --disable-features switches, and ``more``, joined
+    into one switch at the end (Chromium honours only the last one)."""
+    rest, features = [], list(more)
+    for a in args:
+        if a.startswith(DISABLE_FEATURES):
+            features += a[len(DISABLE_FEATURES) :].split(",")
+        else:
+            rest.append(a)
+    features = list(dict.fromkeys(f for f in features if f))  # drop repeats, keep the order
+    return [*rest, DISABLE_FEATURES + ",".join(features)] if features else rest
+
+
+def _features_before_the_last(pid: int) -> tuple[str, ...]:
+    """The features of every --disable-features switch but the last one (ours) on ``pid``'s
+    command line."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        cmd = f.read().decode(errors="replace").split("\0")
+    switches = [a[len(DISABLE_FEATURES) :] for a in cmd if a.startswith(DISABLE_FEATURES)]
+    return tuple(f for sw in switches[:-1] for f in sw.split(",") if f)
 
 
 def find_chromium(executable_path: str | None = None) -> str:
@@ -77,7 +109,7 @@ class BrowserHost:
 
     Args:
       executable_path: Chromium binary; autodetected when None (see ``find_chromium``).
-      extra_args: more Chromium switches.
+      extra_args: more Chromium switches (their --disable-features are merged into ours).
       launch_timeout_s: how long a launch may take before it counts as failed.
     """
 
@@ -109,6 +141,7 @@ class BrowserHost:
 
     async def browser(self) -> Browser:
         """The live browser, launching (or relaunching after a crash) when needed."""
+        global _playwright_disabled_features
         if self.connected:
             return self._browser  # type: ignore[return-value]
         async with self._lock:
@@ -119,20 +152,37 @@ class BrowserHost:
                 await self._drop_browser()
             if self._pw is None:
                 self._pw = await async_playwright().start()
-            # A unique no-op switch lets us find (and kill) exactly this browser's processes.
-            self._marker = f"--cua-host={uuid.uuid4().hex}"
-            self._browser = await self._pw.chromium.launch(
-                executable_path=self.executable_path,
-                args=[*CHROMIUM_ARGS, *self.extra_args, self._marker],
-                headless=True,
-                chromium_sandbox=False,
-                timeout=self.launch_timeout_s * 1000,
-                handle_sigint=False,
-                handle_sigterm=False,
-                handle_sighup=False,
-            )
+            self._browser = await self._launch()
+            if _playwright_disabled_features is None:
+                pids = self.browser_pids()
+                try:
+                    _playwright_disabled_features = _features_before_the_last(pids[0])
+                except (IndexError, OSError) as e:
+                    log.warning("could not read Chromium's command line (%r)", e)
+                    _playwright_disabled_features = ()
+                if _playwright_disabled_features:
+                    await self._drop_browser()
+                    self._browser = await self._launch()
             self.launches += 1
             return self._browser
+
+    async def _launch(self) -> Browser:
+        assert self._pw is not None
+        # A unique no-op switch lets us find (and kill) exactly this browser's processes.
+        self._marker = f"--cua-host={uuid.uuid4().hex}"
+        args = merge_disable_features(
+            [*CHROMIUM_ARGS, *self.extra_args], _playwright_disabled_features or ()
+        )
+        return await self._pw.chromium.launch(
+            executable_path=self.executable_path,
+            args=[*args, self._marker],
+            headless=True,
+            chromium_sandbox=False,
+            timeout=self.launch_timeout_s * 1000,
+            handle_sigint=False,
+            handle_sigterm=False,
+            handle_sighup=False,
+        )
 
     async def new_context(self, **kwargs) -> BrowserContext:
         """A fresh isolated context (own cookies, storage, renderer processes)."""
