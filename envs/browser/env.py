@@ -118,7 +118,12 @@ _TARGET_JS = """(sel) => { const e = document.querySelector(sel); if (!e) return
   if (inX && inY) return {box: [r.left, r.top, r.width, r.height]};
   const mx = (box[0] + box[2]) / 2, my = (box[1] + box[3]) / 2;
   return {scroll: [mx, my, inX ? 0 : cx - mx, inY ? 0 : cy - my]}; }"""
-_RAF_JS = "() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))"
+# Two animation frames, or 1 s if the renderer produces none (a starved or throttled renderer must
+# not turn a scroll into a "hung page" fault; the screenshot after it still waits for a frame).
+_RAF_JS = (
+    "() => new Promise(r => { requestAnimationFrame(() => requestAnimationFrame(r)); "
+    "setTimeout(r, 1000); })"
+)
 
 
 def decode_screenshot(data: bytes) -> np.ndarray:
