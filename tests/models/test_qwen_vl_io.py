@@ -309,3 +309,40 @@ def test_from_pretrained_onto_mesh_reads_per_device_slices(family, tmp_path):
         np.testing.assert_array_equal(np.asarray(arr), plain[name], err_msg=name)
     patch = sharded.model.visual.patch_embed.proj.kernel.get_value()
     assert len({s.index for s in patch.addressable_shards}) == 4  # split over fsdp
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("top", [True, False, None])
+@pytest.mark.parametrize("text", [True, False, None])
+def test_tie_and_norm_defaults_read_as_transformers_reads_them(family, top, text):
+    """Where config.json puts (or omits) tie_word_embeddings and rms_norm_eps, we read what
+    transformers' config class reads: Qwen3-VL ties by the top level only (reading text_config
+    too tied a Qwen3-VL with its own lm_head and dropped that head silently)."""
+    d = _hf_dict(family)
+    d.pop("tie_word_embeddings", None)
+    d["text_config"].pop("tie_word_embeddings", None)
+    d["text_config"].pop("rms_norm_eps", None)
+    if top is not None:
+        d["tie_word_embeddings"] = top
+    if text is not None:
+        d["text_config"]["tie_word_embeddings"] = text
+    ours = QwenVLConfig.from_hf_dict(json.loads(json.dumps(d)))
+    theirs = transformers.AutoConfig.for_model(**json.loads(json.dumps(d)))
+    assert ours.tie_word_embeddings == bool(theirs.tie_word_embeddings)
+    assert ours.text.rms_norm_eps == theirs.text_config.rms_norm_eps
+
+
+def test_export_keeps_the_source_generation_config(tmp_path):
+    """A source checkpoint's generation_config.json (eos lists, sampling defaults) is carried
+    over to the export instead of our bos/eos/pad-only one."""
+    src = tmp_path / "src"
+    src.mkdir()
+    gen = {"eos_token_id": [7, 8], "temperature": 0.7, "top_p": 0.8, "do_sample": True}
+    (src / "generation_config.json").write_text(json.dumps(gen))
+    model = qwen_vl.QwenVL(qwen_vl.tiny("qwen3_vl", vocab_size=64), rngs=nnx.Rngs(0))
+    qwen_vl.save_pretrained(model, str(tmp_path / "out"), tokenizer_dir=str(src))
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == gen
+    qwen_vl.save_pretrained(model, str(tmp_path / "bare"))
+    assert "temperature" not in json.loads(
+        (tmp_path / "bare" / "generation_config.json").read_text()
+    )

@@ -206,7 +206,8 @@ class QwenVLConfig:
             num_attention_heads=heads,
             num_key_value_heads=td.get("num_key_value_heads") or heads,
             head_dim=head_dim,
-            rms_norm_eps=float(td.get("rms_norm_eps", 1e-6)),
+            # transformers' defaults when config.json omits it: 1e-5 (Qwen2.5-VL), 1e-6 (Qwen3-VL)
+            rms_norm_eps=float(td.get("rms_norm_eps", 1e-5 if family == "qwen2_5_vl" else 1e-6)),
             rope_theta=float(rope_theta),
             mrope_section=mrope,
             mrope_interleaved=family == "qwen3_vl",
@@ -245,8 +246,11 @@ class QwenVLConfig:
         )
         if family == "qwen2_5_vl" and not vision.fullatt_block_indexes:
             raise ValueError("vision_config.fullatt_block_indexes is missing (required)")
-        # as transformers: tied if either the top level or text_config says so
-        tie = bool(d.get("tie_word_embeddings")) or bool(td.get("tie_word_embeddings"))
+        # As transformers: Qwen2.5-VL is tied if either the top level or text_config says so
+        # (pre-v5 saves kept it in text_config); Qwen3-VL reads the top level only.
+        tie = bool(d.get("tie_word_embeddings"))
+        if family == "qwen2_5_vl":
+            tie = tie or bool(td.get("tie_word_embeddings"))
         ids = {
             k: d[k]
             for k in (

@@ -301,6 +301,12 @@ def save_pretrained(
     }
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump(gen, f, indent=2)
+    source_gen = (
+        None if tokenizer_dir is None else os.path.join(tokenizer_dir, "generation_config.json")
+    )
+    if source_gen is not None and os.path.exists(source_gen):
+        # the source checkpoint's own (eos lists, sampling defaults) rather than our minimal one
+        shutil.copy(source_gen, os.path.join(out_dir, "generation_config.json"))
     if tokenizer_dir is not None:
         for fname in TOKENIZER_FILES:
             src = os.path.join(tokenizer_dir, fname)
