@@ -9,8 +9,9 @@ so ``nnx.LoRAParam`` selects exactly the trainable adapters and the base weights
 are. They carry logical axis names (A: (in axis, None), B: (None, out axis)) so
 `cua_jax.sharding` places them like the kernel they adapt.
 
-The reference policy for the KL penalty is the base model: `adapters_off` gives the adapter
-state with B = 0, which makes the adapter term exactly zero without copying the base weights.
+`adapters_off` gives the adapter state with B = 0, which computes the base model's policy
+without copying the base weights. (The learner's KL reference is not the base model but the
+adapters as the learner started, e.g. after an SFT warm-up: see `cua_jax.rl.learner`.)
 `merge_lora` folds W += (α / r) A B into the base kernels and removes the wrappers, for export.
 """
 
