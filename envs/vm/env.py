@@ -107,7 +107,10 @@ def action_to_pyautogui(action: Action) -> str | None:
             # pyautogui.typewrite silently skips characters it has no key for ('é', '→');
             # xdotool types any character. Without xdotool in the VM this fails (returncode 1),
             # which step() reports as invalid-action feedback.
-            argv = ["xdotool", "type", "--delay", "12", "--", text]
+            # xdotool types a character the keymap lacks by remapping a spare keycode for it;
+            # with 12 ms between keys an app under load sometimes read the event after the
+            # remap was undone and dropped the character (1 in 6 test runs); 50 ms: 0 in 10.
+            argv = ["xdotool", "type", "--delay", "50", "--", text]
             return f"import subprocess; subprocess.run({argv!r}, check=True)"
         case Key(keys):
             if len(keys) == 1:
