@@ -53,6 +53,16 @@ from typing import Any, Literal, Protocol
 Button = Literal["left", "right", "middle"]
 BUTTONS = ("left", "right", "middle")
 
+# Wheel notches (pyautogui clicks) one Scroll sends at most a direction, in every env: a model's
+# scroll(1e300) would loop pyautogui until the action timeout in a VM, and is a wheel delta that
+# hangs Chromium's next input event in the browser.
+MAX_SCROLL_NOTCHES = 50
+
+
+def clamp_scroll(notches: float) -> float:
+    """A Scroll amount within +-MAX_SCROLL_NOTCHES."""
+    return min(max(notches, -MAX_SCROLL_NOTCHES), MAX_SCROLL_NOTCHES)
+
 
 @dataclasses.dataclass(frozen=True)
 class Click:

@@ -89,9 +89,6 @@ SHIFTABLE_KEYS = {
     **{"=": "Equal", "-": "Minus", "[": "BracketLeft", "]": "BracketRight", "\\": "Backslash"},
     **{";": "Semicolon", "'": "Quote", ",": "Comma", ".": "Period", "/": "Slash", "`": "Backquote"},
 }
-# Wheel notches a Scroll sends at most a direction (envs/vm/env.py caps its clicks alike): a
-# model's scroll(1e300) is a wheel delta that hangs Chromium's next input event.
-MAX_SCROLL_NOTCHES = 50
 
 # Returns [left, top, width, height] of the first element matching `sel`, or null.
 _BOX_JS = """(sel) => { const e = document.querySelector(sel); if (!e) return null;
@@ -623,7 +620,7 @@ class BrowserEnv:
                 if x is not None and y is not None:
                     self._mouse = (x, y)
                 await m.move(*self._mouse)
-                dx, dy = (min(max(v, -MAX_SCROLL_NOTCHES), MAX_SCROLL_NOTCHES) for v in (dx, dy))
+                dx, dy = A.clamp_scroll(dx), A.clamp_scroll(dy)
                 await m.wheel(dx * self.scroll_px_per_notch, dy * self.scroll_px_per_notch)
                 # Wheel scrolling is asynchronous: let two frames pass so the screenshot shows it.
                 await self._with_nav_retry(lambda: page.evaluate(_RAF_JS))

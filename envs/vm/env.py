@@ -50,6 +50,7 @@ from cua_jax.actions import (
     Scroll,
     TypeText,
     Wait,
+    clamp_scroll,
     normalize_key,
 )
 from cua_jax.env_api import (
@@ -78,11 +79,8 @@ def _n(v: float) -> str:
     return str(int(round(v)))
 
 
-MAX_SCROLL_CLICKS = 50
-
-
 def _clicks(v: float) -> int:
-    return int(round(min(max(v, -MAX_SCROLL_CLICKS), MAX_SCROLL_CLICKS)))
+    return int(round(clamp_scroll(v)))
 
 
 def action_to_pyautogui(action: Action) -> str | None:
@@ -126,8 +124,7 @@ def action_to_pyautogui(action: Action) -> str | None:
         case Scroll(x, y, dx, dy):
             at = f", x={_n(x)}, y={_n(y)}" if x is not None and y is not None else ""
             code = []
-            # X scrolls one wheel event per click: a model's scroll(1e9) would run until the
-            # action timeout, so clicks are capped at MAX_SCROLL_CLICKS a direction.
+            # X scrolls one wheel event per click: capped (actions.MAX_SCROLL_NOTCHES).
             if dy:  # ours: +dy scrolls down; pyautogui: +clicks scrolls up
                 code.append(f"pyautogui.scroll({_clicks(-dy)}{at})")
             if dx:
