@@ -1,6 +1,13 @@
 """Qwen2.5-VL / Qwen3-VL in Flax NNX with Hugging Face import/export (see model.py)."""
 
-from cua_jax.models.qwen_vl.config import QwenVLConfig, TextConfig, VisionConfig, tiny
+from cua_jax.models.qwen_vl.config import (
+    PUBLISHED,
+    QwenVLConfig,
+    TextConfig,
+    VisionConfig,
+    published_config,
+    tiny,
+)
 from cua_jax.models.qwen_vl.model import QwenVL, init_random
 from cua_jax.models.qwen_vl.params import from_pretrained, save_pretrained
 from cua_jax.models.qwen_vl.rope import get_rope_index
@@ -8,6 +15,7 @@ from cua_jax.models.qwen_vl.text import make_attention_mask, make_dense_attn_fn
 from cua_jax.models.qwen_vl.vision import VisionMeta, vision_metadata
 
 __all__ = [
+    "PUBLISHED",
     "QwenVL",
     "QwenVLConfig",
     "TextConfig",
@@ -18,6 +26,7 @@ __all__ = [
     "init_random",
     "make_attention_mask",
     "make_dense_attn_fn",
+    "published_config",
     "save_pretrained",
     "tiny",
     "vision_metadata",

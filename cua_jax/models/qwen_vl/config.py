@@ -390,3 +390,57 @@ def tiny(family: Family = "qwen3_vl", vocab_size: int = 512, **overrides: Any) -
     text = dataclasses.replace(text, **text_ids)
     ids.update(overrides)
     return QwenVLConfig(family=family, text=text, vision=vision, **ids)
+
+
+# ---------------------------------------------------------------- published checkpoints
+# The dimensions of the published Hugging Face `config.json` files (Qwen/Qwen2.5-VL-*-Instruct,
+# Qwen/Qwen3-VL-*-Instruct): enough to build a real-size model abstractly (no download) for
+# sharding checks and ahead-of-time memory plans (cua_jax.plan).
+_PUBLISHED_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                      vision_end_token_id=151653)  # fmt: skip
+# Qwen2.5-VL: one 675M vision tower for every size (out_hidden_size = the text width).
+_Q25_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                   fullatt_block_indexes=[7, 15, 23, 31], window_size=112)  # fmt: skip
+# Qwen3-VL: a smaller tower for 2B / 4B than for 8B / 32B.
+_Q3_VISION_SMALL = dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
+                        num_position_embeddings=2304,
+                        deepstack_visual_indexes=[5, 11, 17])  # fmt: skip
+_Q3_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                  num_position_embeddings=2304,
+                  deepstack_visual_indexes=[8, 16, 24])  # fmt: skip
+# (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings, vision)
+PUBLISHED: dict[tuple[str, str], tuple[int, int, int, int, int, int, bool, dict[str, Any]]] = {
+    ("qwen2_5_vl", "3b"): (2048, 11008, 36, 16, 2, 151936, True, _Q25_VISION),
+    ("qwen2_5_vl", "7b"): (3584, 18944, 28, 28, 4, 152064, False, _Q25_VISION),
+    ("qwen2_5_vl", "32b"): (5120, 27648, 64, 40, 8, 152064, False, _Q25_VISION),
+    ("qwen2_5_vl", "72b"): (8192, 29568, 80, 64, 8, 152064, False, _Q25_VISION),
+    ("qwen3_vl", "2b"): (2048, 6144, 28, 16, 8, 151936, True, _Q3_VISION_SMALL),
+    ("qwen3_vl", "4b"): (2560, 9728, 36, 32, 8, 151936, True, _Q3_VISION_SMALL),
+    ("qwen3_vl", "8b"): (4096, 12288, 36, 32, 8, 151936, False, _Q3_VISION),
+    ("qwen3_vl", "32b"): (5120, 25600, 64, 64, 8, 151936, False, _Q3_VISION),
+}
+
+
+def published_hf_dict(family: str, size: str) -> dict[str, Any]:
+    """The `config.json` dict (the fields cua_jax reads) of a published checkpoint."""
+    if (family, size) not in PUBLISHED:
+        known = ", ".join(f"{f}:{s}" for f, s in PUBLISHED)
+        raise ValueError(f"no published config for {family}:{size}; known: {known}")
+    hidden, inter, layers, heads, kv, vocab, tied, vision = PUBLISHED[family, size]
+    text: dict[str, Any] = dict(hidden_size=hidden, intermediate_size=inter,
+                                num_hidden_layers=layers, num_attention_heads=heads,
+                                num_key_value_heads=kv, vocab_size=vocab,
+                                tie_word_embeddings=tied)  # fmt: skip
+    if family == "qwen3_vl":
+        text["head_dim"] = 128
+    return {"model_type": family, "text_config": text, "tie_word_embeddings": tied,
+            "vision_config": dict(vision, out_hidden_size=hidden), **_PUBLISHED_IDS}  # fmt: skip
+
+
+def published_config(family: str, size: str, **options: Any) -> QwenVLConfig:
+    """The config of a published checkpoint (`("qwen3_vl", "8b")`, ...) without downloading it.
+
+    `options` sets run-time fields (param_dtype, dtype, remat). Raises ValueError naming the
+    known sizes for an unknown one.
+    """
+    return QwenVLConfig.from_hf_dict(published_hf_dict(family, size), **options)
