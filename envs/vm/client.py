@@ -59,7 +59,12 @@ class VMRequestError(VMError):
         self.url = url
         self.status = status
         self.body = body
-        hint = " (wrong or missing token: pass VMClient(..., token=T))" if status == 401 else ""
+        hint = (
+            " (wrong or missing token: pass VMClient(..., token=T); envs.vm.server prints a "
+            "token it made up on stderr)"
+            if status == 401
+            else ""
+        )
         super().__init__(f"{url} answered HTTP {status}{hint}: {body[:500]}")
 
 

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -92,7 +93,8 @@ class LocalDesktop:
     Args:
       width, height: the screen size (Xvfb geometry, 24-bit colour).
       template_home: a directory copied to a fresh home for every (re)creation; None = empty.
-      token: bearer token for the server (not needed on loopback, but exercised in tests).
+      token: bearer token for the server; None: a random one (the server refuses requests
+        without a token even on loopback, so a web page in a browser cannot drive the desktop).
       exec_limit_s: the server's command run-time cap.
       window_manager: the WM command (None = no WM).
       start_timeout: seconds to wait for each process to come up.
@@ -119,7 +121,7 @@ class LocalDesktop:
         self.template_home = Path(template_home) if template_home else None
         if self.template_home is not None and not self.template_home.is_dir():
             raise ValueError(f"template_home {self.template_home} is not a directory")
-        self.token = token
+        self.token = token or secrets.token_urlsafe(24)
         self.exec_limit_s = exec_limit_s
         self.window_manager = list(window_manager) if window_manager else None
         self.start_timeout = start_timeout
@@ -275,8 +277,7 @@ class LocalDesktop:
         ]
         if not self.warm_pyautogui:
             cmd.append("--no-warm-pyautogui")
-        if self.token:
-            env = {**env, "CUA_VM_TOKEN": self.token}  # not on the command line (ps shows it)
+        env = {**env, "CUA_VM_TOKEN": self.token}  # not on the command line (ps shows it)
         self._server = subprocess.Popen(
             cmd,
             env=env,

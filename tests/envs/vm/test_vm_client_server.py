@@ -313,17 +313,14 @@ def test_warm_worker_replies_stay_in_step_when_child_processes_write_to_stdout(d
     assert aio(desk.client.pyautogui("print('fourth')"))["output"] == "fourth\n"
 
 
-def test_warm_worker_with_a_mismatched_reply_id_is_restarted(aio, monkeypatch):
+def test_warm_worker_with_a_mismatched_reply_id_is_restarted(aio):
     # A worker that answers with someone else's reply id: detected, never returned as ours.
-    monkeypatch.setattr(
-        vm_server,
-        "_WORKER_SRC",
-        "import json, sys\n"
+    worker = vm_server.PyAutoGUIWorker(
+        source="import json, sys\n"
         "for line in sys.stdin:\n"
         "    print(json.dumps({'id': -1, 'output': 'stale', 'error': '', 'returncode': 0}),"
-        " flush=True)\n",
+        " flush=True)\n"
     )
-    worker = vm_server.PyAutoGUIWorker()
 
     async def go():
         rc, out, err = await worker.run("print('mine')", 10)
