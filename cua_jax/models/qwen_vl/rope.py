@@ -126,7 +126,7 @@ def mrope_cos_sin(
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
     axis = mrope_axis_of_freq(head_dim, mrope_section, interleaved)
     pos_BTF = jnp.moveaxis(position_ids_3BT.astype(jnp.float32), 0, -1)[..., axis]  # f32[B,T,F]
-    freqs = pos_BTF * jnp.asarray(inv_freq, jnp.float32)
+    freqs = pos_BTF * jnp.asarray(inv_freq, jnp.float32)[None, None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
@@ -135,7 +135,9 @@ def vision_cos_sin(pos_hw_N2: jnp.ndarray, head_dim: int, theta: float) -> tuple
     """(cos, sin) f32[N, H] of the vision tower's 2-D axial rotary for (h, w) patch coordinates."""
     spatial = head_dim // 2
     inv_freq = 1.0 / (theta ** (np.arange(0, spatial, 2, dtype=np.float32) / spatial))
-    f = pos_hw_N2.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # f32[N, 2, H/4]
+    f = (
+        pos_hw_N2.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+    )  # f32[N, 2, H/4]
     f = jnp.concatenate([f[:, 0], f[:, 1]], axis=-1)  # f32[N, H/2]
     emb = jnp.concatenate([f, f], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)

@@ -60,7 +60,8 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         y = jnp.einsum("...i,io->...o", x.astype(self.dtype), self.kernel[...].astype(self.dtype))
         if self.bias is not None:
-            y = y + self.bias[...].astype(self.dtype)
+            bias = self.bias[...].astype(self.dtype)
+            y = y + bias[(None,) * (y.ndim - 1)]
         return y
 
 
