@@ -1,0 +1,297 @@
+"""VMServer's handlers called one at a time, with no X display and no HTTP server.
+
+Each test builds an aiohttp request (``make_mocked_request`` with a real body stream), calls one
+handler method, and checks the reply against an independent source: the file system, a shell
+run by the test itself, or the bytes the fake screen holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import subprocess
+from pathlib import Path
+from unittest import mock
+
+import pytest
+from aiohttp import streams, web
+from aiohttp.test_utils import make_mocked_request
+from PIL import Image
+
+from envs.vm import server_exec
+from envs.vm.server import VMServer
+from envs.vm.server_files import PathGuard, directory_tree
+
+
+class FakeScreen:
+    """A 40x30 display whose pixels and pointer the test sets."""
+
+    display_name = ":fake"
+
+    def __init__(self) -> None:
+        self.img = Image.new("RGB", (40, 30), (10, 200, 30))
+        self.pointer = (7, 9)
+
+    def size(self) -> tuple[int, int]:
+        return self.img.size
+
+    def cursor_position(self) -> tuple[int, int]:
+        return self.pointer
+
+    def screenshot_png(self) -> tuple[bytes, float, float]:
+        buf = io.BytesIO()
+        self.img.save(buf, format="PNG")
+        return buf.getvalue(), 0.0, 0.0
+
+
+def _server(tmp_path: Path, **kw) -> VMServer:
+    return VMServer(screen=FakeScreen(), allowed_roots=[tmp_path], warm_pyautogui=False, **kw)
+
+
+def _request(method: str, path: str, body: bytes = b"", content_type: str | None = None):
+    """A request whose body is really streamed (as aiohttp's server would feed it)."""
+    payload = streams.StreamReader(mock.Mock(), 2**16, loop=asyncio.get_running_loop())
+    payload.feed_data(body)
+    payload.feed_eof()
+    headers = {"Content-Length": str(len(body))}
+    if content_type:
+        headers["Content-Type"] = content_type
+    return make_mocked_request(method, path, headers=headers, payload=payload)
+
+
+def _json_request(path: str, obj) -> web.Request:
+    return _request("POST", path, json.dumps(obj).encode(), "application/json")
+
+
+def _body(resp: web.Response):
+    return json.loads(resp.body)
+
+
+def test_screen_handlers_report_the_screen(tmp_path):
+    srv = _server(tmp_path)
+
+    async def go():
+        size = _body(await srv.screen_size(_request("POST", "/screen_size")))
+        pos = _body(await srv.cursor_position(_request("GET", "/cursor_position")))
+        shot = await srv.screenshot(_request("GET", "/screenshot"))
+        return size, pos, shot
+
+    size, pos, shot = asyncio.run(go())
+    assert size == {"width": 40, "height": 30} and pos == [7, 9]
+    assert shot.content_type == "image/png"
+    img = Image.open(io.BytesIO(shot.body))
+    assert img.size == (40, 30) and img.getpixel((3, 3)) == (10, 200, 30)
+
+
+def test_platform_and_desktop_path(tmp_path):
+    srv = _server(tmp_path)
+
+    async def go():
+        plat = await srv.platform(_request("GET", "/platform"))
+        desk = await srv.desktop_path(_request("POST", "/desktop_path"))
+        return plat.text, _body(desk)
+
+    plat, desk = asyncio.run(go())
+    assert plat == subprocess.run(["uname", "-s"], capture_output=True, text=True).stdout.strip()
+    assert desk == {"desktop_path": os.path.expanduser("~/Desktop")}
+
+
+def test_execute_runs_the_command_and_reports_its_output(tmp_path):
+    srv = _server(tmp_path, exec_limit_s=5)
+    marker = tmp_path / "ran"
+
+    async def go():
+        ok = await srv.execute(
+            _json_request(
+                "/execute",
+                {"command": f"echo hi; echo e >&2; touch {marker}; exit 4", "shell": True},
+            )
+        )
+        missing = await srv.execute(_json_request("/execute", {"command": []}))
+        slow = await srv.execute(
+            _json_request("/execute", {"command": ["sleep", "30"], "timeout": 0.3})
+        )
+        return ok, missing, slow
+
+    ok, missing, slow = asyncio.run(go())
+    assert _body(ok) == {"status": "success", "output": "hi\n", "error": "e\n", "returncode": 4}
+    assert marker.exists()
+    assert missing.status == 400 and "no command given" in _body(missing)["message"]
+    assert slow.status == 500 and _body(slow)["timed_out"] is True
+    assert "timed out after 0.3 seconds" in _body(slow)["message"]
+
+
+def test_bad_json_is_a_400_naming_the_path(tmp_path):
+    srv = _server(tmp_path)
+
+    async def go():
+        with pytest.raises(web.HTTPBadRequest) as e:
+            await srv.execute(_request("POST", "/execute", b"{not json", "application/json"))
+        with pytest.raises(web.HTTPBadRequest) as e2:
+            await srv.list_directory(_json_request("/list_directory", ["a", "list"]))
+        return e.value.text, e2.value.text
+
+    t1, t2 = asyncio.run(go())
+    assert t1.startswith("/execute: the body must be a JSON object")
+    assert t2 == "/list_directory: the body must be a JSON object"
+
+
+def test_run_bash_script_and_run_python(tmp_path):
+    srv = _server(tmp_path)
+
+    async def go():
+        sh = await srv.run_bash_script(
+            _json_request(
+                "/run_bash_script",
+                {"script": "pwd; echo err >&2; exit 2", "working_dir": str(tmp_path)},
+            )
+        )
+        nodir = await srv.run_bash_script(
+            _json_request("/run_bash_script", {"script": "true", "working_dir": "/no/such/dir"})
+        )
+        py = await srv.run_python(_json_request("/run_python", {"code": "print(6 * 7)"}))
+        return sh, nodir, py
+
+    sh, nodir, py = asyncio.run(go())
+    assert _body(sh) == {
+        "status": "error",
+        "output": f"{tmp_path}\nerr\n",
+        "error": "",
+        "returncode": 2,
+    }
+    assert nodir.status == 400 and "does not exist" in _body(nodir)["output"]
+    assert _body(py)["output"] == "42\n" and _body(py)["return_code"] == 0
+
+
+def test_launch_starts_without_waiting(tmp_path):
+    srv = _server(tmp_path)
+    marker = tmp_path / "launched"
+
+    async def go():
+        resp = await srv.launch(
+            _json_request("/setup/launch", {"command": ["sh", "-c", f"sleep 0.2; touch {marker}"]})
+        )
+        started_before_done = not marker.exists()
+        for _ in range(100):
+            if marker.exists():
+                break
+            await asyncio.sleep(0.05)
+        await srv.on_cleanup()
+        return resp, started_before_done
+
+    resp, started_before_done = asyncio.run(go())
+    assert resp.text.endswith("launched successfully") and started_before_done
+    assert marker.exists()
+
+
+def test_list_directory_matches_the_file_system(tmp_path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "f.txt").write_text("x")
+    (tmp_path / "a" / "b" / "g").write_text("y")
+    os.symlink("/etc", tmp_path / "a" / "link")  # a symlinked directory: listed, not followed
+    srv = _server(tmp_path)
+
+    async def go():
+        ok = await srv.list_directory(
+            _json_request("/list_directory", {"path": str(tmp_path / "a")})
+        )
+        with pytest.raises(web.HTTPForbidden):
+            await srv.list_directory(_json_request("/list_directory", {"path": "/etc"}))
+        with pytest.raises(web.HTTPNotFound):
+            await srv.list_directory(
+                _json_request("/list_directory", {"path": str(tmp_path / "nope")})
+            )
+        return _body(ok)["directory_tree"]
+
+    tree = asyncio.run(go())
+
+    def walk(p: Path):  # independent: pathlib instead of os.scandir
+        kids = []
+        for c in sorted(p.iterdir(), key=lambda c: c.name):
+            if c.is_dir() and not c.is_symlink():
+                kids.append(walk(c))
+            else:
+                kids.append({"type": "file", "name": c.name})
+        return {"type": "directory", "name": p.name, "children": kids}
+
+    assert tree == walk(tmp_path / "a")
+
+
+def test_directory_tree_stops_at_its_entry_budget(tmp_path):
+    for i in range(10):
+        (tmp_path / f"f{i}").write_text("")
+    tree = directory_tree(tmp_path, max_entries=4)
+    assert [c["name"] for c in tree["children"]] == ["f0", "f1", "f2", "f3"]
+
+
+def test_upload_then_file_through_the_handlers(tmp_path):
+    from aiohttp import FormData
+
+    srv = _server(tmp_path)
+    data = bytes(range(256)) * 50
+
+    async def form_request(path: str, form: FormData):
+        payload = form()
+        buf = io.BytesIO()
+
+        class W:
+            async def write(self, b):
+                buf.write(b)
+
+        await payload.write(W())
+        return _request("POST", path, buf.getvalue(), payload.content_type)
+
+    async def go():
+        up = FormData()
+        up.add_field("file_path", str(tmp_path / "d" / "x.bin"))
+        up.add_field("file_data", data, filename="x.bin")
+        r = await srv.upload(await form_request("/setup/upload", up))
+        down = FormData({"file_path": str(tmp_path / "d" / "x.bin")})
+        f = await srv.get_file(await form_request("/file", down))
+        bad = FormData()
+        bad.add_field("file_path", "/etc/evil")
+        bad.add_field("file_data", b"x", filename="evil")
+        with pytest.raises(web.HTTPForbidden):
+            await srv.upload(await form_request("/setup/upload", bad))
+        return r.text, f
+
+    text, f = asyncio.run(go())
+    assert text == "File uploaded"
+    assert (tmp_path / "d" / "x.bin").read_bytes() == data
+    assert isinstance(f, web.FileResponse) and Path(f._path) == tmp_path / "d" / "x.bin"
+    assert not os.path.exists("/etc/evil")
+
+
+def test_path_guard_resolves_dotdot_and_symlinks(tmp_path):
+    os.symlink("/etc", tmp_path / "out")
+    g = PathGuard([tmp_path])
+    assert g.check(str(tmp_path / "x" / ".." / "y")) == tmp_path / "y"
+    for bad in (str(tmp_path / ".." / "z"), str(tmp_path / "out" / "passwd"), "", "a\x00b"):
+        with pytest.raises(web.HTTPForbidden):
+            g.check(bad)
+
+
+def test_window_op_needs_a_name(tmp_path):
+    srv = _server(tmp_path)
+
+    async def go():
+        return await srv.activate_window(_json_request("/setup/activate_window", {}))
+
+    resp = asyncio.run(go())
+    assert resp.status == 400 and _body(resp)["message"] == "window_name is required"
+
+
+def test_exec_helpers(tmp_path):
+    assert server_exec.expand_home("ls '~/a b'", False) == ["ls", os.path.expanduser("~/a b")]
+    assert server_exec.expand_home("ls ~/x", True) == "ls ~/x"  # the shell expands it
+    with pytest.raises(ValueError):
+        server_exec.expand_home("echo 'unbalanced", False)
+    assert server_exec.clamp_limit(None, 30, 10) == 10
+    assert server_exec.clamp_limit("2.5", 30, 10) == 2.5
+    assert server_exec.clamp_limit("soon", 3, 10) == 3
+    assert server_exec.clamp_limit(0, 3, 10) == 0.1
+    assert server_exec.is_pyautogui_command(["python", "-c", "import pyautogui; x"], False)
+    assert not server_exec.is_pyautogui_command(["python", "-c", "import os"], False)
+    assert not server_exec.is_pyautogui_command(["python", "-c", "import pyautogui"], True)
