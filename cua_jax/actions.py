@@ -520,18 +520,146 @@ _CLICKS = {
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
-def _json_objects(text: str) -> list[Any]:
-    """Every top-level JSON value decodable at a '{' in ``text`` (lenient: skips junk)."""
-    dec = json.JSONDecoder()
-    out, i = [], text.find("{")
-    while 0 <= i < len(text):
-        try:
-            obj, end = dec.raw_decode(text, i)
-        except (ValueError, RecursionError):
-            i = text.find("{", i + 1)
+# Every '{' is a place the lenient parser tries a JSON object (the model's text may hold junk
+# before, between and inside its calls). Trying each with the decoder on the whole text is
+# quadratic (each failure scans on, and its error message counts lines up to the failure), so
+# one pass first finds, for every '{', the '}' that would close its object, and the decoder
+# then reads only those spans, in growing windows, within a budget linear in the text.
+_JSON_SPECIAL_RE = re.compile(r'\{+|\}+|["\\]')  # runs of braces come as one match
+_JSON_DECODER = json.JSONDecoder()
+_DECODE_WINDOW = 256  # first window read at a '{'; then x4 until the error is conclusive
+_DECODE_LOOKAHEAD = 16  # the decoder looks at most this far past the char an error names
+_DECODE_BUDGET_PER_CHAR = 8  # decoded chars per char of text, at most (plus the floor below)
+_DECODE_BUDGET_MIN = 1 << 16
+_OUT, _IN, _ESC = 0, 1, 2  # lexer states: outside a string, inside one, right after a '\'
+
+
+def _object_ends(text: str, start: int, stop: int) -> dict[int, int]:
+    """For each '{' in text[start:stop], the index of the '}' that closes the object a decoder
+    started at that '{' reads, where there is one (braces inside strings do not count).
+
+    A decoder started at a '{' lexes strings from there, so a '{' inside a string for one start
+    is outside every string for another. Starts whose lexers are in the same state at a char
+    agree from then on: they share a *track* (a stack of levels, each the starts that close at
+    the same '}'), and since the lexer has three states at most three tracks are alive; tracks
+    that reach the same state merge. One pass, O(len) plus small-to-large merges.
+    """
+    ends: dict[int, int] = {}
+    tracks: list[list] = []  # [state, escaped char index, levels: list[list[int]]]
+    for m in _JSON_SPECIAL_RE.finditer(text, start, stop):
+        q = m.start()
+        c = text[q]
+        joined = dirty = False
+        for t in tracks:
+            state = t[0]
+            if state == _ESC:
+                t[0] = state = _IN
+                dirty = True
+                if q == t[1]:  # this char is escaped
+                    continue
+            if state == _OUT:
+                if c == "{":
+                    n = m.end() - q  # a run of '{': one level each
+                    t[2].extend([[q + j] for j in range(n)])
+                    joined = True
+                elif c == "}":
+                    levels = t[2]  # a run of '}': each closes one level
+                    for j in range(min(m.end() - q, len(levels))):
+                        for s in levels.pop():
+                            ends[s] = q + j
+                    dirty = dirty or not levels
+                elif c == '"':
+                    t[0] = _IN
+                    dirty = True
+            elif c == '"':
+                t[0] = _OUT
+                dirty = True
+            elif c == "\\":
+                t[0], t[1] = _ESC, q + 1
+                dirty = True
+        if c == "{" and not joined:
+            n = m.end() - q
+            tracks.append([_OUT, 0, [[q + j] for j in range(n)]])
+            dirty = len(tracks) > 1
+        if dirty and (
+            len(tracks) > 2
+            or not all(t[2] for t in tracks)
+            or (len(tracks) == 2 and tracks[0][0] == tracks[1][0])
+        ):
+            tracks = _merge_tracks(tracks)
+    return ends
+
+
+def _merge_tracks(tracks: list[list]) -> list[list]:
+    """Drop tracks with no open '{'; merge tracks in the same lexer state (levels aligned at the
+    top: starts at the same depth close at the same '}')."""
+    by_state: dict[int, list] = {}
+    for t in tracks:
+        if not t[2]:
             continue
-        out.append(obj)
-        i = text.find("{", end)
+        other = by_state.get(t[0])
+        if other is None:
+            by_state[t[0]] = t
+            continue
+        a, b = (other, t) if len(other[2]) >= len(t[2]) else (t, other)
+        la, lb = a[2], b[2]
+        for k in range(1, len(lb) + 1):
+            x, y = la[-k], lb[-k]
+            if len(x) < len(y):
+                la[-k], x, y = y, y, x
+            x.extend(y)
+        by_state[t[0]] = a
+    return list(by_state.values())
+
+
+_NOTHING = object()
+
+
+def _decode_at(text: str, s: int, e: int) -> tuple[Any, int, int]:
+    """(value, end, chars read) of the JSON object text[s:e] (``e`` past its closing '}'), or
+    (_NOTHING, -1, chars read) if it does not decode: what ``raw_decode(text, s)`` gives, read
+    in windows that grow only while the decoder's error may lie beyond the window."""
+    n, w, cost = e - s, min(e - s, _DECODE_WINDOW), 0
+    while True:
+        cost += w
+        try:
+            obj, end = _JSON_DECODER.raw_decode(text[s : s + w])
+            return obj, s + end, cost
+        except RecursionError:  # as deep in any longer window
+            return _NOTHING, -1, cost
+        except json.JSONDecodeError as err:
+            inside = err.pos < w - _DECODE_LOOKAHEAD and not err.msg.startswith("Unterminated")
+            if w == n or inside:
+                return _NOTHING, -1, cost
+        except ValueError:  # e.g. an int past the digit limit: as long in any longer window
+            return _NOTHING, -1, cost
+        w = min(n, 4 * w)
+
+
+def _json_objects(text: str) -> list[Any]:
+    """Every top-level JSON value decodable at a '{' in ``text`` (lenient: skips junk).
+
+    The first '{' where an object decodes gives one, the search goes on after its end: the
+    result of ``raw_decode`` tried at every '{' in turn, in time linear in ``len(text)`` (past a
+    budget of decoded chars, which only hostile text reaches, the rest is not searched).
+    """
+    first, last = text.find("{"), text.rfind("}")
+    if first < 0 or last < first:
+        return []
+    ends = _object_ends(text, first, last + 1)
+    budget = _DECODE_BUDGET_PER_CHAR * len(text) + _DECODE_BUDGET_MIN
+    out: list[Any] = []
+    resume = 0
+    for s in sorted(ends):
+        if s < resume:
+            continue
+        obj, end, cost = _decode_at(text, s, ends[s] + 1)
+        if obj is not _NOTHING:
+            out.append(obj)
+            resume = end
+        budget -= cost
+        if budget <= 0:
+            break
     return out
 
 

@@ -570,3 +570,82 @@ def test_pyautogui_positional_arguments(positional, keyword, expected):
 def test_pyautogui_bad_arguments(code, reason_part):
     (a,) = A.parse_action(code, "pyautogui", CoordinateSpace.identity(*SCREEN))
     assert isinstance(a, InvalidAction) and reason_part in a.reason, a
+
+
+# --------------------------------------------------------------------------------------------
+# The lenient JSON search: the same answer as raw_decode at every '{', in linear work
+# --------------------------------------------------------------------------------------------
+
+
+def _json_objects_reference(text):
+    """The search as first written: ``raw_decode`` tried at every '{' of the whole text
+    (quadratic: each failure scans on, and its error message counts lines up to the failure)."""
+    dec = json.JSONDecoder()
+    out, i = [], text.find("{")
+    while 0 <= i < len(text):
+        try:
+            obj, end = dec.raw_decode(text, i)
+        except (ValueError, RecursionError):
+            i = text.find("{", i + 1)
+            continue
+        out.append(obj)
+        i = text.find("{", end)
+    return out
+
+
+# Pieces that make strings start and end at different places for different '{' (quotes,
+# escapes), keywords and numbers cut at a window edge, and strings longer than the first window.
+_JSON_PIECES = st.sampled_from(
+    ["{", "}", '"', "\\", ":", ",", "a", "1", "[", "]", " ", '{"a": ', '"x"', '\\"', "true"]
+    + ["tr", "1e5", "-Infinity", "NaN", "\\u00", "\\u0041", '{"action": "wait"}', " " * 250]
+    + ['"' + "y" * 300 + '"', '{"k": "' + "z" * 600 + '"}']
+)
+
+
+@settings(max_examples=3000, deadline=None, suppress_health_check=list(HealthCheck))
+@given(pieces=st.lists(_JSON_PIECES, max_size=40))
+def test_json_search_matches_raw_decode_at_every_brace(pieces):
+    text = "".join(pieces)
+    assert A._json_objects(text) == _json_objects_reference(text)
+
+
+_MIB = 2**20
+_CALL = '<tool_call>{"name": "computer_use", "arguments": {"action": "wait", "time": 2}}'
+_HOSTILE = {
+    "open_braces": "{" * _MIB,
+    "open_braces_one_close": "{" * (_MIB - 1) + "}",
+    "nested_braces": "{" * (_MIB // 2) + "}" * (_MIB // 2),
+    "open_action_strings": '{"action":"' * (_MIB // 11),
+    "open_action_strings_close": '{"action":"' * (_MIB // 11) + "}",
+    "deep_objects": '{"a":' * (_MIB // 6) + "1" + "}" * (_MIB // 6),
+    "quotes_and_escapes": '{"\\"' * (_MIB // 4) + "}",
+    "nested_tool_call_tags": "<tool_call>{" * (_MIB // 12) + "}" + "</tool_call>" * 8,
+    "pyautogui_click_calls": "pyautogui.click(" * (_MIB // 16),
+    "pyautogui_fenced": "```python\n" + "pyautogui.click(1, 2)\n" * (_MIB // 22) + "```",
+}
+
+
+@pytest.mark.timeout(60)  # minutes per string before the linear search
+@pytest.mark.parametrize("shape", list(_HOSTILE))
+def test_hostile_mib_strings_parse_as_invalid(shape, monkeypatch):
+    """1 MiB of hostile text is an invalid action (not a hang), and the JSON decoder reads at
+    most a fixed multiple of the text (the budget), in at most one call per '{'."""
+    text = _HOSTILE[shape]
+    calls, chars = [0], [0]
+
+    class CountingDecoder(json.JSONDecoder):
+        def raw_decode(self, s, idx=0):
+            calls[0] += 1
+            chars[0] += len(s)
+            return super().raw_decode(s, idx)
+
+    monkeypatch.setattr(A, "_JSON_DECODER", CountingDecoder())
+    space = CoordinateSpace.relative(*SCREEN)
+    for fmt in A.FORMATS:
+        (a,) = A.parse_action(text, fmt, space)
+        assert isinstance(a, InvalidAction), (fmt, a)
+    reads_per_char = A._DECODE_BUDGET_PER_CHAR + A._DECODE_BUDGET_MIN / len(text)
+    assert chars[0] <= 2 * (reads_per_char * len(text) + 4 * len(text))  # two Qwen formats
+    assert calls[0] <= 2 * 4 * text.count("{")  # windows grow x4: a few reads per '{' at most
+    # A real call after the junk is still found.
+    assert A.parse_action(text + "\n" + _CALL, "qwen3vl", space)[-1] == Wait(2.0)
