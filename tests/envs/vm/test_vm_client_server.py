@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import time
 
@@ -375,3 +376,50 @@ def test_type_non_ascii_text_through_the_env_code(desk, aio):
     aio(desk.client.pyautogui("pyautogui.hotkey('ctrl', 'd')"))
     aio(_wait_window(desk.client, "utyper", present=False))
     assert aio(desk.client.download("~/u.txt")).decode() == text + "\n"
+
+
+def test_cross_origin_post_to_the_running_server_is_refused_and_runs_nothing(desk, aio):
+    import aiohttp
+
+    marker = desk.home / "pwned"
+
+    async def go():
+        # A web page's no-cors fetch: text/plain body, its own Origin (and no token).
+        headers = {"Origin": "http://evil.example", "Content-Type": "text/plain;charset=UTF-8"}
+        body = json.dumps({"command": ["touch", str(marker)]})
+        async with aiohttp.ClientSession() as s:
+            async with s.post(desk.url + "/execute", data=body, headers=headers) as r:
+                return r.status, await r.text()
+
+    status, text = aio(go())
+    assert status == 403 and "cross-origin" in text
+    assert not marker.exists()
+    assert _sh(aio, desk, "echo ok") == "ok\n"  # the token-carrying client still works
+
+
+def test_server_without_a_given_token_prints_the_one_it_made_up(desk, aio):
+    import subprocess
+    import sys
+
+    env = {**desk._child_env(), "PYTHONUNBUFFERED": "1"}
+    env.pop("CUA_VM_TOKEN", None)
+    cmd = [sys.executable, "-m", "envs.vm.server", "--port", "0", "--display", desk.display]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = proc.stdout.readline().strip().removeprefix("serving on ")
+        line = proc.stderr.readline()
+        assert url.startswith("http://127.0.0.1:") and f"{url} with token " in line, line
+        token = line.split(" with token ", 1)[1].split()[0]
+        anon, client = VMClient(url, retries=0), VMClient(url, token=token, retries=0)
+        with pytest.raises(VMRequestError) as e:
+            aio(anon.screen_size())
+        assert e.value.status == 401
+        assert aio(client.screen_size()) == (W, H)
+        # The token is not handed on to the commands the server runs.
+        r = aio(client.execute(["sh", "-c", "echo ${CUA_VM_TOKEN:-unset}"]))
+        assert r["output"] == "unset\n"
+        aio(anon.close())
+        aio(client.close())
+    finally:
+        proc.terminate()
+        proc.wait(10)
