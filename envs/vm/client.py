@@ -77,7 +77,8 @@ class VMClient:
 
     Args:
       base_url: the server's address.
-      token: bearer token (our server with ``--token``); OSWorld's own server ignores it.
+      token: bearer token of our server (its ``--token``, or the one it made up and printed on
+        stderr; ``LocalDesktop`` passes its own); OSWorld's own server ignores it.
       timeout: default seconds per HTTP call (a call's ``timeout=`` overrides it).
       retries: extra attempts after the first for transient failures (OSWorld tries 3 times).
       backoff: seconds before the first retry; doubles each time.
