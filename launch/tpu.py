@@ -7,7 +7,9 @@ r"""Entry point of every training run (TPU, GPU or CPU: "tpu" names the target, 
 This file is the composition root: it parses flags (`--config.a.b=value` overrides are
 type-checked; an unknown key or a value of the wrong type fails before any work starts, naming
 the key), joins a multi-host job when there is one, builds the environments from `envs/`, and
-hands everything to `cua_jax.train.main`. `cua_jax` itself never imports `envs`.
+hands everything to `cua_jax.train.main`. `cua_jax` itself never imports `envs`. A bad flag or
+config value exits with status 2; a run stopped by a systematic rollout failure or a non-finite
+loss exits with status 1, naming the error on stderr.
 """
 
 from __future__ import annotations
@@ -38,6 +40,16 @@ class LaunchError(SystemExit):
     def __init__(self, msg: str):
         print(f"launch/tpu.py: error: {msg}", file=sys.stderr)
         super().__init__(2)
+
+
+class RunFailed(SystemExit):
+    """A run stopped by a systematic rollout failure or a non-finite loss: the traceback goes to
+    the log, the error to stderr as one line, exit status 1."""
+
+    def __init__(self, error: BaseException):
+        logging.error("the run stopped", exc_info=error)
+        print(f"launch/tpu.py: run failed: {type(error).__name__}: {error}", file=sys.stderr)
+        super().__init__(1)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -84,15 +96,21 @@ def main(argv: list[str]) -> None:
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO: keep the bar readable
         logging.set_verbosity(logging.WARNING)
     from cua_jax import train
+    from cua_jax.config_checks import ConfigError, validate_config
+    from cua_jax.rl.learner import NonFiniteError
+    from cua_jax.rl.sources import RolloutError
 
     try:  # a bad value (not just a bad key or type) also fails before any work starts
-        train.validate_config(config)
-    except train.ConfigError as e:
+        validate_config(config)
+    except ConfigError as e:
         raise LaunchError(str(e)) from None
     maybe_initialize_distributed()
     compose.enable_compile_cache(config.compile_cache_dir)
     env_factory, load_tasks = compose.build_env_factory(config)  # env.kind checked above
-    train.main(config, workdir, env_factory=env_factory, load_tasks=load_tasks)
+    try:
+        train.main(config, workdir, env_factory=env_factory, load_tasks=load_tasks)
+    except (RolloutError, NonFiniteError) as e:
+        raise RunFailed(e) from e
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 learner, so a resumed async run replays what was in flight instead of skipping it."""
 
 from cua_jax.env_api import Task
-from cua_jax.train import TaskCursor
+from cua_jax.rl.sources import TaskCursor
 
 TASKS = [Task(id=f"t{i}", instruction="", source="test") for i in range(5)]
 

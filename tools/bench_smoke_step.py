@@ -20,8 +20,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs.common import load_run_config  # noqa: E402
+from cua_jax import builders  # noqa: E402
 from cua_jax import sharding as shd  # noqa: E402
-from cua_jax import train  # noqa: E402
 from cua_jax.models.qwen_vl import vision  # noqa: E402
 from cua_jax.rl.store import TrajectoryReader  # noqa: E402
 from cua_jax.rl.trajectory import trajectory_to_samples  # noqa: E402
@@ -48,8 +48,8 @@ def main() -> None:
         ("per image", per_image),
     ):
         vision._query_chunk = chunk_fn
-        model, _ = train.build_model_and_processor(config, mesh, shd.DEFAULT_RULES)
-        learner = train.build_learner(model, config, mesh, shd.DEFAULT_RULES, sft=False)
+        model, _ = builders.build_model_and_processor(config, mesh, shd.DEFAULT_RULES)
+        learner = builders.build_learner(model, config, mesh, shd.DEFAULT_RULES, sft=False)
         pos = learner.position_fn()
         samples = [
             s
@@ -60,9 +60,17 @@ def main() -> None:
         temp, _, t_step, m = compile_and_time(learner, batch, args.steps)
         ((_, _, pixels),) = learner.compiled_shapes  # (mode, batch shape, padded patches)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        print(f"| {name} | {batch.shape[0]} x {batch.shape[1]} | {pixels[0]} | "
-              f"{temp / 2**30:.2f} GiB | {t_step:.2f} s | {rss:.1f} GiB | "
-              f"{m['loss']:.6f} | {m['grad_norm']:.6f} |", flush=True)  # fmt: skip
+        cells = [
+            name,
+            f"{batch.shape[0]} x {batch.shape[1]}",
+            str(pixels[0]),
+            f"{temp / 2**30:.2f} GiB",
+            f"{t_step:.2f} s",
+            f"{rss:.1f} GiB",
+            f"{m['loss']:.6f}",
+            f"{m['grad_norm']:.6f}",
+        ]
+        print("| " + " | ".join(cells) + " |", flush=True)
     vision._query_chunk = per_image
 
 

@@ -91,16 +91,16 @@ def main(argv: list[str]) -> None:
         logging.set_verbosity(logging.WARNING)
     config, task_sources = _load_config()
 
+    from cua_jax import builders, train
     from cua_jax import metrics as metrics_lib
-    from cua_jax import sharding as shd
-    from cua_jax import train
     from cua_jax.checkpoint.orbax_io import CheckpointError
+    from cua_jax.config_checks import ConfigError, validate_config
     from cua_jax.rl.rollout import AgentLoop
     from launch import compose
 
     try:
-        train.validate_config(config)
-    except train.ConfigError as e:
+        validate_config(config)
+    except ConfigError as e:
         raise EvalError(str(e)) from None
     compose.enable_compile_cache(config.get("compile_cache_dir"))
     if _CONCURRENCY.value is not None:
@@ -113,23 +113,22 @@ def main(argv: list[str]) -> None:
     if not tasks:
         raise EvalError(f"the task source(s) {task_sources} hold no task")
 
-    mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-    rules = tuple(shd.DEFAULT_RULES) + tuple(tuple(r) for r in config.mesh.rules)
+    mesh, rules = builders.mesh_and_rules(config)
     step = None
     if _WORKDIR.value is not None:
         try:
-            model, processor, step = train.restore_run_model(
+            model, processor, step = builders.restore_run_model(
                 config, _WORKDIR.value, mesh, rules, _STEP.value
             )
         except CheckpointError as e:
             raise EvalError(str(e)) from None
     else:  # a local HF checkpoint or a preset's random init (+ ckpt.init_params_from, if set)
-        model, processor = train.build_model_and_processor(config, mesh, rules)
-        train.init_model_weights(model, config)
+        model, processor = builders.build_model_and_processor(config, mesh, rules)
+        builders.init_model_weights(model, config)
     out_dir = _OUT.value or os.path.join(_WORKDIR.value, "eval", f"step_{step}")
     os.makedirs(out_dir, exist_ok=True)
-    engine = train.build_engine(model, config, processor.tokenizer)
-    agent = AgentLoop(engine, processor, train.build_rollout_settings(config, model))
+    engine = builders.build_engine(model, config, processor.tokenizer)
+    agent = AgentLoop(engine, processor, builders.build_rollout_settings(config, model))
 
     bar = metrics_lib.Progress(len(tasks), desc="eval")
     done: list[float] = []

@@ -1,13 +1,14 @@
 """Export a training run's checkpoint as a Hugging Face directory that transformers loads.
 
-    export_checkpoint(workdir, out_dir, step=None)
+    export_checkpoint(workdir, out_dir, step=None, config=load_run_config(workdir))
 
-Rebuilds the run's model from `workdir/config.json` (the base checkpoint for real presets, the
-tiny preset's shapes otherwise), restores the trained parameters from `workdir/checkpoints`,
-folds LoRA adapters into the base weights, and writes safetensors + config.json +
-generation_config.json (+ the tokenizer files of the base checkpoint). The tiny presets use the
-SentencePiece tokenizer shipped with cua_jax, which transformers has no class for: its model file
-is copied as `cua_jax_tokenizer.model` and the weights load in transformers all the same.
+Rebuilds the run's model from its config (`configs.common.load_run_config`: the base
+checkpoint for real presets, the tiny preset's shapes otherwise), restores the trained
+parameters from `workdir/checkpoints`, folds LoRA adapters into the base weights, and writes
+safetensors + config.json + generation_config.json (+ the tokenizer files of the base
+checkpoint). The tiny presets use the SentencePiece tokenizer shipped with cua_jax, which
+transformers has no class for: its model file is copied as `cua_jax_tokenizer.model` and the
+weights load in transformers all the same.
 """
 
 from __future__ import annotations
@@ -17,35 +18,20 @@ import os
 import shutil
 from typing import Any
 
-import ml_collections
 
-
-def load_run_config(workdir: str) -> ml_collections.ConfigDict:
-    path = os.path.join(workdir, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"{path} does not exist: --workdir must be the directory of a cua_jax training run"
-        )
-    with open(path) as f:
-        return ml_collections.ConfigDict(json.load(f))  # tuples came back as lists: read-only
-
-
-def export_checkpoint(
-    workdir: str, out_dir: str, step: int | None = None, config: Any = None
-) -> int:
+def export_checkpoint(workdir: str, out_dir: str, step: int | None = None, *, config: Any) -> int:
     """Writes the checkpoint at `step` (default: latest) of `workdir` to `out_dir`; returns step.
 
-    config: the run's config (default: `WORKDIR/config.json` as saved; `tools/export_hf.py`
-    passes `configs.common.load_run_config`, which fills fields added since the run)."""
+    config: the run's config, as `configs.common.load_run_config(workdir)` reads it (which fills
+    fields added since the run)."""
     from cua_jax import sharding as shd
-    from cua_jax import train
+    from cua_jax.builders import restore_run_model
     from cua_jax.models import lora
     from cua_jax.models.qwen_vl import save_pretrained
 
-    config = load_run_config(workdir) if config is None else config
     mesh = shd.make_mesh(1, -1, 1)
     rules = tuple(shd.DEFAULT_RULES) + tuple(tuple(r) for r in config.mesh.rules)
-    model, _, step = train.restore_run_model(config, workdir, mesh, rules, step)
+    model, _, step = restore_run_model(config, workdir, mesh, rules, step)
     if lora.has_lora(model):
         model = lora.merge_lora(model)
     save_pretrained(model, out_dir, tokenizer_dir=config.model.hf_path)

@@ -45,7 +45,14 @@ from cua_jax.models.qwen_vl.vision import vision_metadata
 from cua_jax.rl import losses
 from cua_jax.rl.advantages import group_advantages
 from cua_jax.rl.packing import DEFAULT_BUCKETS, PackedBatch, pack
-from cua_jax.rl.trajectory import PositionFn, Trajectory, rope_position_fn, trajectory_to_samples
+from cua_jax.rl.trajectory import (
+    MIN_LIVE_EPISODES,
+    PositionFn,
+    Trajectory,
+    live_episodes,
+    rope_position_fn,
+    trajectory_to_samples,
+)
 
 _TEXT_KEYS = (
     "input_ids",
@@ -129,6 +136,12 @@ class LossConfig:
     temperature: float = 1.0
 
     def __post_init__(self):
+        if self.old_logprobs not in ("behaviour", "learner"):
+            raise ValueError(f"old_logprobs={self.old_logprobs!r}: use 'behaviour' or 'learner'")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0 (rollouts sample at it)")
+        if self.tis_cap is not None and self.old_logprobs != "learner":
+            raise ValueError("tis_cap needs old_logprobs='learner' (π_old/μ is 1 otherwise)")
         if self.agg_mode == "seq-mean-token-sum-norm" and not (self.loss_norm or 0) > 0:
             raise ValueError(
                 "agg_mode='seq-mean-token-sum-norm' needs loss_norm > 0: Dr. GRPO's constant, "
@@ -176,6 +189,36 @@ def pad_images_to_bucket(
     return np.concatenate([pixel_values, blank]), grid.astype(np.asarray(image_grid_thw).dtype)
 
 
+class NonFiniteError(FloatingPointError):
+    """A train step's loss or gradient norm is NaN or infinite: the run stops (see
+    `check_finite`)."""
+
+
+# The step metrics whose non-finite value stops a run.
+FINITE_METRICS = ("loss", "grad_norm")
+
+
+def check_finite(
+    metrics: dict[str, float], *, step: int, phase: str, last_checkpoint: str | None
+) -> None:
+    """Raises `NonFiniteError` naming the step, the metric and the last good checkpoint when a
+    step's loss or gradient norm (host floats `train_step` / `sft_step` return: no device sync)
+    is NaN or infinite; the parameters that step wrote are not to be saved or sampled."""
+    for key in FINITE_METRICS:
+        value = metrics.get(key)
+        if value is not None and not np.isfinite(value):
+            where = (
+                f"the last good checkpoint is {last_checkpoint}"
+                if last_checkpoint
+                else "no checkpoint was saved before it"
+            )
+            raise NonFiniteError(
+                f"{phase} step {step}: {key} is {value}; the run stops ({where}). Resume from "
+                "it with a lower learning rate or a tighter optim.grad_clip, or look for a bad "
+                "batch in the step's episodes"
+            )
+
+
 class Learner:
     """Holds model params + optimizer state on a mesh and runs jitted GRPO / SFT steps.
 
@@ -193,6 +236,12 @@ class Learner:
     chunk's logits rematerialised in the backward pass, so no f32[rows, L, V] array exists (0:
     all positions at once; fine for small vocabularies and rows). See
     `losses.chunked_token_stats`.
+
+    The model: the learner takes ownership of `model` and changes it in place: LoRA adapters
+    are added (when `lora` is given and it has none), its parameters are sharded on `mesh`, and
+    its config gets the `remat` policy. `learner.model` is that object; a sampler that decodes
+    this policy must be built from `learner.model` (`cua_jax.builders.build_engine`), and every
+    train step writes the new parameters back into it.
     """
 
     def __init__(
@@ -216,12 +265,6 @@ class Learner:
     ) -> None:
         if num_substeps < 1:
             raise ValueError(f"num_substeps must be >= 1, got {num_substeps}")
-        if loss.old_logprobs not in ("behaviour", "learner"):
-            raise ValueError(f"old_logprobs={loss.old_logprobs!r}: use 'behaviour' or 'learner'")
-        if not loss.temperature > 0:
-            raise ValueError(f"temperature={loss.temperature} must be > 0 (rollouts sample at it)")
-        if loss.tis_cap is not None and loss.old_logprobs != "learner":
-            raise ValueError("tis_cap needs old_logprobs='learner' (π_old/μ is 1 otherwise)")
         self.mesh = mesh or shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
         self.rules = rules
         self.optimizer_config = optimizer
@@ -331,8 +374,8 @@ class Learner:
         samples = []
         filtered = too_few = 0
         for g in groups:
-            live = [t for t in g if not t.infra_fault]
-            if len(live) < 2:
+            live = live_episodes(g)
+            if len(live) < MIN_LIVE_EPISODES:
                 too_few += 1
                 continue
             (a_g,), (k,) = group_advantages(

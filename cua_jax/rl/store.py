@@ -87,6 +87,7 @@ class TrajectoryStore:
         self._best: collections.OrderedDict[str, Trajectory] = collections.OrderedDict()
         self._version = 0
         self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._groups_taken = 0  # groups handed to the consumer by this store object
         self._closed = False
         self._cond = threading.Condition()
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
@@ -210,6 +211,7 @@ class TrajectoryStore:
                     group.append(self._slots[slot])
                     self._release_slot(slot)
                 self._counts["trained"] += len(group)
+                self._groups_taken += 1
                 if self.replay_best:
                     group = self._refill_locked(group)
                 out.append(group)
@@ -244,6 +246,13 @@ class TrajectoryStore:
             self._writer.close()
 
     # --- accounting ----------------------------------------------------------------------------
+
+    def queue_counts(self) -> tuple[int, int]:
+        """(complete groups waiting for the consumer, groups handed to it so far by this store
+        object), read together under the lock: a group moves from the first to the second at
+        once, so their sum never skips it (the async staleness gate counts on that)."""
+        with self._cond:
+            return len(self._ready), self._groups_taken
 
     def stats(self) -> dict[str, int]:
         """Counters; put == trained + dropped_stale + replaced + lost_on_restore + pending."""
@@ -343,7 +352,10 @@ class TrajectoryStore:
         self._counts["trained"] -= 1
         self._counts["replaced"] += 1
         self._counts["replayed"] += 1
-        return group[:-1] + [dataclasses.replace(best, group_id=group[0].group_id)]
+        stand_in = dataclasses.replace(
+            best, group_id=group[0].group_id, task_position=group[0].task_position
+        )
+        return group[:-1] + [stand_in]
 
     def _persist(self, traj: Trajectory) -> None:
         if self._writer is not None:
@@ -437,6 +449,7 @@ class TrajectoryWriter:
                 "policy_version": int(traj.policy_version),
                 "timings": traj.timings,
                 "failure_reason": traj.failure_reason,
+                "task_position": traj.task_position,
                 "turns": turns,
             }
             # The index line is written last: a reader never sees offsets past the arrays.
@@ -511,6 +524,7 @@ class TrajectoryReader:
             timings=rec["timings"],
             failure_reason=rec["failure_reason"],
             score=rec.get("score"),  # absent in directories written before it existed
+            task_position=rec.get("task_position"),
         )
 
     def __iter__(self) -> Iterator[Trajectory]:

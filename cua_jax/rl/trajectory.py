@@ -80,6 +80,9 @@ class Trajectory:
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     failure_reason: str | None = None  # e.g. "max_steps", "env_error: ...", None when it ended
     score: float | None = None  # the task's own score (env.evaluate()), before reward shaping
+    # The task's position in the training task order (`cua_jax.rl.sources.TaskCursor`) when a
+    # rollout source took it from there; None for eval episodes and demonstrations.
+    task_position: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +101,15 @@ class Trajectory:
 
 # failure_reason prefixes of episodes ended by infrastructure faults (see Trajectory.infra_fault)
 INFRA_FAULTS = ("env_error", "sampler_error", "evaluate_error")
+
+# A GRPO group needs this many episodes not ended by an infrastructure fault to be trained on.
+MIN_LIVE_EPISODES = 2
+
+
+def live_episodes(group: list[Trajectory]) -> list[Trajectory]:
+    """The episodes of a group that were not ended by an infrastructure fault; the group is
+    trained on only when there are at least `MIN_LIVE_EPISODES` of them."""
+    return [t for t in group if not t.infra_fault]
 
 
 @dataclasses.dataclass

@@ -12,8 +12,8 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from configs import qwen3vl_grpo  # noqa: E402
+from cua_jax import builders  # noqa: E402
 from cua_jax import sharding as shd  # noqa: E402
-from cua_jax import train  # noqa: E402
 from cua_jax.checkpoint.orbax_io import Checkpointer  # noqa: E402
 from tests.models.hf_tiny import hf_logits  # noqa: E402
 
@@ -29,8 +29,9 @@ def _fake_run(workdir, lora_rank):
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(c.to_json_best_effort())
     mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    model, proc = train.build_model_and_processor(c, mesh, shd.DEFAULT_RULES)
-    learner = train.build_learner(model, c, mesh, shd.DEFAULT_RULES, sft=False)
+    model, proc = builders.build_model_and_processor(c, mesh, shd.DEFAULT_RULES)
+    learner = builders.build_learner(model, c, mesh, shd.DEFAULT_RULES, sft=False)
+    model = learner.model  # the policy as the learner trains it (LoRA applied, sharded)
     state = learner.state_dict()
     rng = np.random.default_rng(0)
     state["params"] = jax.tree.map(
@@ -53,11 +54,17 @@ def test_export_matches_our_logits(tmp_path, lora_rank):
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "click"}]}]
     rendered, vis = proc.render_chat(msgs, images=[screen], add_generation_prompt=True)
     ids = rendered.input_ids[None]
-    ours = np.asarray(model(ids, pixel_values=vis["pixel_values"],
-                            image_grid_thw=vis["image_grid_thw"]))  # fmt: skip
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "export_hf.py"),
-                        f"--workdir={wd}", f"--out={out}"], capture_output=True, text=True,
-                       cwd=ROOT, timeout=600)  # fmt: skip
+    ours = np.asarray(
+        model(ids, pixel_values=vis["pixel_values"], image_grid_thw=vis["image_grid_thw"])
+    )
+    tool = [sys.executable, os.path.join(ROOT, "tools", "export_hf.py")]
+    r = subprocess.run(
+        [*tool, f"--workdir={wd}", f"--out={out}"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "exported step 7" in r.stdout
     hf, info = transformers.Qwen3VLForConditionalGeneration.from_pretrained(

@@ -9,9 +9,11 @@ import pytest
 from flax import nnx
 
 from configs.qwen3vl_grpo import get_config
-from cua_jax import train
+from cua_jax.config_checks import ConfigError
 from cua_jax.models import qwen_vl
 from cua_jax.rl.learner import Learner, OptimizerConfig
+from cua_jax.rl.policies import recovery_detours
+from cua_jax.rl.sft_data import sft_file_batches
 from cua_jax.rl.store import TrajectoryWriter
 from cua_jax.rl.trajectory import Trajectory, Turn
 
@@ -25,8 +27,8 @@ def _episodes():
     for i in range(5):
         prompt = rng.integers(20, 200, 10 + i).tolist()
         gen = rng.integers(20, 200, 6).tolist()
-        out.append({"task_id": f"t{i}", "success": i != 4, "turns": [
-            {"prompt_ids": prompt, "generated_ids": gen}]})  # fmt: skip
+        turns = [{"prompt_ids": prompt, "generated_ids": gen}]
+        out.append({"task_id": f"t{i}", "success": i != 4, "turns": turns})
     return out
 
 
@@ -41,8 +43,8 @@ def files(tmp_path_factory):
         t = e["turns"][0]
         gen = np.asarray(t["generated_ids"], np.int32)
         turn = Turn(np.asarray(t["prompt_ids"], np.int32), gen, np.zeros(gen.size, np.float32))
-        writer.write(Trajectory(e["task_id"], e["task_id"], [turn], reward=1.0,
-                                success=e["success"]))  # fmt: skip
+        traj = Trajectory(e["task_id"], e["task_id"], [turn], reward=1.0, success=e["success"])
+        writer.write(traj)
     writer.close()
     return str(jsonl), str(d / "trajs")
 
@@ -55,8 +57,8 @@ def _learner():
 def test_jsonl_and_trajectory_dir_give_the_same_batches_of_successful_episodes(files):
     jsonl, trajs = files
     learner = _learner()
-    a, info_a = train.sft_file_batches(jsonl, learner, batch_size=2, seed=3)
-    b, info_b = train.sft_file_batches(trajs, learner, batch_size=2, seed=3)
+    a, info_a = sft_file_batches(jsonl, learner, batch_size=2, seed=3)
+    b, info_b = sft_file_batches(trajs, learner, batch_size=2, seed=3)
     assert info_a == info_b == {"sft/demos": 4.0}  # the failed episode is skipped
     seen = set()
     for _ in range(6):  # three epochs of two batches: the iterator never runs dry
@@ -71,19 +73,19 @@ def test_jsonl_and_trajectory_dir_give_the_same_batches_of_successful_episodes(f
 def test_sft_from_file_lowers_the_loss(files):
     jsonl, _ = files
     learner = _learner()
-    batches, _ = train.sft_file_batches(jsonl, learner, batch_size=4, seed=0)
+    batches, _ = sft_file_batches(jsonl, learner, batch_size=4, seed=0)
     losses = [learner.sft_step(next(batches))["loss"] for _ in range(15)]
     assert losses[-1] < 0.5 * losses[0]
 
 
 def test_bad_sources_name_the_problem(tmp_path, files):
     learner = _learner()
-    with pytest.raises(train.ConfigError, match="neither 'oracle'"):
-        train.sft_file_batches(str(tmp_path / "nope.txt"), learner, batch_size=2)
+    with pytest.raises(ConfigError, match="neither 'oracle'"):
+        sft_file_batches(str(tmp_path / "nope.txt"), learner, batch_size=2)
     only_failed = tmp_path / "failed.jsonl"
     only_failed.write_text(json.dumps(_episodes()[4]) + "\n")
-    with pytest.raises(train.ConfigError, match="no successful episode"):
-        train.sft_file_batches(str(only_failed), learner, batch_size=2)
+    with pytest.raises(ConfigError, match="no successful episode"):
+        sft_file_batches(str(only_failed), learner, batch_size=2)
 
 
 def test_recovery_detours_land_on_the_episodes_screen():
@@ -91,7 +93,7 @@ def test_recovery_detours_land_on_the_episodes_screen():
     placed on the size the episode's screenshot has (a 1920x1080 VM, not the config viewport)."""
     config = get_config("smoke")
     config.sft.recovery_share = 0.5
-    detours = train._recovery_detours(config, 40)
+    detours = recovery_detours(40, share=config.sft.recovery_share, seed=config.seed + 1)
     clicks = [d for d in detours if d is not None]
     assert len(clicks) == 20
     for w, h in [(1920, 1080), (config.env.viewport_width, config.env.viewport_height)]:
@@ -100,4 +102,6 @@ def test_recovery_detours_land_on_the_episodes_screen():
         assert pts[:, 0].max() > 0.75 * w and pts[:, 1].max() > 0.75 * h  # spread over the screen
     assert [c(100, 100) for c in clicks] == [c(100, 100) for c in clicks]  # deterministic
     config.sft.recovery_share = 0.0
-    assert train._recovery_detours(config, 40) == [None] * 40
+    assert (
+        recovery_detours(40, share=config.sft.recovery_share, seed=config.seed + 1) == [None] * 40
+    )

@@ -1,0 +1,242 @@
+"""Builders from a run's config to typed library objects; the ConfigDict stops here.
+
+    model, processor = build_model_and_processor(config, mesh, rules)
+    init_model_weights(model, config)           # config.ckpt.init_params_from, if set
+    learner = build_learner(model, config, mesh, rules, sft=False)
+    engine = build_engine(learner.model, config, processor.tokenizer)
+    agent = AgentLoop(engine, processor, build_rollout_settings(config, learner.model))
+
+Model hand-off: `Learner` takes ownership of the model it is given (it applies LoRA, shards it on
+the mesh, sets its remat policy) and exposes it as `learner.model`. The sampler must decode
+exactly that object, so `build_engine` is handed `learner.model`, never the model as it was
+before the learner saw it. `restore_run_model` returns the learner's model for the same reason.
+Used by `cua_jax.train`, `tools/eval.py`, `tools/bench_smoke_step.py` and the HF export.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from absl import logging
+
+from cua_jax.checkpoint.orbax_io import Checkpointer, CheckpointError, init_params
+from cua_jax.rl.rollout import RolloutSettings
+
+
+def mesh_and_rules(config: Any, devices: Any = None) -> tuple[Any, tuple]:
+    """The run's device mesh (`config.mesh`) and its logical-axis rules (the defaults, then
+    `config.mesh.rules`)."""
+    from cua_jax import sharding as shd
+
+    mc = config.mesh
+    mesh = shd.make_mesh(mc.data, mc.fsdp, mc.tensor, devices=devices)
+    return mesh, tuple(shd.DEFAULT_RULES) + tuple(tuple(r) for r in mc.rules)
+
+
+def build_model_and_processor(config: Any, mesh: Any, rules: Any):
+    """The policy and its processor: a local HF checkpoint, or the tiny preset at random init
+    with the tokenizer the project ships."""
+    from cua_jax.data.processor import QwenVLProcessor
+    from cua_jax.models import qwen_vl
+
+    mc = config.model
+    if mc.hf_path is not None:
+        model = qwen_vl.from_pretrained(mc.hf_path, dtype=mc.param_dtype, mesh=mesh, rules=rules)
+        model.config = model.config.replace(dtype=mc.dtype, remat=mc.remat)
+        processor = QwenVLProcessor.from_pretrained(mc.hf_path)
+        return model, processor
+    # Tiny screens: a screenshot of the smoke viewport is a few dozen merged tokens.
+    w, h = config.env.viewport_width, config.env.viewport_height
+    processor = QwenVLProcessor.default(mc.family, max_pixels=w * h, min_pixels=32 * 32)
+    tok = processor.tokenizer
+    cfg = qwen_vl.tiny(
+        mc.family,
+        vocab_size=tok.vocab_size,
+        **tok.vision_token_ids(),
+        eos_token_id=tok.eos_id,  # exported to generation_config.json: generate() stops there
+        pad_token_id=tok.pad_id,
+        dtype=mc.dtype,
+        param_dtype=mc.param_dtype,
+        remat=mc.remat,
+    )
+    return qwen_vl.init_random(cfg, seed=config.seed), processor
+
+
+def init_model_weights(model: Any, config: Any) -> int:
+    """Writes `config.ckpt.init_params_from`'s saved weights into `model` (none when unset);
+    run before restoring a run's own checkpoint, which holds only its trainable params (its
+    frozen ones came from here). Returns the number of arrays set."""
+    src = config.ckpt.get("init_params_from")
+    if not src:
+        return 0
+    if os.path.isdir(os.path.join(src, "checkpoints")):  # a run's workdir: its checkpoints
+        src = os.path.join(src, "checkpoints")
+    step = config.ckpt.get("init_params_step", -1)
+    source = Checkpointer(src, keep=10**6)
+    try:
+        n = init_params(model, source.restore_params(None if step < 0 else step))
+    finally:
+        source.close()
+    logging.warning("initialized %d parameter arrays from %s", n, src)
+    return n
+
+
+def build_learner(model: Any, config: Any, mesh: Any, rules: Any, *, sft: bool):
+    """The learner of the RL phase (`sft=False`) or of the SFT warm-up (`sft=True`: its own
+    learning rate and schedule length, no KL term, untempered). It takes ownership of `model`
+    (see the module docstring): build the sampler from `learner.model`."""
+    from cua_jax.rl import learner as L
+
+    rl, opt = config.rl, config.optim
+    lr = config.sft.learning_rate if sft else rl.learning_rate
+    steps = config.sft.steps if sft else config.total_steps
+    optimizer = L.OptimizerConfig(
+        learning_rate=lr,
+        schedule=opt.schedule,
+        warmup_steps=opt.warmup_steps,
+        decay_steps=max(1, steps - opt.warmup_steps),
+        weight_decay=opt.weight_decay,
+        b1=opt.b1,
+        b2=opt.b2,
+        max_grad_norm=opt.grad_clip if opt.grad_clip > 0 else None,
+    )
+    learner_tis = rl.old_logprobs == "learner" and rl.tis_cap > 0
+    loss = L.LossConfig(
+        eps_low=rl.clip_low,
+        eps_high=rl.clip_high,
+        old_logprobs=rl.old_logprobs,
+        tis_cap=rl.tis_cap if learner_tis else None,
+        kl_coef=0.0 if sft else rl.kl_penalty_coef,
+        kl_estimator=rl.kl_estimator,
+        entropy_coef=rl.entropy_coef,
+        agg_mode=rl.loss_agg,
+        loss_norm=rl.loss_norm or rl.max_tokens * config.env.max_turns,
+        temperature=1.0 if sft else rl.temperature,
+    )
+    advantages = L.AdvantageConfig(
+        normalize_std=rl.std_normalize,
+        zero_variance="filter" if rl.filter_zero_variance else "keep",
+    )
+    mc = config.model
+    lora = (
+        L.LoraConfig(rank=mc.lora_rank, alpha=mc.lora_alpha, target_modules=tuple(mc.lora_targets))
+        if mc.lora_rank > 0
+        else None
+    )
+    return L.Learner(
+        model,
+        mesh=mesh,
+        rules=rules,
+        optimizer=optimizer,
+        loss=loss,
+        advantages=advantages,
+        lora=lora,
+        num_substeps=rl.num_substeps,
+        freeze_vision=mc.freeze_vision,
+        remat=mc.remat,
+        seq_len_buckets=tuple(rl.row_lengths),
+        # Async RL: the engine keeps decoding with the current params while the step runs, so
+        # the step must not donate (delete) them; the engine drops them at the next version.
+        donate=sft or rl.mode != "async",
+        banned_token_ids=model.config.vision_placeholder_ids,
+        logits_chunk=rl.logits_chunk,
+    )
+
+
+def build_engine(model: Any, config: Any, tokenizer: Any):
+    """The paged sampler over `model` (a learner's `learner.model` when one trains it)."""
+    from cua_jax.sampler import Engine
+
+    sc = config.sampler
+    return Engine(
+        model,
+        max_slots=sc.max_slots,
+        page_size=sc.page_size,
+        num_pages=sc.num_pages,
+        max_seq_len=sc.max_seq_len,
+        decode_chunk=sc.decode_chunk,
+        attn_backend=sc.backend,
+        attn_options=sc.gpu_kernel,
+        detokenize=tokenizer.decode,
+    )
+
+
+def build_rollout_settings(config: Any, model: Any) -> RolloutSettings:
+    rl, env = config.rl, config.env
+    return RolloutSettings(
+        max_turns=env.max_turns,
+        max_history_images=env.max_history_images,
+        max_new_tokens=rl.max_tokens,
+        temperature=rl.temperature,
+        top_p=rl.top_p,
+        invalid_action_penalty=rl.invalid_action_penalty,
+        action_format=env.action_format,
+        system_prompt=env.system_prompt,
+        banned_token_ids=model.config.vision_placeholder_ids,
+    )
+
+
+def build_rollout_source(config: Any, agent: Any, pool: Any, tasks: Any, version: int):
+    """The GRPO loop's rollout source for `config.rl.mode` over `tasks` in a fresh task order
+    (`cua_jax.rl.sources`); `version` is the learner's current one."""
+    from cua_jax.rl import sources
+
+    rl = config.rl
+    settings = sources.SourceSettings(
+        group_size=rl.group_size,
+        groups_per_batch=rl.groups_per_batch,
+        seed=config.seed,
+        max_steps_off_policy=rl.max_steps_off_policy,
+        concurrency=config.env.concurrency,
+        groups_to_log=config.log.num_groups_to_log,
+    )
+    cursor = sources.TaskCursor(tasks, config.seed)
+    return sources.make_source(rl.mode, agent, pool, cursor, settings, version)
+
+
+def build_checkpointer(config: Any, workdir: str) -> Checkpointer:
+    ck = config.ckpt
+    return Checkpointer(
+        os.path.join(workdir, "checkpoints"),
+        keep=ck.keep,
+        save_every=ck.save_every,
+        async_save=ck.async_save,
+    )
+
+
+def restore_run_model(config: Any, workdir: str, mesh: Any, rules: Any, step: int | None = None):
+    """(model, processor, step) of a run's checkpoint at `step` (None: the latest): the model as
+    the run built it, its init weights (`init_model_weights`), then the checkpoint's trainable
+    params. Raises `CheckpointError` naming the steps there when there is no such checkpoint."""
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=10**6)
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None or step not in ckpt.all_steps():
+            where = f"{workdir}/checkpoints (steps there: {ckpt.all_steps()})"
+            raise CheckpointError(
+                f"no checkpoint in {where}"
+                if step is None
+                else f"no checkpoint at step {step} in {where}"
+            )
+        model, processor = build_model_and_processor(config, mesh, rules)
+        init_model_weights(model, config)  # weights the run started from (frozen ones too)
+        learner = build_learner(model, config, mesh, rules, sft=False)
+        state, _ = ckpt.restore(learner.abstract_state(), step=step)
+        learner.load_state_dict(state)
+    finally:
+        ckpt.close()
+    return learner.model, processor, step
+
+
+__all__ = [
+    "build_checkpointer",
+    "build_engine",
+    "build_learner",
+    "build_model_and_processor",
+    "build_rollout_settings",
+    "build_rollout_source",
+    "init_model_weights",
+    "mesh_and_rules",
+    "restore_run_model",
+]

@@ -1,0 +1,170 @@
+"""Run-time checks of a config's values: each rule once, naming the key and the fix.
+
+    validate_config(config)   # raises ConfigError before any work starts
+
+The flag parser checks keys and types (`--config.rl.gruop_size` fails by name); these rules catch
+values that type-check but mean nothing (a negative page count, an unknown loss mode, a
+checkpoint path that is not there). `launch/tpu.py` and `tools/eval.py` turn a ConfigError into
+one line on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from cua_jax.sampler.kernels.paged_attention import GpuKernelOptions
+
+# Keys whose value must be one of a fixed set.
+ENUMS = {
+    "model.family": ("qwen2_5_vl", "qwen3_vl"),
+    "model.dtype": ("float32", "bfloat16"),
+    "model.param_dtype": ("float32", "bfloat16"),
+    "model.remat": ("none", "full", "dots"),
+    "rl.mode": ("sync", "async"),
+    "rl.kl_estimator": ("k1", "k2", "k3"),
+    "rl.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "rl.old_logprobs": ("behaviour", "learner"),
+    "optim.schedule": ("constant", "cosine"),
+    "env.kind": ("browser", "vm"),
+    "env.action_format": ("qwen25vl", "qwen3vl", "pyautogui"),
+    "env.system_prompt": ("tools", "compact"),
+    "sampler.backend": ("auto", "tpu", "gpu", "interpret", "reference"),
+}
+
+# Counts that must be >= 1.
+POSITIVE = (
+    "rl.groups_per_batch",
+    "rl.max_tokens",
+    "env.concurrency",
+    "env.max_turns",
+    "sampler.max_slots",
+    "sampler.page_size",
+    "sampler.num_pages",
+    "log.eval_every",
+    "ckpt.keep",
+    "ckpt.save_every",
+)
+
+
+class ConfigError(ValueError):
+    """A config value that type-checks but means nothing; names the key and the valid values."""
+
+
+def _get(config: Any, key: str) -> Any:
+    section, name = key.split(".")
+    return config[section][name]
+
+
+def check_sft_source(path: str) -> str:
+    """The kind of an SFT source file, "dir" (a trajectory directory) or "jsonl"; raises
+    ConfigError naming `config.sft.source` otherwise."""
+    if os.path.isdir(path):
+        return "dir"
+    if os.path.isfile(path) and path.endswith(".jsonl"):
+        return "jsonl"
+    raise ConfigError(
+        f"config.sft.source={path!r} does not exist or is neither 'oracle', a trajectory "
+        "directory, nor a .jsonl file of demonstrations"
+    )
+
+
+def validate_config(config: Any) -> None:
+    """Fails before any work starts on values the flag parser cannot catch."""
+    for key, valid in ENUMS.items():
+        if _get(config, key) not in valid:
+            raise ConfigError(
+                f"config.{key}={_get(config, key)!r} is not one of {', '.join(valid)}"
+            )
+    for key in POSITIVE:
+        if _get(config, key) < 1:
+            raise ConfigError(f"config.{key}={_get(config, key)} must be >= 1")
+    rl, sc, ck = config.rl, config.sampler, config.ckpt
+    if rl.group_size < 2:
+        raise ConfigError(
+            f"config.rl.group_size={rl.group_size} must be >= 2: GRPO compares rollouts in a group"
+        )
+    if rl.loss_norm < 0:
+        raise ConfigError(
+            f"config.rl.loss_norm={rl.loss_norm} must be >= 0 (0: the generation budget)"
+        )
+    if rl.invalid_action_penalty < 0:
+        raise ConfigError(
+            f"config.rl.invalid_action_penalty={rl.invalid_action_penalty} must be >= 0 "
+            "(it is subtracted from the reward per invalid action)"
+        )
+    if rl.logits_chunk < 0:
+        raise ConfigError(f"config.rl.logits_chunk={rl.logits_chunk} must be >= 0")
+    if not rl.temperature > 0:
+        raise ConfigError(
+            f"config.rl.temperature={rl.temperature} must be > 0 (rollouts sample at it; "
+            "the learner scores the same tempered policy; eval is greedy regardless)"
+        )
+    if not 0 < rl.top_p <= 1:
+        raise ConfigError(f"config.rl.top_p={rl.top_p} must be in (0, 1]")
+    if rl.top_p < 1 and rl.old_logprobs == "behaviour":
+        # The sampler reports log-probs of the nucleus-truncated distribution it drew from; the
+        # learner scores the full (tempered) one, so the PPO ratio would not start at 1.
+        raise ConfigError(
+            f"config.rl.top_p={rl.top_p} needs config.rl.old_logprobs='learner' (the "
+            "ratio is anchored at the learner's own log-probs; truncated importance sampling "
+            "with rl.tis_cap corrects the nucleus truncation)"
+        )
+    pages = -(-sc.max_seq_len // sc.page_size)
+    if pages > sc.num_pages - 1:
+        raise ConfigError(
+            f"config.sampler.max_seq_len={sc.max_seq_len} needs {pages} KV pages of "
+            f"config.sampler.page_size={sc.page_size}, but config.sampler.num_pages="
+            f"{sc.num_pages} holds {sc.num_pages - 1} (page 0 is scratch)"
+        )
+    try:
+        GpuKernelOptions.parse(sc.gpu_kernel)
+    except ValueError as e:
+        raise ConfigError(f"config.sampler.gpu_kernel={sc.gpu_kernel!r}: {e}") from None
+    if ck.init_params_from:
+        if ck.load_checkpoint_path:
+            raise ConfigError(
+                "config.ckpt.init_params_from and config.ckpt.load_checkpoint_path are exclusive: "
+                "the first starts a new run from saved weights, the second resumes a run"
+            )
+        if not os.path.isdir(ck.init_params_from):
+            raise ConfigError(
+                f"config.ckpt.init_params_from={ck.init_params_from!r} is not a directory (pass "
+                "a run's workdir or its checkpoints directory, WORKDIR/checkpoints)"
+            )
+    if not 0.0 <= config.sft.recovery_share <= 1.0:
+        raise ConfigError(
+            f"config.sft.recovery_share={config.sft.recovery_share} must be in [0, 1] (the share "
+            "of oracle demonstrations that start with a scripted miss)"
+        )
+    if config.sft.steps > 0 and config.sft.source != "oracle":
+        check_sft_source(config.sft.source)
+    _check_model(config)
+
+
+def _check_model(config: Any) -> None:
+    path = config.model.hf_path
+    if path is None:
+        if config.model.preset != "tiny":
+            raise ConfigError(
+                f"preset {config.preset!r} trains a real checkpoint: pass "
+                "--config.model.hf_path=/path/to/local/hf_dir (a Qwen2.5-VL / Qwen3-VL directory)"
+            )
+        return
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise ConfigError(
+            f"config.model.hf_path={path!r} is not a Hugging Face model directory "
+            "(no config.json); point it at a local Qwen2.5-VL / Qwen3-VL checkpoint"
+        )
+    with open(cfg_file) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type not in ("qwen2_5_vl", "qwen3_vl"):
+        raise ConfigError(
+            f"config.model.hf_path={path!r} holds a {model_type!r} model; cua_jax trains "
+            "Qwen2.5-VL ('qwen2_5_vl') and Qwen3-VL ('qwen3_vl') checkpoints"
+        )
+
+
+__all__ = ["ConfigError", "check_sft_source", "validate_config"]
