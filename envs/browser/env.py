@@ -16,6 +16,9 @@ Which page a task shows is decided by ``task.spec["kind"]``:
   "miniwob"  MiniWoB++ from the miniwob package (``envs.browser.miniwob``), spec: {"name": ...}
   "page"     any page of ours: spec {"url": "http://cua.local/..."} or {"html": "<html>..."};
              no checker (custom instructions); evaluate() returns 0.0
+
+``evaluate`` raises :class:`~cua_jax.env_api.EnvError` after a fault, or when the browser or page
+fails while the checker reads it, so a dead browser is never scored as a policy failure.
 """
 
 from __future__ import annotations
@@ -196,6 +199,7 @@ class BrowserEnv:
         self._instruction = ""
         self._active = False  # an episode is running (reset done, not over)
         self._broken = False  # the context is unusable (fault); the next reset replaces it
+        self._fault_reason: str | None = None  # why the last episode ended by a fault
         self._crashed = False
         self._last_obs: Observation | None = None
         self._answer: str | None = None
@@ -337,6 +341,7 @@ class BrowserEnv:
                     adapter.start(self, page, task, self._seed), self.reset_timeout_s
                 )
                 self._broken = False
+                self._fault_reason = None
                 self._answer = None
                 self._env_reward = 0.0
                 self._oracle_plan = None
@@ -356,6 +361,7 @@ class BrowserEnv:
                 last_err = e
                 reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             self._broken = True
+            self._fault_reason = f"the task could not start: {reason}"
             if not self.host.connected or self._crashed:
                 continue  # browser died under us: one more try on a fresh one
             break
@@ -417,12 +423,26 @@ class BrowserEnv:
         return StepResult(self._last_obs, done, reward if done else 0.0, info)  # type: ignore[arg-type]
 
     async def evaluate(self) -> float:
-        """The task's score for the current page state (0.0 after a fault or without checker)."""
-        if self._task is None or self._page is None or self._broken:
-            return 0.0
+        """The task's score for the current page state (0.0 for a task without a checker).
+
+        Raises :class:`EnvError` naming the cause when there is nothing trustworthy to score: no
+        episode was started, a fault (crash, killed browser, hung page) ended it, or the browser
+        or page fails while the checker reads it. A dead browser is an infrastructure fault, not
+        a policy failure: scoring it 0.0 would train on it (the rollout loop counts the raise as
+        ``evaluate_error``). A checker's own 0.0 (a wrong answer) is returned as it is.
+        """
+        task = self._task
+        if task is None:
+            raise EnvError("BrowserEnv.evaluate(): no episode to score; call reset() first")
+        if self._broken or self._page is None:
+            raise EnvError(
+                f"cannot score task {task.id!r}: its episode "
+                f"{'ended by a fault' if self._broken else 'is closed'} "
+                f"({self._fault_reason or 'no page'})"
+            )
         from envs.browser import adapters  # noqa: PLC0415
 
-        task, page = self._task, self._page
+        page = self._page
 
         async def score() -> float:
             if not await self._shows_task(page):
@@ -439,9 +459,22 @@ class BrowserEnv:
                     self.step_timeout_s,
                 )
             )
-        except Exception as e:  # noqa: BLE001 -- a broken page scores 0
-            log.warning("evaluate failed for %s: %s", self._task.id, e)
-            return 0.0
+        except TimeoutError as e:
+            reason = f"the checker got no answer from the page within {self.step_timeout_s:g}s"
+            await self._fault_during_evaluate(reason)
+            raise EnvError(f"cannot score task {task.id!r}: {reason}") from e
+        except Exception as e:  # playwright raises many kinds
+            await asyncio.sleep(0.2)  # a trailing "disconnected"/"crash" event names the cause
+            reason = self._describe_fault(e)
+            await self._fault_during_evaluate(reason)
+            raise EnvError(f"cannot score task {task.id!r}: {reason}") from e
+
+    async def _fault_during_evaluate(self, reason: str) -> None:
+        log.warning("evaluate of %s failed: %s", self._task.id if self._task else "?", reason)
+        self._broken = True
+        self._fault_reason = reason
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._drop_context(), 15.0)
 
     async def _shows_task(self, page: Page) -> bool:
         """Whether ``page`` shows this episode's task (template and seed; a MiniWoB task's page)."""
@@ -710,6 +743,7 @@ class BrowserEnv:
         )
         self._active = False
         self._broken = True
+        self._fault_reason = reason
         obs = self._last_obs or self._blank_obs()
         # Drop the context now (bounded) so a hung renderer stops burning CPU.
         with contextlib.suppress(Exception):
