@@ -1,0 +1,783 @@
+"""Ahead-of-time memory and roofline plan of a run for a TPU slice, compiled on this machine.
+
+    plan = make_plan(config, "v5p-8")          # config: a configs/*.py ConfigDict
+    print(format_plan(plan)); plan.fits         # per-device HBM, FLOPs, roofline, MFU / MBU
+
+With `libtpu` installed, `jax.experimental.topologies.get_topology_desc` gives the abstract
+devices of a TPU slice that is not here, and `jax.jit(f).lower(*abstract_args).compile()` runs
+the real TPU compiler for them (as MaxText's train_compile.py does). The model is built
+abstractly (`jax.eval_shape`: shapes only, no weights, no checkpoint) from the published
+config.json dimensions of the preset's size (`qwen_vl.published_config`) or from
+`model.hf_path/config.json`, laid out on a mesh of the slice's devices with the preset's rules,
+and two programs are compiled:
+
+  train_step   the learner's RL step (cua_jax.rl.learner, built by train.build_learner) on one
+               packed batch of `rl.rows_per_step` rows x the longest `rl.row_lengths` bucket.
+  decode_step  one decode step of every sampler slot: the model's decode path with the
+               platform's paged-attention kernel (JAX's Pallas TPU kernel) over the KV pool,
+               params shared in place with the learner (colocated), K/V sharded over kv heads.
+
+Memory is per device: the compiler's argument / output / alias / temp bytes of each program,
+plus what the other program keeps resident meanwhile (the KV pool while the train step runs;
+optimizer state and KL reference while the sampler decodes). Arguments are also broken down by
+hand (shard shape x dtype size) into params, optimizer state, KL reference, KV pool, batch.
+FLOPs and bytes are XLA's `cost_analysis()` of the per-device program; it does not see inside a
+Pallas call, so the paged-attention kernel's FLOPs and bytes are counted by hand and added.
+Roofline time = max(FLOPs / peak, bytes / bandwidth) with the chip's published figures; MFU =
+model FLOPs (6 N T + attention; 4 N T for frozen weights) / (roofline time x peak); MBU = the
+bytes a decode step must read (params once, the live K/V) / (roofline time x bandwidth).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from cua_jax import sharding as shd
+from cua_jax.models import qwen_vl
+
+GiB = 1 << 30
+
+
+class PlanInputError(ValueError):
+    """Bad input to a plan (unknown topology, missing checkpoint directory, a mesh that does not
+    divide the slice): tools/plan.py prints it as one line and exits 2."""
+
+
+# ------------------------------------------------------------------------------- hardware
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One TPU chip as JAX sees it (v4 / v5p: the two TensorCores form one megacore device)."""
+
+    name: str
+    hbm_bytes: int
+    peak_bf16_flops: float  # per chip, dense bf16
+    hbm_bandwidth: float  # bytes / s
+
+
+# Public figures from Google Cloud's TPU system-architecture pages
+# (https://cloud.google.com/tpu/docs/v4, .../v5e, .../v5p, .../v6e), per chip:
+#   v4   32 GiB HBM2,  275 TFLOP/s bf16, 1200 GB/s
+#   v5e  16 GiB HBM2,  197 TFLOP/s bf16,  819 GB/s
+#   v5p  95 GiB HBM2e, 459 TFLOP/s bf16, 2765 GB/s
+#   v6e  32 GiB HBM,   918 TFLOP/s bf16, 1640 GB/s (Trillium)
+CHIPS = {
+    "v4": Chip("v4", 32 * GiB, 275e12, 1200e9),
+    "v5e": Chip("v5e", 16 * GiB, 197e12, 819e9),
+    "v5p": Chip("v5p", 95 * GiB, 459e12, 2765e9),
+    "v6e": Chip("v6e", 32 * GiB, 918e12, 1640e9),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """A slice by its usual name (`v5p-8`) and how libtpu names it (`v5:2x2x1`)."""
+
+    name: str
+    chip: Chip
+    topology_name: str  # for jax.experimental.topologies.get_topology_desc
+    chip_config_name: str  # "megacore" (v4, v5p) or "default"
+    chips_per_host_bounds: tuple[int, int, int]
+    num_chips: int
+
+    @property
+    def num_hosts(self) -> int:
+        return self.num_chips // math.prod(self.chips_per_host_bounds)
+
+
+def _topologies() -> dict[str, Topology]:
+    out: dict[str, Topology] = {}
+
+    def add(name: str, chip: str, topo: str, hosts: tuple[int, int, int]):
+        dims = [int(d) for d in topo.split(":")[1].split("x")]
+        cfg = "megacore" if chip in ("v4", "v5p") else "default"
+        hb = tuple(min(h, d) for h, d in zip(hosts, [*dims, 1][:3], strict=True))
+        out[name] = Topology(name, CHIPS[chip], topo, cfg, hb, math.prod(dims))  # type: ignore[arg-type]
+
+    # v4 / v5p names count TensorCores (2 per chip); 4 chips per host.
+    for n, t in ((8, "2x2x1"), (16, "2x2x2"), (32, "2x2x4"), (64, "2x4x4"), (128, "4x4x4")):
+        add(f"v4-{n}", "v4", f"v4:{t}", (2, 2, 1))
+        add(f"v5p-{n}", "v5p", f"v5:{t}", (2, 2, 1))
+    # v5e / v6e names count chips; -1/-4/-8 are one host (the 8-chip host is 2x4), larger slices
+    # are hosts of 2x2 chips.
+    for chip, lib in (("v5e", "v5e"), ("v6e", "v6e")):
+        add(f"{chip}-1", chip, f"{lib}:1x1", (1, 1, 1))
+        add(f"{chip}-4", chip, f"{lib}:2x2", (2, 2, 1))
+        add(f"{chip}-8", chip, f"{lib}:2x4", (2, 4, 1))
+        for n, t in ((16, "4x4"), (32, "4x8"), (64, "8x8"), (128, "8x16"), (256, "16x16")):
+            add(f"{chip}-{n}", chip, f"{lib}:{t}", (2, 2, 1))
+    return out
+
+
+TOPOLOGIES = _topologies()
+
+
+def get_topology(name: str) -> Topology:
+    """The slice named `name`; raises PlanInputError listing the known names."""
+    if name not in TOPOLOGIES:
+        raise PlanInputError(f"unknown topology {name!r}; known: {', '.join(TOPOLOGIES)}")
+    return TOPOLOGIES[name]
+
+
+def abstract_devices(topo: Topology) -> list[Any]:
+    """The slice's devices, abstract (compile-only), from libtpu."""
+    try:
+        from jax.experimental import topologies
+    except ImportError as e:  # pragma: no cover - jax always ships it
+        raise PlanInputError(f"jax.experimental.topologies is missing: {e}") from e
+    if os.environ.get("JAX_PLATFORMS") == "cpu":
+        # Compile-only on a machine without TPUs: tell libtpu so, instead of letting it ask a
+        # metadata server and log errors (the values do not change the topology described).
+        kind = {"v5e": "v5litepod", "v5p": "v5p", "v4": "v4", "v6e": "v6e"}[topo.chip.name]
+        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{kind}-{topo.name.split('-')[1]}")
+    try:
+        desc = topologies.get_topology_desc(
+            platform="tpu",
+            topology_name=topo.topology_name,
+            chip_config_name=topo.chip_config_name,
+            chips_per_host_bounds=topo.chips_per_host_bounds,
+            num_slices=1,
+        )
+    except Exception as e:
+        raise PlanInputError(
+            f"cannot describe TPU topology {topo.name} ({topo.topology_name}): {e}; a TPU plan "
+            "needs libtpu (pip install -e '.[test]' installs the matching version)"
+        ) from e
+    return list(desc.devices)
+
+
+def table_of_topologies() -> str:
+    """Markdown table of the known slices and their chips' published figures."""
+    lines = [
+        "| topology | chips | hosts | HBM / chip | peak bf16 / chip | HBM bandwidth / chip |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for t in TOPOLOGIES.values():
+        c = t.chip
+        lines.append(
+            f"| {t.name} | {t.num_chips} | {t.num_hosts} | {c.hbm_bytes / GiB:.0f} GiB | "
+            f"{c.peak_bf16_flops / 1e12:.0f} TFLOP/s | {c.hbm_bandwidth / 1e9:.0f} GB/s |"
+        )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- byte counts
+def shard_bytes(x: Any) -> int:
+    """Bytes one device holds of an abstract array with a sharding (its shard shape)."""
+    shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) else x.shape
+    return math.prod(shape) * jnp.dtype(x.dtype).itemsize
+
+
+def tree_shard_bytes(tree: Any) -> int:
+    return sum(shard_bytes(x) for x in jax.tree.leaves(tree))
+
+
+def with_shardings(tree: Any, shardings: Any) -> Any:
+    """ShapeDtypeStructs of `tree` carrying `shardings` (a pytree prefix of `tree`)."""
+
+    def one(s, sub):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), sub)
+
+    return jax.tree.map(
+        one, shardings, tree, is_leaf=lambda n: isinstance(n, jax.sharding.Sharding)
+    )
+
+
+def kv_pool_bytes_per_device(
+    cfg: qwen_vl.QwenVLConfig, num_pages: int, page_size: int, dtype: Any, tensor: int
+) -> int:
+    """pages x page_size x kv_heads x head_dim x 2 (K and V) x layers x dtype size / tensor."""
+    t = cfg.text
+    return (
+        num_pages * page_size * (t.num_key_value_heads // tensor) * t.head_dim * 2
+        * t.num_hidden_layers * jnp.dtype(dtype).itemsize
+    )  # fmt: skip
+
+
+def kv_pages_for_budget(
+    cfg: qwen_vl.QwenVLConfig, budget_bytes: int, page_size: int, dtype: Any, tensor: int
+) -> int:
+    """The most KV pages whose pool fits `budget_bytes` per device (K/V sharded over `tensor`)."""
+    per_page = kv_pool_bytes_per_device(cfg, 1, page_size, dtype, tensor)
+    return max(0, int(budget_bytes // per_page))
+
+
+# ------------------------------------------------------------------------------- results
+@dataclasses.dataclass
+class ProgramPlan:
+    """One compiled program's per-device figures (bytes, FLOPs) on one slice."""
+
+    name: str
+    chip: Chip
+    arguments: dict[str, int]  # by hand: shard bytes per kind of argument
+    resident: dict[str, int]  # live buffers of the other program (not arguments here)
+    argument_bytes: int = 0  # compiler's figures from here on
+    output_bytes: int = 0
+    alias_bytes: int = 0
+    temp_bytes: int = 0
+    code_bytes: int = 0
+    flops: float = 0.0  # XLA's cost analysis + hand count of Pallas calls
+    bytes_accessed: float = 0.0
+    pallas_flops: float = 0.0  # the hand-counted part
+    pallas_bytes: float = 0.0
+    model_flops: float = 0.0  # the useful FLOPs (MFU numerator)
+    min_bytes: float = 0.0  # bytes a step must read (MBU numerator)
+    compile_error: str | None = None  # the compiler's message when it refused (out of memory)
+    compile_s: float = 0.0
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        """Peak per-device HBM: arguments + outputs - donated + scratch + code + resident."""
+        if self.compile_error is not None:
+            return sum(self.arguments.values()) + sum(self.resident.values())
+        own = self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+        return own + self.code_bytes + sum(self.resident.values())
+
+    @property
+    def roofline_s(self) -> float:
+        return max(
+            self.flops / self.chip.peak_bf16_flops, self.bytes_accessed / self.chip.hbm_bandwidth
+        )
+
+    @property
+    def mfu(self) -> float:
+        t = self.roofline_s
+        return self.model_flops / (t * self.chip.peak_bf16_flops) if t > 0 else 0.0
+
+    @property
+    def mbu(self) -> float:
+        t = self.roofline_s
+        return self.min_bytes / (t * self.chip.hbm_bandwidth) if t > 0 else 0.0
+
+    def consumers(self) -> dict[str, int]:
+        """Per-device bytes by consumer, biggest first (temp = the compiler's scratch)."""
+        out = dict(self.arguments)
+        out.update(self.resident)
+        if self.compile_error is None:
+            out["temp (activations, scratch)"] = self.temp_bytes
+            extra = self.output_bytes - self.alias_bytes
+            if extra > 0:
+                out["outputs not donated"] = extra
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+@dataclasses.dataclass
+class Plan:
+    topology: Topology
+    mesh_shape: dict[str, int]
+    headroom: float  # share of HBM kept free
+    programs: list[ProgramPlan]
+    summary: dict[str, Any]
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.topology.chip.hbm_bytes * (1.0 - self.headroom))
+
+    def misfits(self) -> list[ProgramPlan]:
+        return [
+            p for p in self.programs
+            if p.compile_error is not None or p.total_bytes > self.budget_bytes
+        ]  # fmt: skip
+
+    @property
+    def fits(self) -> bool:
+        return not self.misfits()
+
+    def reason(self) -> str:
+        """One line: the first program that does not fit, its biggest consumer, what to change."""
+        bad = self.misfits()
+        if not bad:
+            return ""
+        p = bad[0]
+        name, size = next(iter(p.consumers().items()))
+        hbm = self.topology.chip.hbm_bytes
+        what = (
+            f"the TPU compiler ran out of memory ({p.compile_error})"
+            if p.compile_error is not None and p.total_bytes <= self.budget_bytes
+            else f"needs {p.total_bytes / GiB:.1f} GiB per device > {self.budget_bytes / GiB:.1f}"
+            f" GiB ({hbm / GiB:.0f} GiB HBM less {self.headroom:.0%} headroom)"
+        )
+        return (
+            f"{p.name} does not fit {self.topology.name}: {what}; biggest consumer: {name} "
+            f"{size / GiB:.1f} GiB; {_advice(name, self)}"
+        )
+
+
+def _advice(consumer: str, plan: Plan) -> str:
+    s = plan.summary
+    bigger = _next_topology(plan.topology)
+    more = f"a larger topology ({bigger})" if bigger else "a larger topology"
+    if consumer.startswith("KV pool"):
+        fit = s.get("kv_pages_that_fit")
+        pages = f"--config.sampler.num_pages={fit}" if fit else "fewer --config.sampler.num_pages"
+        return f"try {pages}, a larger --config.mesh.tensor (K/V shard over it), or {more}"
+    if consumer.startswith(("params", "optimizer", "KL reference", "frozen")):
+        lora = "" if s.get("lora_rank") else "LoRA (--config.model.lora_rank=64), "
+        return f"try {lora}{more} (FSDP shards params and optimizer state over every device)"
+    if consumer.startswith("temp"):
+        return (
+            "try --config.model.remat=full, --config.rl.num_substeps=2 (micro-batches), a "
+            f"shorter --config.rl.row_lengths, or {more}"
+        )
+    return f"try {more}"
+
+
+def _next_topology(topo: Topology) -> str | None:
+    same = sorted(
+        (t for t in TOPOLOGIES.values() if t.chip == topo.chip and t.num_chips > topo.num_chips),
+        key=lambda t: t.num_chips,
+    )
+    return same[0].name if same else None
+
+
+# ------------------------------------------------------------------------------- model config
+def model_config(config: Any) -> qwen_vl.QwenVLConfig:
+    """The preset's model: `model.hf_path/config.json` when set, else the published checkpoint of
+    the preset's size, else (the smoke preset) the tiny model train.py builds."""
+    mc = config.model
+    options = dict(dtype=mc.dtype, param_dtype=mc.param_dtype, remat=mc.remat)
+    if mc.hf_path is not None:
+        path = os.path.expanduser(str(mc.hf_path))
+        if not os.path.isdir(path):
+            raise PlanInputError(
+                f"--config.model.hf_path={mc.hf_path} is not a directory (a local Hugging Face "
+                "checkpoint directory with config.json)"
+            )
+        cfg_file = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_file):
+            raise PlanInputError(f"{cfg_file} does not exist (model.hf_path needs a config.json)")
+        with open(cfg_file) as f:
+            return qwen_vl.QwenVLConfig.from_hf_dict(json.load(f), **options)
+    if (mc.family, mc.preset) in qwen_vl.PUBLISHED:
+        return qwen_vl.published_config(mc.family, mc.preset, **options)
+    from cua_jax.data.processor import QwenVLProcessor
+
+    w, h = config.env.viewport_width, config.env.viewport_height
+    tok = QwenVLProcessor.default(mc.family, max_pixels=w * h, min_pixels=32 * 32).tokenizer
+    return qwen_vl.tiny(
+        mc.family, vocab_size=tok.vocab_size, **tok.vision_token_ids(), eos_token_id=tok.eos_id,
+        pad_token_id=tok.pad_id, **options,
+    )  # fmt: skip
+
+
+def _build_learner_fn() -> Callable[..., Any]:
+    try:  # the trainer's builders are moving out of train.py
+        from cua_jax.builders import build_learner  # type: ignore[import-not-found]
+    except ImportError:
+        from cua_jax.train import build_learner
+    return build_learner
+
+
+# ------------------------------------------------------------------------------- abstract run
+@dataclasses.dataclass
+class _Abstract:
+    learner: Any
+    graphdef: Any  # the whole model (adapters included): decode merges params into it
+    trainable: Any
+    opt_state: Any
+    frozen: Any
+    rest: Any
+    ref: Any
+
+
+def _opt_shardings(opt_state: Any, trainable: Any, replicated: NamedSharding) -> Any:
+    """Each optimizer-state leaf takes the sharding of the parameter it mirrors (Adam's mu / nu
+    end with that parameter's path and have its shape), as `jnp.zeros_like` of a sharded
+    parameter does in a real run; counters and scalars are replicated."""
+    by_path = {tuple(map(str, p)): a for p, a in jax.tree_util.tree_flatten_with_path(trainable)[0]}
+
+    def one(path, a):
+        key = tuple(map(str, path))
+        for i in range(len(key)):
+            p = by_path.get(key[i:])
+            if p is not None and p.shape == a.shape:
+                return p.sharding
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(one, opt_state)
+
+
+def build_abstract(
+    config: Any, cfg: qwen_vl.QwenVLConfig, mesh: Any, rules: shd.Rules
+) -> _Abstract:
+    """The trainer's learner (train.build_learner: LoRA, freezing, optimizer, KL reference) over
+    an abstract model: everything is traced under `jax.eval_shape`, so no array is made; the
+    learner's jitted step and shardings are the ones a run uses."""
+    build_learner = _build_learner_fn()
+    held: dict[str, Any] = {}
+
+    def build():
+        model = qwen_vl.QwenVL(cfg, rngs=nnx.Rngs(0))
+        learner = build_learner(model, config, mesh, rules, sft=False)
+        held["learner"] = learner
+        held["graphdef"] = nnx.graphdef(model)
+        # Learner internals (no public abstract constructor yet): the step's argument trees.
+        return learner._trainable, learner._opt_state, learner._frozen, learner._rest, learner._ref
+
+    trainable, opt_state, frozen, rest, ref = jax.eval_shape(build)
+    learner = held["learner"]
+    repl = NamedSharding(mesh, P())
+    trainable = with_shardings(trainable, learner._trainable_sh)
+    frozen = with_shardings(frozen, learner._frozen_sh)
+    rest = with_shardings(rest, jax.tree.map(lambda _: repl, rest))
+    ref = None if ref is None else with_shardings(ref, learner._trainable_sh)
+    opt_sh = _opt_shardings(opt_state, trainable, repl)
+    learner._opt_sh = opt_sh  # the real run reads these off the concrete zeros
+    opt_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt_state, opt_sh
+    )
+    return _Abstract(learner, held["graphdef"], trainable, opt_state, frozen, rest, ref)
+
+
+def _param_count(tree: Any) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+
+def _text_param_count(state: Any) -> int:
+    n = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if "visual" not in jax.tree_util.keystr(path):
+            n += math.prod(x.shape)
+    return n
+
+
+def _compile(fn: Any, args: tuple, prog: ProgramPlan) -> None:
+    """Compiles for the slice and records the compiler's figures; a program whose arguments and
+    resident buffers alone exceed the chip's HBM is not compiled (it cannot fit, and compiling a
+    large model costs minutes and host memory)."""
+    floor = sum(prog.arguments.values()) + sum(prog.resident.values())
+    if floor > prog.chip.hbm_bytes:
+        prog.compile_error = (
+            f"not compiled: its arguments and resident buffers alone need {floor / GiB:.1f} GiB "
+            f"of {prog.chip.hbm_bytes / GiB:.0f} GiB"
+        )
+        return
+    t0 = time.perf_counter()
+    try:
+        compiled = fn.lower(*args).compile()
+    except Exception as e:  # the TPU compiler refuses programs that overflow HBM
+        msg = str(e)
+        if "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower():
+            line = next(
+                (ln.strip() for ln in msg.splitlines() if "memory" in ln.lower()), msg[:200]
+            )
+            prog.compile_error = line[:300]
+            return
+        raise
+    prog.compile_s = time.perf_counter() - t0
+    m = compiled.memory_analysis()
+    prog.argument_bytes = int(m.argument_size_in_bytes)
+    prog.output_bytes = int(m.output_size_in_bytes)
+    prog.alias_bytes = int(m.alias_size_in_bytes)
+    prog.temp_bytes = int(m.temp_size_in_bytes)
+    prog.code_bytes = int(m.generated_code_size_in_bytes)
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):  # older JAX: one dict per device program
+        cost = cost[0]
+    prog.flops = float(cost.get("flops", 0.0)) + prog.pallas_flops
+    prog.bytes_accessed = float(cost.get("bytes accessed", 0.0)) + prog.pallas_bytes
+
+
+# ------------------------------------------------------------------------------- train step
+def plan_train_step(
+    config: Any, ab: _Abstract, mesh: Any, chip: Chip, rows: int, row_len: int, kv_bytes: int
+) -> ProgramPlan:
+    learner = ab.learner
+    row_sh, pos_sh = learner._row_sh, learner._pos_sh
+
+    def arr(shape, dtype, sh):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+
+    xs = {
+        "input_ids": arr((rows, row_len), jnp.int32, row_sh),
+        "segment_ids": arr((rows, row_len), jnp.int32, row_sh),
+        "loss_mask": arr((rows, row_len), jnp.bool_, row_sh),
+        "behaviour_logprobs": arr((rows, row_len), jnp.float32, row_sh),
+        "advantages": arr((rows, row_len), jnp.float32, row_sh),
+        "loss_weights": arr((rows, row_len), jnp.float32, row_sh),
+        "position_ids": arr((3, rows, row_len), jnp.int32, pos_sh),
+    }
+    args = (ab.trainable, ab.opt_state, ab.frozen, ab.rest, ab.ref, xs, None)
+    arguments = {
+        "params (trainable)": tree_shard_bytes(ab.trainable),
+        "params (frozen)": tree_shard_bytes(ab.frozen) + tree_shard_bytes(ab.rest),
+        "optimizer state": tree_shard_bytes(ab.opt_state),
+        "batch": tree_shard_bytes(xs),
+    }
+    if ab.ref is not None:
+        arguments["KL reference"] = tree_shard_bytes(ab.ref)
+    prog = ProgramPlan("train_step", chip, arguments, {"KV pool (sampler, resident)": kv_bytes})
+    # Model FLOPs per device: 6 N T for trained weights (forward, input and weight gradients),
+    # 4 N T for frozen ones (no weight gradient), 2 N T more for the KL reference's forward;
+    # causal attention 6 x layers x T x L x (heads x head_dim) (half of the 12 of full attention).
+    t = ab.learner.config.text
+    tokens = rows * row_len
+    n_tr = _text_param_count(ab.trainable)
+    n_fr = _text_param_count(ab.frozen)
+    attn = 6 * t.num_hidden_layers * tokens * row_len * t.num_attention_heads * t.head_dim
+    flops = 6 * n_tr * tokens + 4 * n_fr * tokens + attn
+    if ab.ref is not None:
+        flops += 2 * (_text_param_count(ab.ref) + n_fr) * tokens + attn / 3
+    prog.model_flops = flops / mesh.size
+    prog.notes.append(
+        f"{rows} rows x {row_len} tokens, text only (no screenshots); "
+        f"remat={ab.learner.config.remat}, logits_chunk={ab.learner.logits_chunk}"
+    )
+    _compile(learner._get_step("rl"), args, prog)
+    return prog
+
+
+# ------------------------------------------------------------------------------- decode step
+def _decode_step_fn(graphdef: Any, mesh: Any, page_size: int, scale: float, backend: str):
+    """One decode step of every slot: write each new token's K/V into its page, paged attention
+    over the pool (the TPU kernel under shard_map over the kv heads), greedy next token."""
+    from cua_jax.sampler import kv_cache
+    from cua_jax.sampler.kernels.paged_attention import paged_attention
+
+    def attention(q_BNH, k_pages, v_pages, table_SP, lengths_S):
+        return paged_attention(
+            q_BNH, k_pages, v_pages, table_SP, lengths_S, scale=scale, backend=backend
+        )
+
+    sharded_attention = jax.shard_map(
+        attention,
+        mesh=mesh,
+        in_specs=(P(None, "tensor", None), P("tensor"), P("tensor"), P(), P()),
+        out_specs=P(None, "tensor", None),
+        check_vma=False,
+    )
+
+    def step(params, cache, table_SP, lengths_S, tok_S, delta_S):
+        model = nnx.merge(graphdef, params)
+        S = tok_S.shape[0]
+        pos = jnp.broadcast_to((lengths_S + delta_S)[None, :, None], (3, S, 1))
+        page, off = kv_cache.token_slots(
+            table_SP, lengths_S[:, None], jnp.ones((S, 1), bool), page_size
+        )
+        ks, vs = list(cache.k), list(cache.v)
+
+        def attn_fn(li, q_BTNH, k_BTKH, v_BTKH):
+            ks[li], vs[li] = kv_cache.write_kv(ks[li], vs[li], k_BTKH, v_BTKH, page, off)
+            o = sharded_attention(q_BTNH[:, 0], ks[li], vs[li], table_SP, lengths_S + 1)
+            return o[:, None].astype(q_BTNH.dtype)
+
+        embeds, _, _ = model.embed(tok_S[:, None])
+        hidden = model.decode(embeds, pos, attn_fn)
+        logits = model.logits(hidden)[:, 0]
+        return kv_cache.KVCache(tuple(ks), tuple(vs)), jnp.argmax(logits, -1).astype(jnp.int32)
+
+    return step
+
+
+def plan_decode_step(
+    config: Any, ab: _Abstract, mesh: Any, chip: Chip, num_pages: int, backend: str
+) -> ProgramPlan:
+    from cua_jax.sampler import kv_cache
+    from cua_jax.sampler.kernels.paged_attention import select_backend
+
+    cfg = ab.learner.config
+    t = cfg.text
+    sc = config.sampler
+    S, L = sc.max_slots, sc.page_size
+    tensor = mesh.shape["tensor"]
+    if t.num_key_value_heads % tensor:
+        raise PlanInputError(
+            f"num_key_value_heads={t.num_key_value_heads} is not divisible by mesh.tensor="
+            f"{tensor}: the sampler shards K/V over kv heads; change --config.mesh.tensor"
+        )
+    pages_per_seq = -(-sc.max_seq_len // L)
+    # Every slot live, the pool shared evenly: each slot's context is what the pool can hold.
+    ctx = min(sc.max_seq_len, (num_pages - 1) * L // S)
+    cache_dtype = jnp.dtype(cfg.dtype)
+    kv_sh = NamedSharding(mesh, P("tensor"))
+    pool = jax.ShapeDtypeStruct(
+        (t.num_key_value_heads, num_pages, L, t.head_dim), cache_dtype, sharding=kv_sh
+    )
+    cache = kv_cache.KVCache((pool,) * t.num_hidden_layers, (pool,) * t.num_hidden_layers)
+    repl = NamedSharding(mesh, P())
+    small = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=repl)  # noqa: E731
+    params = nnx.merge_state(ab.trainable, ab.frozen, ab.rest)
+    kv_bytes = tree_shard_bytes(cache)
+    arguments = {"params": tree_shard_bytes(params), f"KV pool ({num_pages} pages)": kv_bytes}
+    resident = {"optimizer state (learner, resident)": tree_shard_bytes(ab.opt_state)}
+    if ab.ref is not None:
+        resident["KL reference (learner, resident)"] = tree_shard_bytes(ab.ref)
+    prog = ProgramPlan("decode_step", chip, arguments, resident)
+    # As the engine decides: the TPU kernel, or the jnp reference where it cannot take the shapes.
+    backend = select_backend(backend, head_dim=t.head_dim, page_size=L, platform="tpu")
+    # The kernel, by hand (XLA's cost analysis counts a Pallas call as almost nothing): per
+    # layer and slot, q.k and p.v over ctx tokens (4 N H ctx FLOPs) reading K and V of ctx
+    # tokens (2 K H ctx x dtype bytes); heads split over `tensor`.
+    per_layer = S * ctx * t.head_dim
+    attn_flops = 4 * t.num_attention_heads * per_layer * t.num_hidden_layers / tensor
+    kv_read = 2 * t.num_key_value_heads * per_layer * cache_dtype.itemsize * t.num_hidden_layers
+    kv_read /= tensor
+    if backend == "tpu":
+        prog.pallas_flops, prog.pallas_bytes = attn_flops, kv_read
+    n_text = _text_param_count(params)
+    prog.model_flops = (2 * n_text * S) / mesh.size + attn_flops
+    # A decode step must read every text weight once (each device its shard, FSDP gathers
+    # the rest: the shard is what HBM serves) and the live K/V.
+    prog.min_bytes = tree_shard_bytes(_text_only(params)) + kv_read
+    prog.notes.append(
+        f"{S} slots x context {ctx} (pool {num_pages} x {L} tokens, max_seq_len "
+        f"{sc.max_seq_len}, {pages_per_seq} pages a sequence), one step of {sc.decode_chunk}; "
+        f"paged attention: {backend} kernel, K/V {cache_dtype.name} sharded over tensor={tensor}"
+    )
+    fn = jax.jit(
+        _decode_step_fn(ab.graphdef, mesh, L, 1.0 / math.sqrt(t.head_dim), backend),
+        in_shardings=(
+            jax.tree.map(lambda x: x.sharding, params),
+            jax.tree.map(lambda _: kv_sh, cache),
+            repl, repl, repl, repl,
+        ),
+        out_shardings=(jax.tree.map(lambda _: kv_sh, cache), repl),
+        donate_argnums=(1,),
+    )  # fmt: skip
+    args = (params, cache, small((S, pages_per_seq)), small((S,)), small((S,)), small((S,)))
+    _compile(fn, args, prog)
+    return prog
+
+
+def _text_only(state: Any) -> list[Any]:
+    return [
+        x for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
+        if "visual" not in jax.tree_util.keystr(p)
+    ]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- the plan
+def make_plan(
+    config: Any,
+    topology: str,
+    *,
+    headroom: float = 0.1,
+    rows: int | None = None,
+    row_len: int | None = None,
+    programs: tuple[str, ...] = ("train_step", "decode_step"),
+    attn_backend: str = "auto",
+) -> Plan:
+    """Compiles `programs` of the run `config` describes for the slice `topology`.
+
+    Raises PlanInputError for bad input (unknown topology, hf_path not a directory, a mesh that
+    does not divide the slice or the model).
+    """
+    topo = get_topology(topology)
+    cfg = model_config(config)
+    devices = abstract_devices(topo)
+    m = config.mesh
+    try:
+        mesh = shd.make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
+    except ValueError as e:
+        raise PlanInputError(f"mesh does not fit {topo.name} ({len(devices)} chips): {e}") from e
+    rules = tuple(shd.DEFAULT_RULES) + tuple(tuple(r) for r in m.rules)
+    try:
+        ab = build_abstract(config, cfg, mesh, rules)
+    except ValueError as e:  # a dimension the mesh cannot divide
+        raise PlanInputError(f"the mesh {dict(mesh.shape)} cannot lay out the model: {e}") from e
+
+    sc = config.sampler
+    tensor = mesh.shape["tensor"]
+    budget = int(topo.chip.hbm_bytes * (1.0 - headroom))
+    num_pages = sc.num_pages
+    frac = float(config.sampler.get("kv_memory_fraction", 0.0) or 0.0)
+    if frac > 0:  # the pool sized from a share of HBM
+        num_pages = kv_pages_for_budget(cfg, int(topo.chip.hbm_bytes * frac), sc.page_size,
+                                        cfg.dtype, tensor)  # fmt: skip
+    kv_bytes = kv_pool_bytes_per_device(cfg, num_pages, sc.page_size, cfg.dtype, tensor)
+    rows = rows or config.rl.rows_per_step
+    mult = ab.learner.row_multiple
+    rows = -(-rows // mult) * mult
+    row_len = row_len or max(config.rl.row_lengths)
+
+    out: list[ProgramPlan] = []
+    if "train_step" in programs:
+        out.append(plan_train_step(config, ab, mesh, topo.chip, rows, row_len, kv_bytes))
+    if "decode_step" in programs:
+        out.append(plan_decode_step(config, ab, mesh, topo.chip, num_pages, attn_backend))
+
+    # The pool that would fit next to the train step (its other consumers as compiled).
+    summary: dict[str, Any] = {
+        "model": f"{cfg.family} {_param_count(ab.trainable) + _param_count(ab.frozen):,} params",
+        "trainable_params": _param_count(ab.trainable),
+        "lora_rank": int(config.model.lora_rank),
+        "num_pages": num_pages,
+        "kv_pool_bytes": kv_bytes,
+        "rows": rows,
+        "row_len": row_len,
+    }
+    train = next((p for p in out if p.name == "train_step" and p.compile_error is None), None)
+    if train is not None:
+        spare = budget - (train.total_bytes - kv_bytes)
+        summary["kv_pages_that_fit"] = kv_pages_for_budget(
+            cfg, max(spare, 0), sc.page_size, cfg.dtype, tensor
+        )
+    return Plan(topo, dict(mesh.shape), headroom, out, summary)
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.2f} MiB"
+
+
+def format_plan(plan: Plan) -> str:
+    """Human-readable tables: one per program, then the verdict."""
+    topo, chip = plan.topology, plan.topology.chip
+    s = plan.summary
+    lines = [
+        f"plan for {topo.name} ({topo.num_chips} x TPU {chip.name}, {topo.num_hosts} host(s), "
+        f"{chip.hbm_bytes / GiB:.0f} GiB HBM, {chip.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16, "
+        f"{chip.hbm_bandwidth / 1e9:.0f} GB/s per chip); mesh {plan.mesh_shape}; {s['model']}, "
+        f"{s['trainable_params']:,} trainable",
+    ]
+    for p in plan.programs:
+        took = f"; compiled in {p.compile_s:.0f} s" if p.compile_error is None else ""
+        lines += ["", f"## {p.name}  ({'; '.join(p.notes)}{took})", "| per device | bytes |",
+                  "| --- | --- |"]  # fmt: skip
+        for k, v in p.arguments.items():
+            lines.append(f"| argument: {k} | {fmt_bytes(v)} |")
+        for k, v in p.resident.items():
+            lines.append(f"| {k} | {fmt_bytes(v)} |")
+        if p.compile_error is not None:
+            lines.append(f"| compile | {p.compile_error} |")
+        else:
+            lines += [
+                f"| arguments (compiler) | {fmt_bytes(p.argument_bytes)} |",
+                f"| outputs (donated: {fmt_bytes(p.alias_bytes)}) | {fmt_bytes(p.output_bytes)} |",
+                f"| temp | {fmt_bytes(p.temp_bytes)} |",
+            ]
+        lines.append(
+            f"| **total** vs HBM {fmt_bytes(chip.hbm_bytes)} (budget "
+            f"{fmt_bytes(plan.budget_bytes)}) | **{fmt_bytes(p.total_bytes)}** |"
+        )
+        if p.compile_error is None:
+            lines += [
+                "",
+                f"FLOPs/step {p.flops:.3e} (Pallas, by hand: {p.pallas_flops:.3e}); bytes "
+                f"accessed {p.bytes_accessed:.3e} (Pallas: {p.pallas_bytes:.3e}); roofline "
+                f"{p.roofline_s * 1e3:.2f} ms; "
+                + (f"MFU {p.mfu:.1%}" if p.name == "train_step" else f"MBU {p.mbu:.1%}"),
+            ]
+    lines.append("")
+    if plan.fits:
+        worst = max(p.total_bytes for p in plan.programs)
+        lines.append(
+            f"fits: largest program {worst / GiB:.1f} GiB of {chip.hbm_bytes / GiB:.0f} GiB per "
+            f"device ({1 - worst / chip.hbm_bytes:.0%} free; headroom asked {plan.headroom:.0%})"
+        )
+    else:
+        lines.append("does not fit: " + plan.reason())
+    return "\n".join(lines)
