@@ -136,13 +136,22 @@ def abstract_devices(topo: Topology) -> list[Any]:
         from jax.experimental import topologies
     except ImportError as e:  # pragma: no cover - jax always ships it
         raise PlanInputError(f"jax.experimental.topologies is missing: {e}") from e
+    quiet: dict[str, str] = {}
     if os.environ.get("JAX_PLATFORMS") == "cpu":
-        # Compile-only on a machine without TPUs: tell libtpu so, instead of letting it ask a
-        # metadata server and log errors (the values do not change the topology described).
+        # Compile-only on a machine without TPUs: tell libtpu so (it reads these when it first
+        # starts), instead of letting it ask a metadata server and log errors; the values do not
+        # change the topology described. The environment is restored afterwards. No chip is
+        # opened, so several processes may load libtpu at once (tests, parallel plans) instead
+        # of the second failing on libtpu's lockfile.
         kind = {"v5e": "v5litepod", "v5p": "v5p", "v4": "v4", "v6e": "v6e"}[topo.chip.name]
-        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-        os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{kind}-{topo.name.split('-')[1]}")
+        quiet = {
+            "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+            "TPU_SKIP_MDS_QUERY": "1",
+            "TPU_WORKER_HOSTNAMES": "localhost",
+            "TPU_ACCELERATOR_TYPE": f"{kind}-{topo.name.split('-')[1]}",
+        }
+        quiet = {k: v for k, v in quiet.items() if k not in os.environ}
+    os.environ.update(quiet)
     try:
         desc = topologies.get_topology_desc(
             platform="tpu",
@@ -156,6 +165,9 @@ def abstract_devices(topo: Topology) -> list[Any]:
             f"cannot describe TPU topology {topo.name} ({topo.topology_name}): {e}; a TPU plan "
             "needs libtpu (pip install -e '.[test]' installs the matching version)"
         ) from e
+    finally:
+        for k in quiet:
+            os.environ.pop(k, None)
     return list(desc.devices)
 
 
@@ -244,7 +256,11 @@ class ProgramPlan:
         """Peak per-device HBM: arguments + outputs - donated + scratch + code + resident."""
         if self.compile_error is not None:
             return sum(self.arguments.values()) + sum(self.resident.values())
-        own = self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+        # Arguments the program does not read (the vision tower in decode) are pruned from the
+        # compiled program but still live in HBM: the hand count holds them; the compiler's may
+        # be larger (TPU tiling pads small dims).
+        args = max(self.argument_bytes, sum(self.arguments.values()))
+        own = args + self.output_bytes - self.alias_bytes + self.temp_bytes
         return own + self.code_bytes + sum(self.resident.values())
 
     @property

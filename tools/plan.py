@@ -23,10 +23,8 @@ import sys
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
-# The compile runs for the abstract TPU devices; JAX itself stays on the CPU, and libtpu is told
-# it is not on a TPU VM (otherwise it asks the metadata server and logs errors about it).
+# The compile runs for the abstract TPU devices; JAX itself stays on the CPU.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 
 from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402

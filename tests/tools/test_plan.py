@@ -1,0 +1,162 @@
+"""tools/plan.py: AOT compiles for a TPU slice that is not here (libtpu's topology description).
+
+One small plan is compiled once (a tiny model with head_dim 128, so JAX's Pallas TPU
+paged-attention kernel really compiles through Mosaic) for v5e-4 on an fsdp=2 x tensor=2 mesh,
+and its figures are checked against hand arithmetic. The exit statuses of the tool are checked
+with a preset far too big for its slice (exit 1) and bad input (exit 2); those never compile.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("libtpu", reason="libtpu (the TPU compiler) is not installed: no TPU plans")
+
+import jax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from configs import qwen3vl_grpo  # noqa: E402
+from cua_jax import plan as plan_lib  # noqa: E402
+from cua_jax import sharding as shd  # noqa: E402
+from cua_jax.models import qwen_vl  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# the run: 4 slots x 64 pages of 16 tokens, 4 rows x 256 tokens, bf16 compute, f32 params
+PAGES, PAGE, SLOTS, SEQ, ROWS, ROW_LEN = 64, 16, 4, 256, 4, 256
+
+
+def _tiny_128() -> qwen_vl.QwenVLConfig:
+    """The tiny model with 128-wide heads (the TPU kernel's minimum), 2 kv heads, 2 layers."""
+    cfg = qwen_vl.tiny("qwen3_vl", vocab_size=512)
+    d = cfg.to_hf_dict()
+    d["text_config"].update(head_dim=128)
+    d["text_config"]["rope_parameters"]["mrope_section"] = [24, 20, 20]
+    return qwen_vl.QwenVLConfig.from_hf_dict(d)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny128")
+    with open(path / "config.json", "w") as f:
+        json.dump(_tiny_128().to_hf_dict(), f)
+    return str(path)
+
+
+def _config(hf_dir: str):
+    c = qwen3vl_grpo.get_config("smoke")
+    c.model.hf_path = hf_dir
+    c.model.dtype = "bfloat16"
+    c.mesh.fsdp, c.mesh.tensor = 2, 2
+    c.sampler.num_pages, c.sampler.page_size = PAGES, PAGE
+    c.sampler.max_slots, c.sampler.max_seq_len = SLOTS, SEQ
+    return c
+
+
+@pytest.fixture(scope="module")
+def plan(hf_dir):
+    # conftest sets "highest" matmul precision for CPU parity tests; runs use the default, and
+    # Mosaic cannot compile the TPU kernel's f32-precision dot of bf16 K/V ("Bad rhs type")
+    with jax.default_matmul_precision("default"):
+        return plan_lib.make_plan(_config(hf_dir), "v5e-4", rows=ROWS, row_len=ROW_LEN)
+
+
+def test_both_programs_compile_with_positive_figures(plan):
+    assert [p.name for p in plan.programs] == ["train_step", "decode_step"]
+    for p in plan.programs:
+        assert p.compile_error is None, p.compile_error
+        assert p.argument_bytes > 0 and p.temp_bytes > 0 and p.output_bytes > 0, p
+        assert p.flops > 0 and p.bytes_accessed > 0 and p.roofline_s > 0, p
+        assert 0 < p.total_bytes < plan.budget_bytes
+    assert plan.fits and plan.reason() == ""
+    text = plan_lib.format_plan(plan)
+    assert "## train_step" in text and "## decode_step" in text and "fits:" in text
+    assert "tpu kernel" in text  # head_dim 128: the Pallas TPU kernel, not the jnp fallback
+
+
+def test_param_and_optimizer_bytes_match_hand_arithmetic(plan):
+    # count x 4 bytes (f32) / the product of the mesh axes each dimension is sharded over
+    mesh = {"data": 1, "fsdp": 2, "tensor": 2}
+    model = nnx.eval_shape(lambda: qwen_vl.QwenVL(_tiny_128(), rngs=nnx.Rngs(0)))
+    state = nnx.state(model, nnx.Param)
+    specs = shd.param_specs(state, shd.DEFAULT_RULES)
+    expected = 0
+    for path, var in nnx.to_flat_state(state):
+        spec = specs[".".join(map(str, path))]
+        shards = math.prod(
+            mesh[a] for axes in spec if axes for a in ((axes,) if isinstance(axes, str) else axes)
+        )
+        expected += math.prod(var.get_value().shape) * 4 // shards
+    train = plan.programs[0]
+    assert train.arguments["params (trainable)"] + train.arguments["params (frozen)"] == expected
+    # Adam: mu and nu shaped and sharded as the params, plus a few int32 counters
+    opt = train.arguments["optimizer state"]
+    assert 0 <= opt - 2 * train.arguments["params (trainable)"] <= 64
+    # the batch: 6 [R, L] arrays of 4 or 1 bytes and i32[3, R, L], rows over fsdp=2
+    per_row_token = 4 + 4 + 1 + 4 + 4 + 4 + 3 * 4
+    assert train.arguments["batch"] == ROWS * ROW_LEN * per_row_token // 2
+    # the compiler agrees with the hand count of its arguments (TPU tiling may pad a little)
+    hand = sum(train.arguments.values())
+    assert hand <= train.argument_bytes <= 1.25 * hand
+
+
+def test_kv_pool_and_kernel_counts_match_hand_arithmetic(plan):
+    # pages x page_size x kv_heads x head_dim x 2 (K, V) x layers x 2 bytes (bf16) / tensor
+    kv = PAGES * PAGE * 2 * 128 * 2 * 2 * 2 // 2
+    decode = plan.programs[1]
+    assert decode.arguments[f"KV pool ({PAGES} pages)"] == kv
+    assert plan.programs[0].resident["KV pool (sampler, resident)"] == kv
+    assert plan.summary["kv_pool_bytes"] == kv
+    # the Pallas call, counted by hand: every slot at the context the pool holds for it
+    ctx = min(SEQ, (PAGES - 1) * PAGE // SLOTS)
+    heads, layers, tensor = 4, 2, 2
+    assert decode.pallas_flops == 4 * heads * SLOTS * ctx * 128 * layers / tensor
+    assert decode.pallas_bytes == 2 * 2 * SLOTS * ctx * 128 * 2 * layers / tensor
+    assert decode.flops > decode.pallas_flops  # XLA's count of the rest is added
+    # the pool sized from a budget holds exactly that budget's whole pages
+    cfg = _tiny_128()
+    per_page = plan_lib.kv_pool_bytes_per_device(cfg, 1, PAGE, "bfloat16", 2)
+    assert per_page == kv // PAGES
+    assert plan_lib.kv_pages_for_budget(cfg, 10 * per_page + 1, PAGE, "bfloat16", 2) == 10
+
+
+def test_bad_input_raises_a_plan_input_error(hf_dir, tmp_path):
+    c = _config(hf_dir)
+    c.model.hf_path = str(tmp_path / "missing")
+    with pytest.raises(plan_lib.PlanInputError, match="is not a directory"):
+        plan_lib.make_plan(c, "v5e-4")
+    c = _config(hf_dir)
+    c.mesh.fsdp = 1  # 1 x 1 x 2 = 2 devices on a 4-chip slice
+    with pytest.raises(plan_lib.PlanInputError, match="mesh does not fit v5e-4"):
+        plan_lib.make_plan(c, "v5e-4")
+
+
+def _tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "tools/plan.py", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def _last_line(stderr: str) -> str:
+    return [ln for ln in stderr.splitlines() if ln.strip()][-1]
+
+
+def test_a_preset_far_too_big_exits_1_with_one_line():
+    r = _tool("--config=configs/qwen25vl_grpo.py:72b", "--topology=v5e-4",
+              "--config.mesh.tensor=4")  # fmt: skip
+    assert r.returncode == 1, r.stderr[-2000:]
+    line = _last_line(r.stderr)
+    assert line.startswith("tools/plan.py: train_step does not fit v5e-4"), line
+    assert "biggest consumer" in line and "try " in line, line
+    assert "does not fit" in r.stdout  # the table is printed too
+
+
+def test_unknown_topology_exits_2():
+    r = _tool("--config=configs/qwen3vl_grpo.py:8b", "--topology=v9-8")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert _last_line(r.stderr).startswith("tools/plan.py: error: unknown topology 'v9-8'")
