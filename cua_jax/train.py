@@ -104,6 +104,8 @@ async def run(
         step = int(meta["step"])
         writer.truncate_after(step)
         logging.info("resumed from %s at step %d", resume_from.directory, step)
+        if resume_from is not ckpt:
+            resume_from.close()
     else:  # a rerun of a run that died before its first checkpoint starts its metrics afresh
         writer.truncate_after(-1)
     engine = builders.build_engine(learner.model, config, processor.tokenizer)
@@ -136,12 +138,12 @@ async def run(
             return out
 
         try:
-            # ---- eval at step 0 (before any training) -----------------------------------------
+            # ---- eval at step 0 (before any training) ------------------------------------------
             if resume_from is None:
                 last_eval = await evaluate("step0")
                 writer.write(0, {**last_eval, "phase_sft": 0.0})
 
-            # ---- SFT warm-up ---------------------------------------------------------------------
+            # ---- SFT warm-up -------------------------------------------------------------------
             if run_sft:
                 sft_metrics = await _sft_warmup(config, learner, agent, pool, tasks, workdir)
                 policy = learner.model
@@ -152,7 +154,7 @@ async def run(
                 writer.write(0, {**sft_metrics, **last_eval, "phase_sft": 1.0})
                 save_checkpoint(ckpt, step, learner, source.state_dict(), force=True)
 
-            # ---- GRPO ------------------------------------------------------------------------
+            # ---- GRPO steps -------------------------------------------------------------------
             while step < config.total_steps:
                 t_step = time.perf_counter()
                 rollouts = await source.next_groups(step)
@@ -183,15 +185,10 @@ async def run(
                     **{f"store/{k}": float(v) for k, v in source.store.stats().items()},
                 }
                 if episodes_dir is not None and rollouts.screens:
+                    trajs = [t for g in rollouts.groups for t in g]
                     write_episodes(
                         os.path.join(episodes_dir, f"train_step{step:05d}.html"),
-                        list(
-                            zip(
-                                [t for g in rollouts.groups for t in g],
-                                rollouts.screens,
-                                strict=False,
-                            )
-                        ),
+                        list(zip(trajs, rollouts.screens, strict=False)),
                         decode,
                         f"train step {step}",
                     )
