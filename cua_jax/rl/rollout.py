@@ -34,6 +34,14 @@ import numpy as np
 
 from cua_jax import actions as A
 from cua_jax.env_api import INFO_ERROR, INFO_INVALID_ACTION, Env, EnvError, Task
+from cua_jax.rl.policies import (
+    Detour,
+    OraclePolicy,
+    Policy,
+    SamplerPolicy,
+    Stop,
+    TurnContext,
+)
 from cua_jax.rl.trajectory import Trajectory, Turn
 
 OMITTED_SCREENSHOT = "(an earlier screenshot, omitted)"
@@ -113,11 +121,121 @@ class _TurnRecord:
     feedback: str  # user text shown before this turn's screenshot ("" for the first turn)
     pixel_values: np.ndarray  # f32[N, D] of this turn's screenshot
     grid: np.ndarray  # i32[1, 3]
-    generated: list[int] | None = None  # the policy's ids for this turn, once sampled
+    generated: list[int] | None = None  # the policy's ids for this turn, once it replied
+
+
+def render_transcript(
+    chat: Any,
+    instruction: str,
+    system: str,
+    records: Sequence[_TurnRecord],
+    max_history_images: int,
+) -> tuple[Any, np.ndarray | None, np.ndarray | None]:
+    """(rendered chat, pixel_values, grids) for the turns in `records` + a generation prompt.
+
+    The last record has no generated ids yet: the prompt ends with the assistant header. Only
+    the last `max_history_images` screenshots are images; older ones become a short text.
+    """
+    n = len(records)
+    keep = set(range(max(0, n - max_history_images), n))
+    rendered = None
+    pix, grids = [], []
+    for k, rec in enumerate(records):
+        if k in keep:
+            image_items = [{"type": "image"}]
+            pix.append(rec.pixel_values)
+            grids.append(rec.grid)
+            kgrid = rec.grid
+        else:
+            image_items = [{"type": "text", "text": OMITTED_SCREENSHOT}]
+            kgrid = np.zeros((0, 3), np.int32)
+        if k == 0:
+            content = [*image_items, {"type": "text", "text": instruction}]
+            msgs = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": content},
+            ]
+            rendered = chat.render(msgs, kgrid, add_generation_prompt=True)
+        else:
+            rendered = chat.append_generated(rendered, records[k - 1].generated)
+            content = [{"type": "text", "text": rec.feedback}, *image_items]
+            rendered = chat.extend(rendered, [{"role": "user", "content": content}], kgrid, True)
+    pv = np.concatenate(pix) if pix else None
+    grid = np.concatenate(grids).astype(np.int32) if grids else None
+    return rendered, pv, grid
+
+
+@dataclasses.dataclass
+class _Prompt:
+    """One turn's prompt and what in it is new since the previous turn's full sequence."""
+
+    ids: np.ndarray  # i32[P]
+    pixel_values: np.ndarray | None  # every image of the prompt
+    grid: np.ndarray | None  # i32[I, 3]
+    extends: bool  # ids start with the previous turn's prompt + generated ids
+    new_pixel_values: np.ndarray | None  # the images the sampler has not seen (Turn fields)
+    new_grid: np.ndarray | None
+
+
+class _Transcript:
+    """The conversation of one episode as token ids, one turn at a time: `prompt(feedback,
+    screenshot)` renders the next turn's prompt, `reply(ids)` appends the policy's ids."""
+
+    def __init__(self, processor: Any, instruction: str, system: str, max_history_images: int):
+        self.processor = processor
+        self.instruction = instruction
+        self.system = system
+        self.max_history_images = max_history_images
+        self.records: list[_TurnRecord] = []
+        self.prev_full: np.ndarray | None = None  # i32[P + G] of the previous turn
+        self.prev_images = 0
+        self.last: _Prompt | None = None
+
+    def prompt(self, feedback: str, screenshot: np.ndarray) -> _Prompt:
+        images = self.processor.preprocess_images([screenshot])
+        self.records.append(_TurnRecord(feedback, images["pixel_values"], images["image_grid_thw"]))
+        rendered, pv, grid = render_transcript(
+            self.processor.chat,
+            self.instruction,
+            self.system,
+            self.records,
+            self.max_history_images,
+        )
+        ids = rendered.input_ids
+        prev = self.prev_full
+        extends = prev is not None and (
+            ids.size >= prev.size and np.array_equal(ids[: prev.size], prev)
+        )
+        n_img = 0 if grid is None else len(grid)
+        if not extends:
+            new_pv, new_grid = pv, grid
+        elif n_img == self.prev_images:  # only the images after the previous sequence are new
+            new_pv = new_grid = None
+        else:
+            new_pv, new_grid = _tail_images(pv, grid, self.prev_images), grid[self.prev_images :]
+        self.last = _Prompt(ids, pv, grid, bool(extends), new_pv, new_grid)
+        return self.last
+
+    def reply(self, generated_ids: list[int]) -> None:
+        self.records[-1].generated = generated_ids
+        self.prev_full = np.concatenate([self.last.ids, np.asarray(generated_ids, np.int32)])
+        self.prev_images = 0 if self.last.grid is None else len(self.last.grid)
+
+
+def _fault(where: str, e: Exception) -> str:
+    """The failure_reason of an env call that raised (an infrastructure fault)."""
+    if isinstance(e, EnvError):
+        return f"env_error: {where}: {e}"
+    return f"env_error: {where}: {type(e).__name__}: {e}"
 
 
 class AgentLoop:
     """Runs episodes with a sampler `engine` (cua_jax.sampler.Engine) and a `processor`.
+
+    The loop itself (`play`) only resets and steps the env, keeps the transcript, records the
+    turns and scores the episode; what is written each turn comes from a per-episode
+    `cua_jax.rl.policies.Policy` (`SamplerPolicy` for sampled and greedy episodes,
+    `OraclePolicy` for demonstrations). `run_episode` picks the policy from its flags.
 
     Args:
       engine: has `async generate(prompt_ids, pixel_values, image_grid_thw, params, session_id)`
@@ -126,8 +244,6 @@ class AgentLoop:
       settings: `RolloutSettings`.
       reward_fn: the RL reward of a finished episode from its task score (`RewardFn`);
         `default_reward` subtracts `settings.invalid_action_penalty` per invalid action.
-      sampling_params: `cua_jax.sampler.SamplingParams` class (injected to keep this module free
-        of the sampler import at definition time).
     """
 
     def __init__(
@@ -137,8 +253,6 @@ class AgentLoop:
         settings: RolloutSettings,
         reward_fn: RewardFn = default_reward,
     ):
-        from cua_jax.sampler import SamplingParams
-
         self.engine = engine
         self.processor = processor
         self.settings = settings
@@ -146,7 +260,6 @@ class AgentLoop:
         self.fmt = A.get_format(settings.action_format)
         self.tokenizer = processor.tokenizer
         self.chat = processor.chat
-        self._SamplingParams = SamplingParams
         self._episodes = 0
 
     # ---- transcript ----------------------------------------------------------------------------
@@ -161,39 +274,11 @@ class AgentLoop:
         return self.fmt.default_space(w, h, rw, rh)
 
     def render(self, instruction: str, system: str, records: Sequence[_TurnRecord]):
-        """(rendered chat, pixel_values, grids) for the turns in `records` + a generation prompt.
-
-        The last record has no generated ids yet: the prompt ends with the assistant header.
-        """
-        n = len(records)
-        keep = set(range(max(0, n - self.settings.max_history_images), n))
-        rendered = None
-        pix, grids = [], []
-        for k, rec in enumerate(records):
-            if k in keep:
-                image_items = [{"type": "image"}]
-                pix.append(rec.pixel_values)
-                grids.append(rec.grid)
-                kgrid = rec.grid
-            else:
-                image_items = [{"type": "text", "text": OMITTED_SCREENSHOT}]
-                kgrid = np.zeros((0, 3), np.int32)
-            if k == 0:
-                content = [*image_items, {"type": "text", "text": instruction}]
-                msgs = [
-                    {"role": "system", "content": system},
-                    {"role": "user", "content": content},
-                ]
-                rendered = self.chat.render(msgs, kgrid, add_generation_prompt=True)
-            else:
-                rendered = self.chat.append_generated(rendered, records[k - 1].generated)
-                content = [{"type": "text", "text": rec.feedback}, *image_items]
-                rendered = self.chat.extend(
-                    rendered, [{"role": "user", "content": content}], kgrid, True
-                )
-        pv = np.concatenate(pix) if pix else None
-        grid = np.concatenate(grids).astype(np.int32) if grids else None
-        return rendered, pv, grid
+        """(rendered chat, pixel_values, grids) for the turns in `records` + a generation prompt
+        (`render_transcript` with this loop's history window)."""
+        return render_transcript(
+            self.chat, instruction, system, records, self.settings.max_history_images
+        )
 
     def system_prompt(self, space: A.CoordinateSpace) -> str:
         if self.settings.system_prompt == "tools" or not isinstance(self.fmt, A.QwenComputerUse):
@@ -213,6 +298,27 @@ class AgentLoop:
                 return f"Your last action was invalid: {reason}. Output one tool call."
         return "Here is the screen after your action."
 
+    # ---- policies ------------------------------------------------------------------------------
+
+    def sampler_policy(self, *, seed: int, session: str, greedy: bool = False) -> SamplerPolicy:
+        """The model through `self.engine`: turn k is sampled with `episode_seed(seed, k)`."""
+        s = self.settings
+        return SamplerPolicy(
+            self.engine,
+            stop_token_ids=self.tokenizer.stop_ids,
+            seeds=lambda turn: episode_seed(seed, turn),
+            session=session,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            max_new_tokens=s.max_new_tokens,
+            banned_token_ids=s.banned_token_ids,
+            greedy=greedy,
+        )
+
+    def oracle_policy(self, detour: Detour | None = None) -> OraclePolicy:
+        """The env's oracle in this loop's action format (see `OraclePolicy`)."""
+        return OraclePolicy(self.fmt, self.tokenizer, detour)
+
     # ---- one episode ---------------------------------------------------------------------------
 
     async def run_episode(
@@ -224,7 +330,7 @@ class AgentLoop:
         group_id: str = "",
         greedy: bool = False,
         oracle: bool = False,
-        detour: A.Action | Callable[[int, int], A.Action] | None = None,
+        detour: Detour | None = None,
         screens: list[np.ndarray] | None = None,
     ) -> Trajectory:
         """Plays `task` to the end and returns its trajectory (never raises for env faults).
@@ -232,102 +338,88 @@ class AgentLoop:
         seed: the sampling seed of the first turn (turn k uses a seed derived from it).
         oracle: the actions come from the task's oracle instead of the sampler, written as the
           model would write them (its token ids, log-probs 0): SFT demonstrations.
-        detour: with `oracle`, the first turn plays this action instead (say, a click that
-          misses) and is marked untrained; the oracle then recovers from the state it left: a
-          recovery demonstration, which teaches what to do after a mistake. A callable gets
-          the first screenshot's (width, height) and returns the action (so a random click
-          lands on the screen the env really has, whatever its size).
+        detour: with `oracle`, the first turn plays this action instead and is marked
+          untrained: a recovery demonstration (see `cua_jax.rl.policies.OraclePolicy`).
         screens: when a list is given, the screenshot each turn saw is appended to it (for the
           episode viewer, `cua_jax.viz`); `Turn.action` holds the parsed actions in screen pixels.
         """
+        self._episodes += 1
+        if oracle:
+            policy: Policy = self.oracle_policy(detour)
+        else:
+            session = f"{group_id}/{seed}/{self._episodes}"
+            policy = self.sampler_policy(seed=seed, session=session, greedy=greedy)
+        return await self.play(env, task, policy, group_id=group_id, screens=screens)
+
+    async def play(
+        self,
+        env: Env,
+        task: Task,
+        policy: Policy,
+        *,
+        group_id: str = "",
+        screens: list[np.ndarray] | None = None,
+    ) -> Trajectory:
+        """One episode of `policy` in `env`: reset, then per turn prompt -> `policy.act` ->
+        parse -> `env.step`, until the env is done, the policy stops, or the turn budget
+        (min(settings.max_turns, task.max_steps)) is spent; then `env.evaluate()` scores it.
+
+        Infrastructure faults never raise: an env that raises in reset or step, or ends a step
+        with `info["error"]`, a sampler error, and a checker (`env.evaluate`) that raises each
+        end the episode with a `failure_reason` that makes `Trajectory.infra_fault` True.
+        """
         t_start = time.perf_counter()
         timings = {"generate": 0.0, "env": 0.0}
-        self._episodes += 1
-        session = f"{group_id}/{seed}/{self._episodes}"
         traj = Trajectory(task_id=task.id, group_id=group_id, turns=[])
-        # The oldest weights that produced any token (from the sampler's outputs: a weight update
-        # handed to the engine is applied at its next scheduling step, not at once).
-        versions: list[int] = []
         try:
             obs = await env.reset(task, seed=task.seed)
-        except EnvError as e:
-            traj.failure_reason = f"env_error: reset: {e}"
+        except Exception as e:  # noqa: BLE001 -- any env fault ends this episode only
+            traj.failure_reason = _fault("reset", e)
             traj.timings = {"total": time.perf_counter() - t_start}
             return traj
-        instruction = obs.instruction or task.instruction
         space = self.space_for(obs.screenshot)
-        system = self.system_prompt(space)
-        records: list[_TurnRecord] = []
-        prev_full: np.ndarray | None = None
-        prev_images = 0
+        transcript = _Transcript(
+            self.processor,
+            obs.instruction or task.instruction,
+            self.system_prompt(space),
+            self.settings.max_history_images,
+        )
         invalid = 0
         done = False
         feedback = ""
         # The task's own step budget, within the trainer's cap on turns.
         for turn in range(min(self.settings.max_turns, task.max_steps)):
-            scripted = oracle and detour is not None and turn == 0  # a recovery demo's miss
             if screens is not None:
                 screens.append(obs.screenshot)
-            images = self.processor.preprocess_images([obs.screenshot])
-            records.append(_TurnRecord(feedback, images["pixel_values"], images["image_grid_thw"]))
-            rendered, pv, grid = self.render(instruction, system, records)
-            prompt = rendered.input_ids
-            extends = prev_full is not None and (
-                prompt.size >= prev_full.size
-                and np.array_equal(prompt[: prev_full.size], prev_full)
+            prompt = transcript.prompt(feedback, obs.screenshot)
+            ctx = TurnContext(
+                env,
+                task,
+                turn,
+                obs.screenshot,
+                space,
+                prompt.ids,
+                prompt.pixel_values,
+                prompt.grid,
             )
-            n_img = 0 if grid is None else len(grid)
-            if extends:  # only the images after the previous sequence are new
-                new_pv = None if n_img == prev_images else _tail_images(pv, grid, prev_images)
-                new_grid = None if n_img == prev_images else grid[prev_images:]
-            else:
-                new_pv, new_grid = pv, grid
             t0 = time.perf_counter()
-            if not oracle:
-                params = self._SamplingParams(
-                    temperature=0.0 if greedy else self.settings.temperature,
-                    top_p=1.0 if greedy else self.settings.top_p,
-                    seed=episode_seed(seed, turn),
-                    max_new_tokens=self.settings.max_new_tokens,
-                    stop_token_ids=tuple(self.tokenizer.stop_ids),
-                    banned_token_ids=self.settings.banned_token_ids,
-                )
-                out = await self.engine.generate(
-                    prompt, pv, grid, params=params, session_id=session
-                )
-                if out.finish_reason == "error":
-                    traj.failure_reason = f"sampler_error: {getattr(out, 'error', '')}"
-                    break
-                gen_ids = [int(t) for t in out.tokens]
-                logprobs = np.asarray(out.logprobs, np.float32)
-                versions.append(int(out.version))
-            else:
-                # A fixed oracle sequence starts over after the detour.
-                step = turn - (detour is not None)
-                if scripted and callable(detour):
-                    h, w = obs.screenshot.shape[:2]
-                    action = detour(w, h)
-                else:
-                    action = detour if scripted else await _oracle_next(env, task, step)
-                if action is None:
-                    records.pop()
-                    break
-                try:
-                    text = self.fmt.format(action, space)
-                except ValueError as e:  # the format cannot express this oracle action
-                    traj.failure_reason = f"oracle_unformattable: {e}"
-                    records.pop()
-                    break
-                gen_ids = [*self.tokenizer.encode(text), self.tokenizer.im_end_id]
-                logprobs = np.zeros(len(gen_ids), np.float32)
+            reply = await policy.act(ctx)
+            if isinstance(reply, Stop):
+                traj.failure_reason = reply.failure_reason
+                break
             timings["generate"] += time.perf_counter() - t0
-            records[-1].generated = gen_ids
-            text = self.tokenizer.decode(gen_ids)
-            acts = self.fmt.parse(text, space)
+            gen_ids = list(reply.generated_ids)
+            transcript.reply(gen_ids)
+            acts = self.fmt.parse(self.tokenizer.decode(gen_ids), space)
             t0 = time.perf_counter()
             results = []
             for act in acts:
-                res = await env.step(act)
+                try:
+                    res = await env.step(act)
+                except Exception as e:  # noqa: BLE001 -- Env.step must not raise; if it does,
+                    traj.failure_reason = _fault("step", e)  # it is the env's fault
+                    done = True
+                    break
                 results.append(res)
                 if isinstance(act, A.InvalidAction):
                     invalid += 1
@@ -340,34 +432,26 @@ class AgentLoop:
             feedback = self.feedback_for(results)
             traj.turns.append(
                 Turn(
-                    prompt_ids=prompt,
+                    prompt_ids=prompt.ids,
                     generated_ids=np.asarray(gen_ids, np.int32),
-                    logprobs=logprobs,
-                    pixel_values=new_pv,
-                    image_grid_thw=new_grid,
-                    extends_previous=bool(extends),
+                    logprobs=reply.logprobs,
+                    pixel_values=prompt.new_pixel_values,
+                    image_grid_thw=prompt.new_grid,
+                    extends_previous=prompt.extends,
                     action=acts,
                     feedback=feedback,
-                    trained=not scripted,
+                    trained=reply.trained,
                 )
             )
-            prev_full = np.concatenate([prompt, np.asarray(gen_ids, np.int32)])
-            prev_images = n_img
             obs = results[-1].observation if results else obs
             if done:
                 break
         else:
             traj.failure_reason = traj.failure_reason or "max_turns"
-        if versions:
-            traj.policy_version = min(versions)
-        elif not oracle:
-            traj.policy_version = int(getattr(self.engine, "version", 0))
-        drop = getattr(self.engine, "drop_session", None)
-        if drop is not None and not oracle:
-            drop(session)
+        traj.policy_version = policy.finish()
         t0 = time.perf_counter()
         if traj.failure_reason and traj.failure_reason.startswith("env_error"):
-            score = 0.0
+            score = 0.0  # the env is gone: nothing to score
         else:
             try:
                 score = float(await env.evaluate())
@@ -381,7 +465,7 @@ class AgentLoop:
         traj.score = score
         traj.success = score >= self.settings.success_threshold
         # Oracle demonstrations and greedy eval report the score itself.
-        shaped = not (oracle or greedy)
+        shaped = policy.shaped_reward
         traj.reward = float(self.reward_fn(traj, score, self.settings)) if shaped else score
         return traj
 
@@ -428,21 +512,32 @@ class AgentLoop:
     ) -> list[Trajectory]:
         """Greedy episodes of every task; returns their trajectories (in task order).
 
-        on_episode: called with each trajectory as it finishes (progress bars)."""
+        An episode ended by an infrastructure fault (`Trajectory.infra_fault`: env, sampler or
+        checker) is played once more on an env from the pool; the second attempt is the one
+        returned (its screenshots replace the first's). Episodes still `infra_fault` after the
+        retry say nothing about the policy: leave them out of the success rate and count them
+        (`count_infra_faults`, logged as `eval/episodes_infra_fault`).
+
+        on_episode: called with each task's final trajectory as it finishes (progress bars)."""
         per_task = [[] for _ in tasks] if screens is not None else None
         if screens is not None:
             screens.extend(per_task)
 
         async def one(i: int, task: Task) -> Trajectory:
-            async with pool.acquire() as env:
-                traj = await self.run_episode(
-                    env,
-                    task,
-                    seed=episode_seed(seed, i),
-                    group_id=f"eval/{i}",
-                    greedy=True,
-                    screens=None if per_task is None else per_task[i],
-                )
+            for _ in range(2):  # one retry after an infrastructure fault
+                if per_task is not None:
+                    per_task[i].clear()
+                async with pool.acquire() as env:
+                    traj = await self.run_episode(
+                        env,
+                        task,
+                        seed=episode_seed(seed, i),
+                        group_id=f"eval/{i}",
+                        greedy=True,
+                        screens=None if per_task is None else per_task[i],
+                    )
+                if not traj.infra_fault:
+                    break
             if on_episode is not None:
                 on_episode(traj)
             return traj
@@ -453,11 +548,11 @@ class AgentLoop:
         self,
         pool: EnvPool,
         tasks: Sequence[Task],
-        detours: Sequence[A.Action | Callable[[int, int], A.Action] | None] | None = None,
+        detours: Sequence[Detour | None] | None = None,
     ) -> list[Trajectory]:
         """Oracle episodes (SFT data): the env's scripted solution, in the model's format.
         `detours[i]`, when given and not None, makes episode i a recovery demonstration (see
-        `run_episode`)."""
+        `cua_jax.rl.policies.OraclePolicy`; `policies.recovery_detours` draws them)."""
         detours = list(detours) if detours is not None else [None] * len(tasks)
         if len(detours) != len(tasks):
             raise ValueError(f"{len(detours)} detours for {len(tasks)} tasks")
@@ -471,15 +566,9 @@ class AgentLoop:
         return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
 
 
-async def _oracle_next(env: Any, task: Task, turn: int) -> A.Action | None:
-    """The oracle's action for this turn: from the live page (`env.oracle_next()`, which looks
-    at the current state) or from the task's fixed sequence; None when the sequence is over."""
-    fn = getattr(env, "oracle_next", None)
-    if fn is not None:
-        return await fn()
-    if task.oracle is not None:
-        return task.oracle[turn] if turn < len(task.oracle) else None
-    raise ValueError(f"task {task.id} has no oracle; SFT from oracles needs tasks that have one")
+def count_infra_faults(trajs: Sequence[Trajectory]) -> int:
+    """How many episodes an infrastructure fault ended (`Trajectory.infra_fault`)."""
+    return sum(t.infra_fault for t in trajs)
 
 
 def _tail_images(pv: np.ndarray, grid: np.ndarray, skip: int) -> np.ndarray:

@@ -105,8 +105,7 @@ def model(proc):
 
 @pytest.fixture(scope="module")
 def engine(model):
-    return Engine(model, max_slots=4, page_size=16, num_pages=512, max_seq_len=2048,
-                  decode_chunk=8)  # fmt: skip
+    return Engine(model, max_slots=4, page_size=16, num_pages=512, max_seq_len=2048, decode_chunk=8)
 
 
 def _loop(engine, proc, **kw):
@@ -245,7 +244,7 @@ def test_policy_version_comes_from_the_weights_that_sampled(engine, model):
     from flax import nnx
 
     engine.update_params(nnx.state(model), version=5)
-    loop = _loop(engine, QwenVLProcessor.default("qwen3_vl", max_pixels=W * H, min_pixels=32 * 32),
-                 max_turns=1)  # fmt: skip
+    proc = QwenVLProcessor.default("qwen3_vl", max_pixels=W * H, min_pixels=32 * 32)
+    loop = _loop(engine, proc, max_turns=1)
     (traj,) = asyncio.run(loop.run_group(Pool(1), TASK, 1, seed=7, group_id="v"))
     assert traj.policy_version == 5
