@@ -60,9 +60,14 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         y = jnp.einsum("...i,io->...o", x.astype(self.dtype), self.kernel[...].astype(self.dtype))
         if self.bias is not None:
-            bias = self.bias[...].astype(self.dtype)
-            y = y + bias[(None,) * (y.ndim - 1)]
+            y = y + _last_axis(self.bias[...].astype(self.dtype), y.ndim)
         return y
+
+
+def _last_axis(v: jax.Array, ndim: int) -> jax.Array:
+    """A vector laid along the last of `ndim` axes (explicit broadcasting: the tests raise on
+    rank promotion)."""
+    return v.reshape((1,) * (ndim - 1) + v.shape)
 
 
 class RMSNorm(nnx.Module):
@@ -75,7 +80,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...].astype(x.dtype) * xf.astype(x.dtype)
+        return _last_axis(self.weight[...].astype(x.dtype), x.ndim) * xf.astype(x.dtype)
 
 
 class LayerNorm(nnx.Module):
@@ -91,7 +96,8 @@ class LayerNorm(nnx.Module):
         mean = jnp.mean(xf, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
         y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
-        y = y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        w, b = (_last_axis(p[...].astype(jnp.float32), y.ndim) for p in (self.weight, self.bias))
+        y = y * w + b
         return y.astype(x.dtype)
 
 
