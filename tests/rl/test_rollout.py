@@ -13,9 +13,16 @@ import pytest
 
 from cua_jax import actions as A
 from cua_jax.data.processor import QwenVLProcessor
-from cua_jax.env_api import INFO_DONE_REASON, INFO_INVALID_ACTION, Observation, StepResult, Task
+from cua_jax.env_api import (
+    INFO_DONE_REASON,
+    INFO_INVALID_ACTION,
+    EnvError,
+    Observation,
+    StepResult,
+    Task,
+)
 from cua_jax.models import qwen_vl
-from cua_jax.rl.rollout import OMITTED_SCREENSHOT, AgentLoop, RolloutSettings
+from cua_jax.rl.rollout import OMITTED_SCREENSHOT, AgentLoop, RolloutSettings, count_infra_faults
 from cua_jax.rl.trajectory import rope_position_fn, trajectory_to_samples
 from cua_jax.sampler import Engine
 
@@ -248,3 +255,177 @@ def test_policy_version_comes_from_the_weights_that_sampled(engine, model):
     loop = _loop(engine, proc, max_turns=1)
     (traj,) = asyncio.run(loop.run_group(Pool(1), TASK, 1, seed=7, group_id="v"))
     assert traj.policy_version == 5
+
+
+# ---- infrastructure faults ---------------------------------------------------------------------
+
+
+class ScriptedEngine:
+    """A sampler double that writes the given texts in turn (then repeats the last), or fails."""
+
+    def __init__(self, tokenizer, texts, *, version=3, fail=None):
+        self.tok, self.texts, self.version, self.fail = tokenizer, texts, version, fail
+        self.calls, self.dropped = [], []
+
+    async def generate(self, prompt_ids, pixel_values, image_grid_thw, params, session_id):
+        self.calls.append((session_id, params))
+        if self.fail:
+            return dataclasses.make_dataclass("Out", ["finish_reason", "error", "version"])(
+                "error", self.fail, self.version
+            )
+        text = self.texts[min(len(self.calls) - 1, len(self.texts) - 1)]
+        ids = [*self.tok.encode(text), self.tok.im_end_id]
+        out = dataclasses.make_dataclass("Out", ["tokens", "logprobs", "finish_reason", "version"])
+        return out(np.asarray(ids), np.full(len(ids), -0.5, np.float32), "stop", self.version)
+
+    def drop_session(self, session_id):
+        self.dropped.append(session_id)
+
+
+class FaultyEnv(SquareEnv):
+    """SquareEnv whose `fault` call fails: raises `exc` (or, for "step_info", ends the step with
+    info["error"]) on the calls numbered in `when` (1-based, per call kind)."""
+
+    def __init__(self, fault, exc=None, when=(1,)):
+        super().__init__()
+        self.fault, self.exc, self.when = fault, exc, set(when)
+        self.count = {"reset": 0, "step": 0, "evaluate": 0}
+
+    def _fails(self, kind):
+        self.count[kind] += 1
+        return self.fault == kind and self.count[kind] in self.when
+
+    async def reset(self, task, seed=None):
+        if self._fails("reset"):
+            raise self.exc
+        return await super().reset(task, seed)
+
+    async def step(self, action):
+        if self.fault == "step_info":
+            res = await super().step(action)
+            return StepResult(res.observation, True, 0.0, {"error": "page crashed"})
+        if self._fails("step"):
+            raise self.exc
+        return await super().step(action)
+
+    async def evaluate(self):
+        if self._fails("evaluate"):
+            raise self.exc
+        return await super().evaluate()
+
+
+class OnePool(Pool):
+    def __init__(self, env):
+        self.envs, self.free = [env], None
+
+
+def _solver(proc):
+    """Texts that click the square, then say done (in the qwen3vl format on the 64x64 screen)."""
+    loop = AgentLoop(None, proc, RolloutSettings())
+    space = loop.space_for(np.zeros((H, W, 3), np.uint8))
+    return [loop.fmt.format(a, space) for a in (A.Click(16, 48), A.Done())]
+
+
+@pytest.mark.parametrize(
+    "fault,exc,reason",
+    [
+        ("reset", EnvError("no page"), "env_error: reset: no page"),
+        ("reset", TimeoutError("slow"), "env_error: reset: TimeoutError: slow"),
+        ("step", EnvError("vm gone"), "env_error: step: vm gone"),
+        ("step", RuntimeError("crash"), "env_error: step: RuntimeError: crash"),
+        ("step_info", None, "env_error: page crashed"),
+        ("evaluate", EnvError("browser is gone"), "evaluate_error: EnvError: browser is gone"),
+        ("evaluate", RuntimeError("checker"), "evaluate_error: RuntimeError: checker"),
+    ],
+)
+def test_env_and_checker_faults_are_infra_faults_in_training_and_eval(proc, fault, exc, reason):
+    """A raising reset/step/evaluate (say, evaluate on a dead browser) or a step that ends with
+    info["error"] is an infrastructure fault, never a 0-score failure of the policy; the episode
+    never raises out of the loop. Eval retries it once, then reports it apart."""
+    engine = ScriptedEngine(proc.tokenizer, _solver(proc))
+    loop = AgentLoop(engine, proc, RolloutSettings(max_turns=4))
+    env = FaultyEnv(fault, exc)
+    (traj,) = asyncio.run(loop.run_group(OnePool(env), TASK, 1, seed=1, group_id="f"))
+    assert traj.failure_reason == reason and traj.infra_fault and not traj.success
+    if fault == "reset":
+        assert traj.turns == [] and env.count["step"] == 0
+    elif fault in ("step", "step_info"):
+        assert len(traj.turns) == 1 and env.count["evaluate"] == 0  # no checker on a dead env
+    else:
+        assert len(traj.turns) == 2 and traj.score == 0.0  # it would have scored 1.0
+
+    env = FaultyEnv(fault, exc, when=(1, 2))  # fails both attempts
+    screens, seen = [], []
+    (ev,) = asyncio.run(
+        loop.evaluate(OnePool(env), [TASK], screens=screens, on_episode=seen.append)
+    )
+    assert ev.failure_reason == reason and ev.infra_fault
+    assert count_infra_faults([ev]) == 1 and seen == [ev]
+    assert env.count["reset"] == 2  # retried once, not more
+    assert len(screens) == 1 and len(screens[0]) == len(ev.turns)  # the last attempt's screens
+
+
+def test_eval_retries_an_infra_fault_once_and_keeps_the_retry(proc):
+    engine = ScriptedEngine(proc.tokenizer, _solver(proc) * 2)
+    loop = AgentLoop(engine, proc, RolloutSettings(max_turns=4))
+    env = FaultyEnv("evaluate", RuntimeError("browser is gone"), when=(1,))
+    screens, seen = [], []
+    (ev,) = asyncio.run(
+        loop.evaluate(OnePool(env), [TASK], screens=screens, on_episode=seen.append)
+    )
+    assert ev.success and ev.score == ev.reward == 1.0 and ev.failure_reason is None
+    assert env.count == {"reset": 2, "step": 4, "evaluate": 2} and seen == [ev]
+    assert len(screens) == 1 and len(screens[0]) == 2  # the retry's screenshots only
+    assert count_infra_faults([ev]) == 0
+    # greedy, and one engine session per attempt (each dropped)
+    assert all(p.temperature == 0.0 and p.top_p == 1.0 for _, p in engine.calls)
+    sessions = list(dict.fromkeys(s for s, _ in engine.calls))
+    assert len(sessions) == 2 and engine.dropped == sessions
+    # a plain policy failure (never clicks) is not retried
+    miss = ScriptedEngine(proc.tokenizer, _solver(proc)[1:])
+    env = FaultyEnv(None)
+    (ev,) = asyncio.run(AgentLoop(miss, proc, RolloutSettings()).evaluate(OnePool(env), [TASK]))
+    assert ev.score == 0.0 and not ev.infra_fault and env.count["reset"] == 1
+
+
+def test_sampler_errors_are_infra_faults(proc):
+    engine = ScriptedEngine(proc.tokenizer, [""], fail="out of pages")
+    loop = AgentLoop(engine, proc, RolloutSettings(max_turns=4))
+    env = FaultyEnv(None)
+    (traj,) = asyncio.run(loop.run_group(OnePool(env), TASK, 1, seed=1, group_id="s"))
+    assert traj.failure_reason == "sampler_error: out of pages" and traj.infra_fault
+    assert traj.turns == [] and env.count["step"] == 0 and len(engine.dropped) == 1
+    assert traj.policy_version == 3  # the engine's version: no tokens were sampled
+
+
+def test_a_scripted_policy_plays_through_the_loop(proc):
+    """`AgentLoop.play` with a policy of one's own: the loop steps, records and scores."""
+    from cua_jax.rl.policies import Reply, Stop
+
+    class Clicker:
+        shaped_reward = True
+
+        def __init__(self):
+            self.seen = []
+
+        async def act(self, ctx):
+            self.seen.append((ctx.turn, ctx.prompt_ids.size, ctx.image_grid_thw.tolist()))
+            if ctx.turn == 2:
+                return Stop()
+            text = loop.fmt.format(A.Click(16, 48), ctx.space)
+            ids = [*proc.tokenizer.encode(text), proc.tokenizer.im_end_id]
+            return Reply(ids, np.full(len(ids), -1.0, np.float32), trained=ctx.turn == 1)
+
+        def finish(self):
+            return 11
+
+    loop = AgentLoop(None, proc, RolloutSettings(max_turns=4, invalid_action_penalty=0.5))
+    policy, env = Clicker(), SquareEnv()
+    traj = asyncio.run(loop.play(env, TASK, policy, group_id="own"))
+    assert [s[0] for s in policy.seen] == [0, 1, 2]
+    assert [s[2] for s in policy.seen] == [[[1, 4, 4]], [[1, 4, 4]] * 2, [[1, 4, 4]] * 2]
+    assert policy.seen[0][1] < policy.seen[1][1] < policy.seen[2][1]
+    assert len(traj.turns) == 2 and [t.trained for t in traj.turns] == [False, True]
+    assert traj.failure_reason is None and traj.success and traj.policy_version == 11
+    assert traj.reward == 1.0 and traj.group_id == "own"  # shaped, but no invalid action
+    assert [type(a) for a in env.actions] == [A.Click, A.Click]
