@@ -120,24 +120,32 @@ def bench_kernel(args) -> str | None:
             times[name] += _time(f, q, k, v, table, lengths, iters=1)
     med = {name: statistics.median(t) for name, t in times.items()}
     live = int(np.sum(np.asarray(lengths))) * K * H * 2 * dtype.itemsize
-    print(f"\n== kernel: {_device()}, B={B} q_heads={N} kv_heads={K} head_dim={H} page={L} "
-          f"ctx<={ctx} {dtype.name}; live K/V {live / 2**20:.1f} MiB ==")  # fmt: skip
+    print(
+        f"\n== kernel: {_device()}, B={B} q_heads={N} kv_heads={K} head_dim={H} page={L} "
+        f"ctx<={ctx} {dtype.name}; live K/V {live / 2**20:.1f} MiB =="
+    )
     w = max(10, *(len(n) for n in spec_of))
-    print(f"{'backend':>{w}} {'compile+1st s':>13} {'median ms':>10} {'live GB/s':>10} "
-          f"{'ref / this':>10} {'max |diff|':>10}")  # fmt: skip
+    print(
+        f"{'backend':>{w}} {'compile+1st s':>13} {'median ms':>10} {'live GB/s':>10} "
+        f"{'ref / this':>10} {'max |diff|':>10}"
+    )
     for name in fns:
         diff = float(np.max(np.abs(outs[name] - outs["reference"])))
-        print(f"{name:>{w}} {compile_s[name]:>13.2f} {med[name] * 1e3:>10.3f} "
-              f"{live / med[name] / 1e9:>10.1f} {med['reference'] / med[name]:>9.2f}x "
-              f"{diff:>10.2e}")  # fmt: skip
+        print(
+            f"{name:>{w}} {compile_s[name]:>13.2f} {med[name] * 1e3:>10.3f} "
+            f"{live / med[name] / 1e9:>10.1f} {med['reference'] / med[name]:>9.2f}x "
+            f"{diff:>10.2e}"
+        )
     for name, why in failed.items():
         print(f"{name:>{w}} failed: {why}")
     kernels = [n for n in fns if n != "reference"]
     if not kernels:
         return None
     best = min(kernels, key=med.get)
-    print(f"fastest: {best} ({spec_of[best] or 'defaults'}), reference / fastest "
-          f"{med['reference'] / med[best]:.2f}x")  # fmt: skip
+    print(
+        f"fastest: {best} ({spec_of[best] or 'defaults'}), reference / fastest "
+        f"{med['reference'] / med[best]:.2f}x"
+    )
     return spec_of[best] if backend == "gpu" else None
 
 
@@ -162,17 +170,30 @@ def config_2b(size: str):
     from cua_jax.models import qwen_vl
 
     base = qwen_vl.tiny("qwen3_vl", vocab_size=151936 if size == "2b" else 4096)
-    dims = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                num_attention_heads=16, num_key_value_heads=8)  # fmt: skip
+    dims = dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+    )
     if size == "small":  # same shape family, CPU-sized: checks the tool, not the hardware
-        dims = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                    num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+        dims = dict(
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
     text = dataclasses.replace(base.text, head_dim=128, mrope_section=(24, 20, 20), **dims)
     vision = dataclasses.replace(base.vision, out_hidden_size=dims["hidden_size"])
     return base.replace(
-        text=text, vision=vision, tie_word_embeddings=True, dtype="bfloat16",
+        text=text,
+        vision=vision,
+        tie_word_embeddings=True,
+        dtype="bfloat16",
         param_dtype="bfloat16",
-    )  # fmt: skip
+    )
 
 
 def decode_weight_bytes(model) -> int:
@@ -198,9 +219,15 @@ def _decode_run(model, backend: str, args, gpu_options: str = "") -> dict:
     page = 64
     per_seq = -(-(prompt + new) // page) + 1
     engine = Engine(
-        model, max_slots=B, page_size=page, num_pages=B * per_seq + 1,
-        max_seq_len=per_seq * page, decode_chunk=C, attn_backend=backend, attn_options=gpu_options,
-    )  # fmt: skip
+        model,
+        max_slots=B,
+        page_size=page,
+        num_pages=B * per_seq + 1,
+        max_seq_len=per_seq * page,
+        decode_chunk=C,
+        attn_backend=backend,
+        attn_options=gpu_options,
+    )
     calls: list[tuple[float, np.ndarray, np.ndarray]] = []
     decode = engine._decode_fn
 
@@ -234,9 +261,15 @@ def _decode_run(model, backend: str, args, gpu_options: str = "") -> dict:
         steps += int(n_steps.max())
         step_time += dt
     return dict(
-        attn=engine._attn, first_s=first_s, wall=wall, calls=len(calls), steps=steps,
-        per_step=step_time / steps, kv_bytes=kv_bytes / steps, tokens=[o.tokens for o in outs],
-    )  # fmt: skip
+        attn=engine._attn,
+        first_s=first_s,
+        wall=wall,
+        calls=len(calls),
+        steps=steps,
+        per_step=step_time / steps,
+        kv_bytes=kv_bytes / steps,
+        tokens=[o.tokens for o in outs],
+    )
 
 
 _WIDTHS = (10, 10, 9, 8, 8, 12, 8, 7, 6, 11)
@@ -260,29 +293,51 @@ def bench_bandwidth(args, best_spec: str | None = None) -> None:
         if b != "best":
             runs[b] = _decode_run(model, b, args)
         elif best_spec is None or GpuKernelOptions.parse(best_spec) == GpuKernelOptions():
-            print(f"(backend 'best' skipped: the kernel part found no GPU variant faster than the "
-                  f"defaults{'' if best_spec is None else ' (' + best_spec + ')'})")  # fmt: skip
+            print(
+                f"(backend 'best' skipped: the kernel part found no GPU variant faster than the "
+                f"defaults{'' if best_spec is None else ' (' + best_spec + ')'})"
+            )
         else:
             runs[f"gpu[{_short(GpuKernelOptions.parse(best_spec))}]"] = _decode_run(
                 model, "gpu", args, best_spec
             )
     copy_bw = copy_bandwidth(args.copy_mib * 2**20)
-    print(f"\n== bandwidth: {_device()}, {args.size} ({n_params / 1e6:.0f}M params, bf16, "
-          f"init {init_s:.1f} s), batch {B}, prompt {args.prompt_len} + {new} new, "
-          f"decode_chunk {args.decode_chunk}; weights read per step {w_bytes / 2**30:.3f} GiB; "
-          f"copy bandwidth (read + write) {copy_bw / 1e9:.1f} GB/s ==")  # fmt: skip
-    head = ("backend", "attention", "1st run s", "timed s", "ms/step", "decode tok/s", "K/V GiB",
-            "GB/s", "util", "same tokens")  # fmt: skip
+    print(
+        f"\n== bandwidth: {_device()}, {args.size} ({n_params / 1e6:.0f}M params, bf16, "
+        f"init {init_s:.1f} s), batch {B}, prompt {args.prompt_len} + {new} new, "
+        f"decode_chunk {args.decode_chunk}; weights read per step {w_bytes / 2**30:.3f} GiB; "
+        f"copy bandwidth (read + write) {copy_bw / 1e9:.1f} GB/s =="
+    )
+    head = (
+        "backend",
+        "attention",
+        "1st run s",
+        "timed s",
+        "ms/step",
+        "decode tok/s",
+        "K/V GiB",
+        "GB/s",
+        "util",
+        "same tokens",
+    )
     print(" ".join(f"{h:>{w}}" for h, w in zip(head, _WIDTHS, strict=True)))
     ref = next(iter(runs.values()))["tokens"]
     for b, r in runs.items():
         step_bytes = w_bytes + r["kv_bytes"]
         achieved = step_bytes / r["per_step"]
         same = np.mean([x == y for x, y in zip(r["tokens"], ref, strict=True)])
-        cells = (b, r["attn"], f"{r['first_s']:.1f}", f"{r['wall']:.2f}",
-                 f"{r['per_step'] * 1e3:.2f}", f"{B / r['per_step']:.0f}",
-                 f"{r['kv_bytes'] / 2**30:.3f}", f"{achieved / 1e9:.1f}",
-                 f"{achieved / copy_bw:.1%}", f"{same:.0%}")  # fmt: skip
+        cells = (
+            b,
+            r["attn"],
+            f"{r['first_s']:.1f}",
+            f"{r['wall']:.2f}",
+            f"{r['per_step'] * 1e3:.2f}",
+            f"{B / r['per_step']:.0f}",
+            f"{r['kv_bytes'] / 2**30:.3f}",
+            f"{achieved / 1e9:.1f}",
+            f"{achieved / copy_bw:.1%}",
+            f"{same:.0%}",
+        )
         print(" ".join(f"{c:>{w}}" for c, w in zip(cells, _WIDTHS, strict=True)))
 
 
@@ -295,23 +350,26 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--decode-chunk", type=int, default=16)
     ap.add_argument(
-        "--backends", default="auto,best,reference",
+        "--backends",
+        default="auto,best,reference",
         help="bandwidth part: engine attention backends, side by side (tokens vs the first); "
         "'best' is the GPU kernel with the kernel part's fastest options (run when they differ "
         "from the defaults)",
-    )  # fmt: skip
+    )
     ap.add_argument(
-        "--gpu-options", default="sweep",
+        "--gpu-options",
+        default="sweep",
         help="kernel part: GPU kernel variants to time, ';'-separated GpuKernelOptions specs "
         "(e.g. 'pages_per_block=1;pages_per_block=4,f32_dots=false'), or 'sweep' for GPU_SWEEP; "
         "off a GPU, an explicit list runs in interpret mode",
-    )  # fmt: skip
+    )
     ap.add_argument("--copy-mib", type=int, default=2048)
     ap.add_argument("--dtype", default="bfloat16", help="kernel part's q / K / V dtype")
     ap.add_argument(
-        "--kernel-shape", default="64,16,8,128,64,2048",
+        "--kernel-shape",
+        default="64,16,8,128,64,2048",
         help="kernel part: batch,q_heads,kv_heads,head_dim,page_size,max_context",
-    )  # fmt: skip
+    )
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
     try:
@@ -323,8 +381,10 @@ def main() -> None:
     if parts - {"kernel", "bandwidth"}:
         ap.error(f"--parts={args.parts!r}: choose from kernel,bandwidth")
     now = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    print(f"jax {jax.__version__}, devices {jax.devices()}, {now}, "
-          f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+    print(
+        f"jax {jax.__version__}, devices {jax.devices()}, {now}, "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
     best_spec = bench_kernel(args) if "kernel" in parts else None
     if "bandwidth" in parts:
         bench_bandwidth(args, best_spec)

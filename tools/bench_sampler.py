@@ -63,26 +63,39 @@ def bench_decode(model, hf_dir, batches, prompt_len, new_tokens, threads, family
     hf = cls.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
     V = model.config.text.vocab_size
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)  # no stop tokens
-    print(f"\n== decode: prompt {prompt_len}, {new_tokens} new tokens, greedy, f32, EOS off, "
-          f"{threads} threads ==")  # fmt: skip
-    print(f"{'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'median ratio':>12} "
-          f"{'ours compile s':>15} {'same tokens':>11} {'load avg':>15}")  # fmt: skip
+    print(
+        f"\n== decode: prompt {prompt_len}, {new_tokens} new tokens, greedy, f32, EOS off, "
+        f"{threads} threads =="
+    )
+    print(
+        f"{'batch':>5} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'median ratio':>12} "
+        f"{'ours compile s':>15} {'same tokens':>11} {'load avg':>15}"
+    )
     rows = []
     for B in batches:
         rng = np.random.default_rng(B)
         prompts = rng.integers(0, V - 16, (B, prompt_len))
         pages = B * ((prompt_len + new_tokens) // 16 + 2) + 1
         engine = Engine(
-            model, max_slots=B, page_size=16, num_pages=pages,
-            max_seq_len=prompt_len + new_tokens + 16, decode_chunk=16,
-        )  # fmt: skip
+            model,
+            max_slots=B,
+            page_size=16,
+            num_pages=pages,
+            max_seq_len=prompt_len + new_tokens + 16,
+            decode_chunk=16,
+        )
         reqs = [dict(prompt_ids=p, params=params) for p in prompts]
         t0 = time.perf_counter()
         engine.generate_batch(reqs)
         first = time.perf_counter() - t0
         ids = torch.as_tensor(prompts)
-        kw = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                  eos_token_id=None, pad_token_id=0)  # fmt: skip
+        kw = dict(
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         with torch.no_grad():
             hf.generate(ids, **kw)  # warm-up
         # Best of `repeats`, alternating ours and theirs so both see the same machine load.
@@ -111,10 +124,12 @@ def multi_turn_workload(n_episodes, turns, vocab, seed=0):
     rng = np.random.default_rng(seed)
     eps = []
     for _ in range(n_episodes):
-        eps.append([
-            (rng.integers(0, vocab - 16, int(rng.integers(8, 48))), int(rng.integers(4, 40)))
-            for _ in range(turns)
-        ])  # fmt: skip
+        eps.append(
+            [
+                (rng.integers(0, vocab - 16, int(rng.integers(8, 48))), int(rng.integers(4, 40)))
+                for _ in range(turns)
+            ]
+        )
     return eps
 
 
@@ -126,9 +141,10 @@ async def run_episodes(engine, episodes):
         for new_ids, n_out in turns:
             transcript = np.concatenate([transcript, new_ids])
             out = await engine.generate(
-                transcript, params=SamplingParams(temperature=0.0, max_new_tokens=n_out),
+                transcript,
+                params=SamplingParams(temperature=0.0, max_new_tokens=n_out),
                 session_id=i,
-            )  # fmt: skip
+            )
             transcript = np.concatenate([transcript, np.asarray(out.tokens)])
         engine.drop_session(i)
         return transcript
@@ -141,38 +157,49 @@ def bench_batching(model, slots, n_episodes, turns):
 
     V = model.config.text.vocab_size
     episodes = multi_turn_workload(n_episodes, turns, V)
-    print(f"\n== batching: {n_episodes} episodes x {turns} turns (+8..47 tokens, 4..39 generated "
-          f"per turn), {slots} slots, greedy ==")  # fmt: skip
-    print(f"{'mode':>10} {'wall s':>7} {'useful tok/s':>12} {'padding eff.':>12} "
-          f"{'decode calls':>12}")  # fmt: skip
+    print(
+        f"\n== batching: {n_episodes} episodes x {turns} turns (+8..47 tokens, 4..39 generated "
+        f"per turn), {slots} slots, greedy =="
+    )
+    print(
+        f"{'mode':>10} {'wall s':>7} {'useful tok/s':>12} {'padding eff.':>12} {'decode calls':>12}"
+    )
     results = {}
     for mode in ("warmup", "static", "continuous", "static", "continuous"):
         engine = Engine(
-            model, max_slots=slots, page_size=16, num_pages=slots * 24 + 1, max_seq_len=512,
-            decode_chunk=8, static_batching=mode == "static",
-        )  # fmt: skip
+            model,
+            max_slots=slots,
+            page_size=16,
+            num_pages=slots * 24 + 1,
+            max_seq_len=512,
+            decode_chunk=8,
+            static_batching=mode == "static",
+        )
         if mode == "warmup":  # compile every bucket once, outside the timed runs
             asyncio.run(run_episodes(engine, episodes))
             shared_fns = engine
             continue
         # Reuse the compiled functions (same shapes) so compile time stays out of the figure.
-        engine._decode_fn, engine._prefill_fns = shared_fns._decode_fn, shared_fns._prefill_fns
-        engine._copy_fn, engine._sample_fn = shared_fns._copy_fn, shared_fns._sample_fn
+        engine._fns = shared_fns._fns
         t0 = time.perf_counter()
         outs = asyncio.run(run_episodes(engine, episodes))
         wall = time.perf_counter() - t0
         s = engine.stats
         eff = s["useful_tokens"] / max(s["slot_steps"], 1)
         results[mode] = (min(wall, results.get(mode, (wall,))[0]), outs)
-        print(f"{mode:>10} {wall:>7.2f} {s['useful_tokens'] / wall:>12.1f} {eff:>12.1%} "
-              f"{s['decode_calls']:>12}")  # fmt: skip
+        print(
+            f"{mode:>10} {wall:>7.2f} {s['useful_tokens'] / wall:>12.1f} {eff:>12.1%} "
+            f"{s['decode_calls']:>12}"
+        )
     same = all(
         np.array_equal(a, b)
         for a, b in zip(results["static"][1], results["continuous"][1], strict=True)
     )
-    print(f"continuous / static speed-up (best of 2 each): "
-          f"{results['static'][0] / results['continuous'][0]:.2f}x;"
-          f" identical transcripts: {same}")  # fmt: skip
+    print(
+        f"continuous / static speed-up (best of 2 each): "
+        f"{results['static'][0] / results['continuous'][0]:.2f}x;"
+        f" identical transcripts: {same}"
+    )
 
 
 def bench_prefix(model, family, group=8):
@@ -188,25 +215,42 @@ def bench_prefix(model, family, group=8):
     pv = rng.standard_normal((side * side, C)).astype(np.float32)
     n_img = side * side // (m * m)
     V = cfg.text.vocab_size
-    prompt = np.concatenate([
-        rng.integers(0, V - 16, 120), [cfg.vision_start_token_id], [cfg.image_token_id] * n_img,
-        [cfg.vision_end_token_id], rng.integers(0, V - 16, 20),
-    ])  # fmt: skip
+    prompt = np.concatenate(
+        [
+            rng.integers(0, V - 16, 120),
+            [cfg.vision_start_token_id],
+            [cfg.image_token_id] * n_img,
+            [cfg.vision_end_token_id],
+            rng.integers(0, V - 16, 20),
+        ]
+    )
     reqs = [
-        dict(prompt_ids=prompt, pixel_values=pv, image_grid_thw=grid,
-             params=SamplingParams(temperature=1.0, seed=s, max_new_tokens=32))
+        dict(
+            prompt_ids=prompt,
+            pixel_values=pv,
+            image_grid_thw=grid,
+            params=SamplingParams(temperature=1.0, seed=s, max_new_tokens=32),
+        )
         for s in range(group)
-    ]  # fmt: skip
-    print(f"\n== prefix sharing: group of {group}, shared first turn of {len(prompt)} tokens "
-          f"({n_img} image tokens), 32 sampled tokens each ==")  # fmt: skip
+    ]
+    print(
+        f"\n== prefix sharing: group of {group}, shared first turn of {len(prompt)} tokens "
+        f"({n_img} image tokens), 32 sampled tokens each =="
+    )
     print(f"{'sharing':>8} {'prefill tok':>11} {'vision runs':>11} {'wall s':>7}")
     walls = {}
     for share in (True, False, True, False):  # first pair compiles
-        engine = Engine(model, max_slots=group, page_size=16, num_pages=group * 16 + 1,
-                        max_seq_len=256, decode_chunk=8, share_prefix=share)  # fmt: skip
+        engine = Engine(
+            model,
+            max_slots=group,
+            page_size=16,
+            num_pages=group * 16 + 1,
+            max_seq_len=256,
+            decode_chunk=8,
+            share_prefix=share,
+        )
         if share in walls:
-            engine._decode_fn, engine._prefill_fns = walls[share][1]
-            engine._copy_fn, engine._sample_fn = walls[share][2]
+            engine._fns = walls[share][1]
 
         async def go(engine=engine):
             return await asyncio.gather(*(engine.generate(**r) for r in reqs))
@@ -216,16 +260,17 @@ def bench_prefix(model, family, group=8):
         wall = time.perf_counter() - t0
         vision_runs = sum(o.num_cached_tokens == 0 for o in outs)
         if share in walls:
-            print(f"{share!s:>8} {engine.stats['prefill_tokens']:>11} {vision_runs:>11} "
-                  f"{wall:>7.2f}")  # fmt: skip
+            print(
+                f"{share!s:>8} {engine.stats['prefill_tokens']:>11} {vision_runs:>11} {wall:>7.2f}"
+            )
             walls[share] = (wall, engine.stats["prefill_tokens"])
         else:
-            walls[share] = (
-                wall, (engine._decode_fn, engine._prefill_fns), (engine._copy_fn, engine._sample_fn)
-            )  # fmt: skip
+            walls[share] = (wall, engine._fns)
     saved = 1 - walls[True][1] / walls[False][1]
-    print(f"prefill tokens saved: {saved:.1%}; group wall-time speed-up "
-          f"{walls[False][0] / walls[True][0]:.2f}x")  # fmt: skip
+    print(
+        f"prefill tokens saved: {saved:.1%}; group wall-time speed-up "
+        f"{walls[False][0] / walls[True][0]:.2f}x"
+    )
 
 
 def main():
@@ -233,10 +278,11 @@ def main():
     ap.add_argument("--parts", default="decode,batching,prefix")
     ap.add_argument("--family", default="qwen2_5_vl")
     ap.add_argument(
-        "--smoke-model", action="store_true",
+        "--smoke-model",
+        action="store_true",
         help="the smoke preset's model (qwen_vl.tiny: hidden 128, 2 layers, GQA 4/2, vocab 1536 "
         "of the shipped tokenizer) instead of --hidden/--layers/--vocab",
-    )  # fmt: skip
+    )
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=4096)
@@ -276,16 +322,25 @@ def main():
     from flax import nnx
 
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    print(f"model: {args.family}, hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
-          f"{n_params / 1e6:.1f}M params (text + vision); jax {jax.__version__} on "
-          f"{jax.default_backend()}, {os.cpu_count()} host cores, process pinned to cores "
-          f"{sorted(os.sched_getaffinity(0))}; load average {_loadavg()}")  # fmt: skip
+    print(
+        f"model: {args.family}, hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
+        f"{n_params / 1e6:.1f}M params (text + vision); jax {jax.__version__} on "
+        f"{jax.default_backend()}, {os.cpu_count()} host cores, process pinned to cores "
+        f"{sorted(os.sched_getaffinity(0))}; load average {_loadavg()}"
+    )
     parts = args.parts.split(",")
     if "decode" in parts:
         with tempfile.TemporaryDirectory() as d:
             qwen_vl.save_pretrained(model, d)
-            bench_decode(model, d, [int(b) for b in args.batches.split(",")], args.prompt_len,
-                         args.new_tokens, args.threads, args.family)  # fmt: skip
+            bench_decode(
+                model,
+                d,
+                [int(b) for b in args.batches.split(",")],
+                args.prompt_len,
+                args.new_tokens,
+                args.threads,
+                args.family,
+            )
     if "batching" in parts:
         bench_batching(model, args.slots, args.episodes, args.turns)
     if "prefix" in parts:

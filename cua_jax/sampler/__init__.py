@@ -4,19 +4,34 @@ from cua_jax.sampler import Engine, SamplingParams
 engine = Engine(model, max_slots=16, page_size=16, num_pages=1024, max_seq_len=4096)
 out = await engine.generate(prompt_ids, pixel_values, image_grid_thw,
                             params=SamplingParams(temperature=1.0, seed=3), session_id=ep)
+
+Modules: `scheduler` (host-side slots, sessions, admission, preemption; no JAX), `steps` (the
+jitted prefill / decode programs), `engine` (the async Engine tying them together), `page_table`,
+`kv_cache`, `sampling`, `kernels`. Names are imported lazily, so `cua_jax.sampler.scheduler` and
+`cua_jax.sampler.page_table` load without JAX.
 """
 
-from cua_jax.sampler.engine import Engine, GenerateOutput
-from cua_jax.sampler.page_table import OutOfPagesError, PageAllocator, PageTable
-from cua_jax.sampler.sampling import SamplingParams, SlotSampling, sample_tokens
+import importlib
 
-__all__ = [
-    "Engine",
-    "GenerateOutput",
-    "OutOfPagesError",
-    "PageAllocator",
-    "PageTable",
-    "SamplingParams",
-    "SlotSampling",
-    "sample_tokens",
-]
+_EXPORTS = {
+    "Engine": "cua_jax.sampler.engine",
+    "GenerateOutput": "cua_jax.sampler.scheduler",
+    "OutOfPagesError": "cua_jax.sampler.page_table",
+    "PageAllocator": "cua_jax.sampler.page_table",
+    "PageTable": "cua_jax.sampler.kv_cache",
+    "SamplingParams": "cua_jax.sampler.sampling",
+    "SlotSampling": "cua_jax.sampler.sampling",
+    "sample_tokens": "cua_jax.sampler.sampling",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

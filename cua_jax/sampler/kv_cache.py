@@ -36,6 +36,20 @@ class KVCache:
         return self.k[0].shape[1]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PageTable:
+    """Device-side page table; an immutable pytree.
+
+    Attributes:
+      page_indices: i32[S, P] page id of the p-th page of slot s (TRASH_PAGE where unused).
+      lengths: i32[S] tokens of slot s whose K/V are already in the cache.
+    """
+
+    page_indices: jax.Array  # i32[S, P]
+    lengths: jax.Array  # i32[S]
+
+
 def init_cache(
     num_layers: int,
     num_kv_heads: int,

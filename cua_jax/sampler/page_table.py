@@ -1,10 +1,11 @@
 """Page tables for the paged KV cache.
 
-Two halves:
+Two halves (this module is pure Python and numpy, so the scheduler imports no JAX):
 
-* `PageTable` is the immutable device-side view the jitted decode/prefill functions read: one row
-  of page ids per sequence slot plus the number of tokens whose K/V are stored. It is a pytree, so
-  it is passed into `jax.jit` like any array argument (shapes never change, so no recompiles).
+* `PageTable` (defined in `kv_cache.py`, re-exported here) is the immutable device-side view the
+  jitted decode/prefill functions read: one row of page ids per sequence slot plus the number of
+  tokens whose K/V are stored. It is a pytree, so it is passed into `jax.jit` like any array
+  argument (shapes never change, so no recompiles).
 * `PageAllocator` is the host-side bookkeeping the scheduler mutates between jitted calls: a free
   list, a reference count per page, and the list of pages each slot owns. Reference counts let the
   G rollouts of a GRPO group share the pages of their common prompt (`fork`); a page is copied only
@@ -20,11 +21,12 @@ Letters: S slots, P pages per sequence, L page size (tokens per page).
 
 from __future__ import annotations
 
-import dataclasses
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+    from cua_jax.sampler.kv_cache import PageTable
 
 TRASH_PAGE = 0
 
@@ -35,20 +37,6 @@ class OutOfPagesError(RuntimeError):
     The engine catches it and preempts (frees and later recomputes) a sequence; it never reaches a
     caller of `Engine.generate`.
     """
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PageTable:
-    """Device-side page table; an immutable pytree.
-
-    Attributes:
-      page_indices: i32[S, P] page id of the p-th page of slot s (TRASH_PAGE where unused).
-      lengths: i32[S] tokens of slot s whose K/V are already in the cache.
-    """
-
-    page_indices: jax.Array  # i32[S, P]
-    lengths: jax.Array  # i32[S]
 
 
 class PageAllocator:
@@ -190,6 +178,10 @@ class PageAllocator:
 
     def snapshot(self) -> PageTable:
         """The device-side immutable view of the current state."""
+        import jax.numpy as jnp
+
+        from cua_jax.sampler.kv_cache import PageTable
+
         return PageTable(jnp.asarray(self.table()), jnp.asarray(self.lengths))
 
     def check_invariants(self) -> None:
@@ -211,3 +203,12 @@ class PageAllocator:
         if len(free) != len(self._free) or any(counts[p] for p in free):
             raise AssertionError("free list holds an owned or duplicated page")
         return counts
+
+
+def __getattr__(name: str):
+    # PageTable is a JAX pytree; importing it here lazily keeps this module free of JAX.
+    if name == "PageTable":
+        from cua_jax.sampler.kv_cache import PageTable
+
+        return PageTable
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

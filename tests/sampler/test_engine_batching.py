@@ -26,8 +26,9 @@ def _requests(n=64):
         p = prompt_ids(None, [int(rng.integers(3, 40))], seed=100 + i)
         new = int(rng.integers(1, 17))
         if i % 3 == 0:  # a third sampled, with per-request seeds and truncation
-            params = SamplingParams(temperature=0.8, top_k=50 * (i % 2), top_p=0.9, seed=i,
-                                    max_new_tokens=new)  # fmt: skip
+            params = SamplingParams(
+                temperature=0.8, top_k=50 * (i % 2), top_p=0.9, seed=i, max_new_tokens=new
+            )
         else:
             params = SamplingParams(temperature=0.0, max_new_tokens=new)
         reqs.append(dict(prompt_ids=p, params=params))
@@ -87,10 +88,14 @@ def test_group_prefix_is_prefilled_once(model):
     p = prompt_ids(grid, [6, 5], seed=2)
     assert len(p) % 4 != 0  # the last prompt page is partial: copy-on-write is exercised
     group = [
-        dict(prompt_ids=p, pixel_values=pv, image_grid_thw=grid,
-             params=SamplingParams(temperature=1.0, seed=s, max_new_tokens=6))
+        dict(
+            prompt_ids=p,
+            pixel_values=pv,
+            image_grid_thw=grid,
+            params=SamplingParams(temperature=1.0, seed=s, max_new_tokens=6),
+        )
         for s in range(8)
-    ]  # fmt: skip
+    ]
     engine = Engine(model, max_slots=8, page_size=4, num_pages=64, max_seq_len=64, decode_chunk=4)
     outs = asyncio.run(_concurrent(engine, group))
     assert sorted(o.num_cached_tokens for o in outs) == [0] + [len(p) - 1] * 7
@@ -109,8 +114,16 @@ def test_decode_through_pallas_kernel_interpret(model, alone):
     _, reqs, solo = alone
     picked = [1, 2]  # greedy requests
     assert all(reqs[i]["params"].greedy for i in picked)
-    engine = Engine(model, max_slots=2, page_size=4, num_pages=32, max_seq_len=64, decode_chunk=4,
-                    attn_backend="interpret", attn_options="pages_per_block=3")  # fmt: skip
+    engine = Engine(
+        model,
+        max_slots=2,
+        page_size=4,
+        num_pages=32,
+        max_seq_len=64,
+        decode_chunk=4,
+        attn_backend="interpret",
+        attn_options="pages_per_block=3",
+    )
     assert engine.attn_options.pages_per_block == 3
     outs = engine.generate_batch([reqs[i] for i in picked])
     _assert_same(outs, [solo[i] for i in picked])
@@ -140,8 +153,15 @@ def test_kv_heads_sharded_over_tensor_axis(model, alone):
     graphdef, state = nnx.split(model)
     replicated = nnx.merge(graphdef, jax.device_put(state, NamedSharding(mesh, PartitionSpec())))
     kv_sh = NamedSharding(mesh, PartitionSpec("tensor"))
-    engine = Engine(replicated, max_slots=2, page_size=4, num_pages=32, max_seq_len=64,
-                    decode_chunk=4, kv_sharding=kv_sh)  # fmt: skip
+    engine = Engine(
+        replicated,
+        max_slots=2,
+        page_size=4,
+        num_pages=32,
+        max_seq_len=64,
+        decode_chunk=4,
+        kv_sharding=kv_sh,
+    )
     picked = [4, 5]
     assert all(reqs[i]["params"].greedy for i in picked)
     outs = engine.generate_batch([reqs[i] for i in picked])
@@ -197,8 +217,9 @@ def test_attention_over_a_pages_bucket_equals_the_full_table(model, alone, monke
 
     _, reqs, solo = alone
     monkeypatch.setattr(engine_mod, "_MIN_ATTN_TOKENS", 4)
-    engine = Engine(model, max_slots=8, page_size=4, num_pages=257, max_seq_len=1024,
-                    decode_chunk=4)  # fmt: skip
+    engine = Engine(
+        model, max_slots=8, page_size=4, num_pages=257, max_seq_len=1024, decode_chunk=4
+    )
     assert engine.pages_per_seq == 256
     assert [engine._pages_bucket(n) for n in (1, 4, 5, 9, 33, 1024)] == [1, 1, 2, 4, 16, 256]
     seen = []

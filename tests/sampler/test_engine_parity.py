@@ -51,9 +51,13 @@ def hf_greedy(hf, ids, pv=None, grid=None, n=6):
         kw["mm_token_type_ids"] = (kw["input_ids"] == hf.config.image_token_id).to(torch.int32)
     with torch.no_grad():
         out = hf.generate(
-            **kw, do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None,
+            **kw,
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            eos_token_id=None,
             pad_token_id=0,
-        )  # fmt: skip
+        )
     return out[0, len(ids) :].tolist()
 
 
@@ -104,9 +108,11 @@ def _dense_kv(model, seq, pv, grid):
     cfg = model.config
     ids = np.asarray(seq)[None]
     pos, _ = get_rope_index(
-        ids, grid, image_token_id=cfg.image_token_id,
+        ids,
+        grid,
+        image_token_id=cfg.image_token_id,
         spatial_merge_size=cfg.vision.spatial_merge_size,
-    )  # fmt: skip
+    )
     embeds, mask, ds = model.embed(ids, pv, grid)
     dense = qwen_vl.make_dense_attn_fn()
     kv = {}
@@ -125,15 +131,17 @@ def test_two_turns_with_images(setup):
     per = int(np.prod(grid[0]))
     pv1, g1 = pv[:per], grid[:1]
     p1 = prompt_ids(g1, [5, 4], seed=1)
-    out1 = engine.generate_batch([dict(prompt_ids=p1, pixel_values=pv1, image_grid_thw=g1,
-                                       params=GREEDY, session_id="ep")])[0]  # fmt: skip
+    out1 = engine.generate_batch(
+        [dict(prompt_ids=p1, pixel_values=pv1, image_grid_thw=g1, params=GREEDY, session_id="ep")]
+    )[0]
     assert out1.tokens == hf_greedy(hf, p1, pv1, g1)
     # Turn 2: the transcript so far + new text + a new screenshot + text.
     seq1 = np.asarray([*p1.tolist(), *out1.tokens])
     p2 = np.concatenate([seq1, prompt_ids(grid[1:2], [3, 4], seed=2)])
     pv2, g2 = pv[: 2 * per], grid[:2]
-    out2 = engine.generate_batch([dict(prompt_ids=p2, pixel_values=pv2, image_grid_thw=g2,
-                                       params=GREEDY, session_id="ep")])[0]  # fmt: skip
+    out2 = engine.generate_batch(
+        [dict(prompt_ids=p2, pixel_values=pv2, image_grid_thw=g2, params=GREEDY, session_id="ep")]
+    )[0]
     assert out2.num_cached_tokens == len(seq1) - 1  # only the new tokens were prefilled
     assert out2.tokens == hf_greedy(hf, p2, pv2, g2)
     seq2 = [*p2.tolist(), *out2.tokens]
@@ -161,11 +169,13 @@ def test_two_turns_with_images(setup):
     tail = prompt_ids(grid[2:3], [2, 3], seed=3)
     p3 = np.concatenate([np.asarray(seq2)[:cut_start], np.asarray(seq2)[cut_end:], tail])
     pv3, g3 = np.concatenate([pv[per : 2 * per], pv[2 * per :]]), grid[1:]
-    out3 = engine.generate_batch([dict(prompt_ids=p3, pixel_values=pv3, image_grid_thw=g3,
-                                       params=GREEDY, session_id="ep")])[0]  # fmt: skip
+    out3 = engine.generate_batch(
+        [dict(prompt_ids=p3, pixel_values=pv3, image_grid_thw=g3, params=GREEDY, session_id="ep")]
+    )[0]
     assert out3.num_cached_tokens == cut_start
-    fresh = engine.generate_batch([dict(prompt_ids=p3, pixel_values=pv3, image_grid_thw=g3,
-                                        params=GREEDY)])[0]  # fmt: skip
+    fresh = engine.generate_batch(
+        [dict(prompt_ids=p3, pixel_values=pv3, image_grid_thw=g3, params=GREEDY)]
+    )[0]
     assert fresh.num_cached_tokens == 0
     assert out3.tokens == fresh.tokens == hf_greedy(hf, p3, pv3, g3)
     np.testing.assert_allclose(out3.logprobs, fresh.logprobs, atol=1e-5)

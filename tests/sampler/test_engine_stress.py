@@ -47,10 +47,13 @@ def _params(rng) -> SamplingParams:
     if rng.random() < 0.5:
         return SamplingParams(temperature=0.0, max_new_tokens=new, stop_token_ids=stop)
     return SamplingParams(
-        temperature=float(rng.uniform(0.5, 1.5)), top_k=int(rng.choice([0, 20])),
-        top_p=float(rng.choice([1.0, 0.9])), seed=int(rng.integers(1 << 20)),
-        max_new_tokens=new, stop_token_ids=stop,
-    )  # fmt: skip
+        temperature=float(rng.uniform(0.5, 1.5)),
+        top_k=int(rng.choice([0, 20])),
+        top_p=float(rng.choice([1.0, 0.9])),
+        seed=int(rng.integers(1 << 20)),
+        max_new_tokens=new,
+        stop_token_ids=stop,
+    )
 
 
 def _pack(imgs):
@@ -92,8 +95,11 @@ async def _workload(engine, model, images, seed):
                 temperature=1.0, seed=100 * g + k, max_new_tokens=int(rng.integers(1, 10))
             )
             sub = np.random.default_rng(rng.integers(1 << 30))
-            episodes.append(_episode(engine, sub, f"{g}/{k}", (*first, p), images,
-                                     model.config.image_token_id, log))  # fmt: skip
+            episodes.append(
+                _episode(
+                    engine, sub, f"{g}/{k}", (*first, p), images, model.config.image_token_id, log
+                )
+            )
 
     async def updates():
         for v in (1, 2, 3):
@@ -111,14 +117,27 @@ async def _workload(engine, model, images, seed):
 def test_random_multiturn_workload_equals_each_turn_alone(
     model, images, seed, slots, page_size, num_pages, chunk
 ):
-    engine = Engine(model, max_slots=slots, page_size=page_size, num_pages=num_pages,
-                    max_seq_len=page_size * (num_pages - 1), decode_chunk=chunk)  # fmt: skip
+    engine = Engine(
+        model,
+        max_slots=slots,
+        page_size=page_size,
+        num_pages=num_pages,
+        max_seq_len=page_size * (num_pages - 1),
+        decode_chunk=chunk,
+    )
     log = asyncio.run(_workload(engine, model, images, seed))
     engine.check_pages()
     assert engine.stats["preemptions"] > 0 and engine.stats["cached_tokens"] > 0
     assert engine.version == 3
-    ref = Engine(model, max_slots=1, page_size=8, num_pages=64, max_seq_len=256, decode_chunk=4,
-                 share_prefix=False)  # fmt: skip
+    ref = Engine(
+        model,
+        max_slots=1,
+        page_size=8,
+        num_pages=64,
+        max_seq_len=256,
+        decode_chunk=4,
+        share_prefix=False,
+    )
     for ids, pv, grid, p, out in log:
         (want,) = ref.generate_batch(
             [dict(prompt_ids=ids, pixel_values=pv, image_grid_thw=grid, params=p)]

@@ -15,6 +15,7 @@ machine with the accelerator shows that (BENCHMARKS.md).
 """
 
 import dataclasses
+import functools
 import logging
 import warnings
 
@@ -26,6 +27,7 @@ from flax import nnx
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 from cua_jax.models import qwen_vl
+from cua_jax.sampler import steps
 from cua_jax.sampler.engine import Engine
 from cua_jax.sampler.kernels import paged_attention as pa
 from cua_jax.sampler.sampling import SamplingParams, SlotSampling
@@ -105,18 +107,26 @@ def _model(family: str, head_dim: int) -> nnx.Module:
 def test_engine_decode_lowers_for_the_accelerator(family, backend):
     # head_dim 128 as in every real Qwen-VL checkpoint (the TPU kernel needs it).
     engine = Engine(
-        _model(family, 128), max_slots=4, page_size=16, num_pages=64, max_seq_len=256,
-        decode_chunk=4, attn_backend=backend,
-    )  # fmt: skip
+        _model(family, 128),
+        max_slots=4,
+        page_size=16,
+        num_pages=64,
+        max_seq_len=256,
+        decode_chunk=4,
+        attn_backend=backend,
+    )
     S, P = 4, 8
     host = (
-        np.zeros((S, P), np.int32), *[np.zeros(S, np.int32)] * 5, np.full((S, 4), -1, np.int32),
+        np.zeros((S, P), np.int32),
+        *[np.zeros(S, np.int32)] * 5,
+        np.full((S, 4), -1, np.int32),
         SlotSampling.from_params([SamplingParams()] * S),
-    )  # fmt: skip
+    )
     args = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), (engine._state, engine.cache, *host)
     )
-    text = _lower(backend, engine._decode_chunk, *args)
+    decode = functools.partial(steps.decode_paged, model=engine._model_def, cfg=engine.step_config)
+    text = _lower(backend, decode, *args)
     assert ("xla.gpu.triton" if backend == "gpu" else "tpu_custom_call") in text
 
 

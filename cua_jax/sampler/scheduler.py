@@ -1,0 +1,505 @@
+"""Host-side scheduler of the sampler: slots, session caches, admission, preemption, finishing.
+
+Pure Python and numpy (no JAX): it decides what runs and keeps the page bookkeeping; the Engine
+runs what it decides on device (`steps.py`). One scheduler iteration, as the Engine drives it:
+
+    for batch in sched.admit(version):        # list[Admitted]; a batch is prefilled together
+        run batch's page copies, prefill it, sample first tokens -> sched.append(...)
+        sched.prefilled(batch)
+    plan = sched.plan_decode(chunk)           # page copies, steps per slot, host arrays
+    run the copies and one decode chunk -> sched.apply_decode(plan, tokens, lps, mlps, version)
+
+Admission takes a free slot for the first waiting request. Its K/V may already be partly in the
+cache: (a) its `session_id`'s previous turn (prompt + generated) is kept after it finishes, and
+the longest common prefix with the new prompt is reused (image runs are never split, and a
+screenshot is reused only if its pixels are identical); (b) a running request with the identical
+prompt (the G rollouts of a GRPO group) lends its pages through a fork of the page table
+(refcounted; the partially filled last page is copied on first write). `try_admit` answers with
+an explicit result: `Admitted` (tokens [start, end) still to prefill), `Deferred` (no pages now:
+wait for running requests to finish; admission never preempts) or `Rejected` (cannot fit even
+alone: finished with finish_reason "error").
+
+Pages running out during decode: session caches are evicted first (least recently used), then
+the most recently admitted running request is preempted: its pages are freed and it goes back
+to the front of the queue with its tokens so far, to be recomputed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from cua_jax.sampler.page_table import TRASH_PAGE, OutOfPagesError, PageAllocator
+
+if TYPE_CHECKING:
+    from cua_jax.sampler.sampling import SamplingParams
+
+MAX_STOP_IDS = 8
+STAT_NAMES = (
+    "prefill_tokens",
+    "prefill_calls",
+    "cached_tokens",
+    "decode_calls",
+    "slot_steps",
+    "useful_tokens",
+    "preemptions",
+    "page_copies",
+)
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    """Result of one request.
+
+    tokens: generated token ids (a stop token that ended generation is included).
+    logprobs: f32 log-prob of each token under the distribution it was sampled from (see
+      `sampling.py`); model_logprobs: f32 log_softmax of the raw logits (temperature 1).
+    finish_reason: "stop" (stop token / string), "length" (max_new_tokens or max_seq_len) or
+      "error" (see `error`). version: the oldest weights version that produced any token.
+    num_prompt_tokens / num_cached_tokens: prompt length and how many of its tokens were served
+      from the cache (session reuse or group prefix sharing) instead of being prefilled.
+    """
+
+    tokens: list[int]
+    logprobs: np.ndarray
+    model_logprobs: np.ndarray
+    finish_reason: str
+    version: int
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class Request:
+    rid: int
+    prompt: np.ndarray  # i32[T0]
+    pixel_values: np.ndarray | None
+    grids: np.ndarray  # i32[n_images, 3]
+    params: SamplingParams
+    session_id: Any
+    on_done: Callable[[GenerateOutput], None]
+    positions: np.ndarray  # i32[3, T0] M-RoPE positions of the prompt
+    rope_delta: int
+    image_runs: list[tuple[int, int]]  # [start, end) of each image's token run, in order
+    image_hashes: list[bytes]
+    patch_offsets: np.ndarray  # i64[n_images + 1] first pixel row of each image
+    prompt_key: bytes
+    generated: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    model_logprobs: list[float] = dataclasses.field(default_factory=list)
+    slot: int = -1
+    version: int = -1
+    cached_tokens: int = -1
+    preemptions: int = 0
+
+    @property
+    def seq(self) -> np.ndarray:
+        return np.concatenate([self.prompt, np.asarray(self.generated, np.int32)])
+
+    def positions_of(self, start: int, end: int) -> np.ndarray:
+        """i32[3, end - start] M-RoPE positions of sequence tokens [start, end): the prompt's
+        from `get_rope_index`, generated token i at i + rope_delta on all three axes."""
+        T0 = len(self.prompt)
+        idx = np.arange(start, end)
+        gen = np.broadcast_to(idx + self.rope_delta, (3, len(idx)))
+        return np.where(idx < T0, self.positions[:, np.minimum(idx, T0 - 1)], gen).astype(np.int32)
+
+
+@dataclasses.dataclass
+class Session:
+    tokens: np.ndarray  # i32[n] the full previous sequence
+    kv_len: int  # tokens whose K/V are in `pages`
+    pages: list[int]
+    image_runs: list[tuple[int, int]]
+    image_hashes: list[bytes]
+
+
+@dataclasses.dataclass
+class Admitted:
+    """The request holds `slot` and its pages; tokens [start, end) still have to be prefilled
+    after the page `copies` (copy-on-write, (src, dst) pairs) are done."""
+
+    req: Request
+    slot: int
+    start: int
+    end: int
+    copies: list[tuple[int, int]]
+
+
+@dataclasses.dataclass
+class Deferred:
+    """Not enough free pages now; the request stays first in the queue."""
+
+
+@dataclasses.dataclass
+class Rejected:
+    """The request cannot run even alone; it is finished with this error."""
+
+    error: str
+
+
+AdmitResult = Admitted | Deferred | Rejected
+
+
+@dataclasses.dataclass
+class DecodePlan:
+    """One decode chunk: page copies to run first (each inner list is one copy call, in order),
+    then the host arrays of the decode call (S = max_slots rows)."""
+
+    copies: list[list[tuple[int, int]]]
+    steps: np.ndarray  # i32[S] decode steps of each slot (0: idle)
+    longest: int  # longest sequence any slot reaches in this chunk
+    lengths: np.ndarray  # i32[S]
+    tok: np.ndarray  # i32[S] last token of each slot (the next decode input)
+    delta: np.ndarray  # i32[S] M-RoPE delta
+    gen: np.ndarray  # i32[S] tokens generated so far (sampling key index)
+    stops: np.ndarray  # i32[S, MAX_STOP_IDS] stop ids, -1 padded
+    params: list[Any]  # SamplingParams | None per slot
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.nonzero(a[:n] != b[:n])[0]
+    return int(diff[0]) if diff.size else n
+
+
+def image_runs(ids: np.ndarray, image_token_id: int) -> list[tuple[int, int]]:
+    """[start, end) of each run of image tokens in `ids`."""
+    is_img = np.concatenate([[False], ids == image_token_id, [False]])
+    edges = np.nonzero(np.diff(is_img.astype(np.int8)))[0]
+    return [(int(s), int(e)) for s, e in zip(edges[::2], edges[1::2], strict=True)]
+
+
+class Scheduler:
+    """Slots, sessions, admission and preemption over a `PageAllocator` (see module docstring).
+
+    Args:
+      max_slots, page_size, num_pages, max_seq_len: as the Engine's.
+      image_token_id: the model's image placeholder id (image runs are never split).
+      share_prefix: fork the pages of a running request with an identical prompt.
+      static_batching: admit only when the batch has drained.
+      detokenize: ids -> text, for stop strings.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_slots: int,
+        page_size: int,
+        num_pages: int,
+        max_seq_len: int,
+        image_token_id: int,
+        share_prefix: bool = True,
+        static_batching: bool = False,
+        detokenize: Callable[[Sequence[int]], str] | None = None,
+    ):
+        self.max_slots, self.page_size, self.num_pages = max_slots, page_size, num_pages
+        self.max_seq_len = max_seq_len
+        self.pages_per_seq = -(-max_seq_len // page_size)
+        if self.pages_per_seq > num_pages - 1:
+            # As vLLM refuses a max_model_len its KV cache cannot hold: otherwise a request that
+            # fits max_seq_len could fail half-way through its output, after every other
+            # sequence was preempted.
+            raise ValueError(
+                f"Engine: one sequence of max_seq_len={max_seq_len} tokens needs "
+                f"{self.pages_per_seq} KV pages of page_size={page_size}, but num_pages="
+                f"{num_pages} holds {num_pages - 1} (page 0 is scratch); use num_pages >= "
+                f"{self.pages_per_seq + 1} or a smaller max_seq_len."
+            )
+        self.image_token_id = image_token_id
+        self.share_prefix, self.static_batching = share_prefix, static_batching
+        self.detokenize = detokenize
+        self.stats = dict.fromkeys(STAT_NAMES, 0)
+        self.reset()
+
+    def reset(self) -> list[Request]:
+        """Empties the scheduler (slots, queue, sessions, pages); returns the requests it held
+        (running first, then waiting) so the caller can finish them."""
+        held = [*getattr(self, "running", {}).values(), *getattr(self, "waiting", [])]
+        self.alloc = PageAllocator(
+            self.num_pages, self.page_size, self.max_slots, self.pages_per_seq
+        )
+        self.waiting: list[Request] = []
+        self.running: dict[int, Request] = {}  # slot -> request
+        self.admit_order: list[int] = []  # slots, oldest first (preemption takes the last)
+        self.next_tok = np.zeros(self.max_slots, np.int32)
+        self.sessions: OrderedDict[Any, Session] = OrderedDict()
+        for req in held:
+            req.slot = -1
+        return held
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def budget(self, req: Request) -> int:
+        return min(
+            req.params.max_new_tokens - len(req.generated),
+            self.max_seq_len - len(req.prompt) - len(req.generated),
+        )
+
+    # ---------------------------------------------------------------------------- admission
+    def free_slots(self) -> list[int]:
+        return [s for s in range(self.max_slots) if s not in self.running]
+
+    def admit(self, version: int) -> Iterator[list[Admitted]]:
+        """Admits waiting requests into free slots; yields batches to prefill together.
+
+        A request that would fork the pages of (or continue the session of) one admitted in
+        this same round waits for that one's batch to be prefilled first (the generator resumes
+        only after the caller has run it), so it never shares pages not yet written.
+        """
+        if self.static_batching and self.running:
+            return
+        pending: list[Admitted] = []
+        while self.waiting:
+            free = self.free_slots()
+            if not free:
+                break
+            req = self.waiting[0]
+            if any(self.depends_on(req, p.req) for p in pending):
+                yield pending
+                pending = []
+            got = self.try_admit(req, free[0], version)
+            if isinstance(got, Deferred):
+                break
+            self.waiting.pop(0)
+            if isinstance(got, Rejected):
+                self.finish(req, "error", version, error=got.error)
+            else:
+                pending.append(got)
+        if pending:
+            yield pending
+
+    def depends_on(self, req: Request, other: Request) -> bool:
+        same_prompt = self.share_prefix and req.prompt_key == other.prompt_key
+        same_session = req.session_id is not None and req.session_id == other.session_id
+        return same_prompt or same_session
+
+    def evict_session(self) -> bool:
+        if not self.sessions:
+            return False
+        _, sess = self.sessions.popitem(last=False)
+        self.alloc.decref(sess.pages)
+        return True
+
+    def reuse_len(self, req: Request, tokens, runs, hashes, avail: int, target) -> int:
+        """Tokens of `target` whose cached K/V (from a sequence `tokens`) can be reused."""
+        n = min(common_prefix(tokens[:avail], target), len(target) - 1)
+        for (s, e), h_old, (s2, e2), h_new in zip(
+            runs, hashes, req.image_runs, req.image_hashes, strict=False
+        ):
+            if s >= n:
+                break
+            if (s, e) != (s2, e2) or h_old != h_new or e > n:
+                n = min(n, s, s2)  # never split or reuse a different image
+                break
+        return max(n, 0)
+
+    def try_admit(self, req: Request, slot: int, version: int) -> AdmitResult:
+        """Takes `slot` and the pages for `req`. On Admitted the slot counts as running."""
+        seq = req.seq
+        # Prefill everything but the last token when resuming (it is fed by the next decode).
+        target = seq[:-1] if req.generated else seq
+        start = 0
+        sess = self.sessions.get(req.session_id) if req.session_id is not None else None
+        if sess is not None:
+            start = self.reuse_len(
+                req, sess.tokens, sess.image_runs, sess.image_hashes, sess.kv_len, target
+            )
+            del self.sessions[req.session_id]
+            keep = self.alloc.pages_for(start)
+            self.alloc.decref(sess.pages[keep:])
+            self.alloc.attach(slot, sess.pages[:keep], start)
+        else:
+            donor = None
+            if self.share_prefix and not req.generated:
+                donor = next(
+                    (s for s, o in self.running.items() if o.prompt_key == req.prompt_key), None
+                )
+            if donor is not None:
+                n = min(len(req.prompt) - 1, int(self.alloc.lengths[donor]))
+                start = self.reuse_len(req, req.prompt, req.image_runs, req.image_hashes, n, target)
+                self.alloc.fork(donor, slot, start)
+            else:
+                self.alloc.attach(slot, [], 0)
+        while True:
+            try:
+                copies = self.alloc.prepare_write(slot, start, len(target))
+                break
+            except OutOfPagesError:
+                if self.evict_session():
+                    continue
+                self.alloc.release(slot)
+                if not self.running:
+                    return Rejected(
+                        f"request needs {self.alloc.pages_for(len(target))} KV pages but the "
+                        f"pool has {self.num_pages - 1}: build the Engine with more num_pages"
+                    )
+                return Deferred()  # running requests will free pages
+        if req.cached_tokens < 0:
+            req.cached_tokens = start
+            self.stats["cached_tokens"] += start
+        if req.version < 0:
+            req.version = version
+        self.running[slot] = req
+        self.admit_order.append(slot)
+        req.slot = slot
+        return Admitted(req, slot, start, len(target), copies)
+
+    def prefilled(self, batch: list[Admitted]) -> list[Admitted]:
+        """Marks a batch's tokens as cached; returns the fresh requests (their first token is to
+        be sampled from the prefill logits). A resumed request's last token feeds the decode."""
+        fresh = []
+        for a in batch:
+            self.alloc.set_length(a.slot, a.end)
+            if a.req.generated:
+                self.next_tok[a.slot] = a.req.generated[-1]
+            else:
+                fresh.append(a)
+        return fresh
+
+    # ----------------------------------------------------------------------------- decode
+    def preempt_one(self, needed_by: int) -> bool:
+        """Frees the most recently admitted running request other than `needed_by`."""
+        for slot in reversed(self.admit_order):
+            if slot != needed_by:
+                req = self.running.pop(slot)
+                self.admit_order.remove(slot)
+                self.alloc.release(slot)
+                req.slot = -1
+                req.preemptions += 1
+                self.stats["preemptions"] += 1
+                self.waiting.insert(0, req)
+                return True
+        return False
+
+    def plan_decode(self, chunk: int, version: int) -> DecodePlan:
+        """Makes room for up to `chunk` tokens of every running slot (evicting sessions, then
+        preempting the newest requests); a request that cannot fit even alone is finished with
+        an error. Nothing is left to decode if `running` is empty afterwards."""
+        S = self.max_slots
+        steps = np.zeros(S, np.int32)
+        copies: list[list[tuple[int, int]]] = []
+        for slot in list(self.admit_order):
+            if slot not in self.running:
+                continue  # preempted while making room for an earlier slot
+            req = self.running[slot]
+            n = min(chunk, self.budget(req))
+            L0 = int(self.alloc.lengths[slot])
+            while True:
+                try:
+                    copies.append(self.alloc.prepare_write(slot, L0, L0 + n))
+                    break
+                except OutOfPagesError:
+                    if self.evict_session() or self.preempt_one(slot):
+                        continue
+                    self.running.pop(slot)
+                    self.admit_order.remove(slot)
+                    self.alloc.release(slot)
+                    self.finish(req, "error", version, "KV page pool too small for one sequence")
+                    break
+            if slot in self.running:
+                steps[slot] = n
+        copies = [c for c in copies if c]
+        longest = max((int(self.alloc.lengths[s]) + int(steps[s]) for s in self.running), default=0)
+        delta = np.zeros(S, np.int32)
+        gen = np.zeros(S, np.int32)
+        stops = np.full((S, MAX_STOP_IDS), -1, np.int32)
+        params: list[Any] = [None] * S
+        for slot, req in self.running.items():
+            delta[slot] = req.rope_delta
+            gen[slot] = len(req.generated)
+            ids = req.params.stop_token_ids[:MAX_STOP_IDS]
+            stops[slot, : len(ids)] = ids
+            params[slot] = req.params
+        return DecodePlan(
+            copies,
+            steps,
+            longest,
+            self.alloc.lengths.copy(),
+            self.next_tok.copy(),
+            delta,
+            gen,
+            stops,
+            params,
+        )
+
+    def apply_decode(self, out_tok: np.ndarray, out_lp, out_mlp, version: int) -> None:
+        """Takes a decode chunk's output (i32[S, C], -1 after each slot's last token)."""
+        for slot, req in list(self.running.items()):
+            k = int(np.sum(out_tok[slot] >= 0))
+            self.alloc.set_length(slot, int(self.alloc.lengths[slot]) + k)
+            self.next_tok[slot] = out_tok[slot, k - 1] if k else self.next_tok[slot]
+            req.version = min(req.version, version)
+            self.append(
+                req, out_tok[slot, :k].tolist(), out_lp[slot, :k], out_mlp[slot, :k], version
+            )
+
+    # ----------------------------------------------------------------------------- finish
+    def append(self, req: Request, toks: list[int], lps, mlps, version: int) -> None:
+        """Adds tokens to a running request and finishes it if a stop condition is met."""
+        p = req.params
+        for j, t in enumerate(toks):
+            req.generated.append(int(t))
+            req.logprobs.append(float(lps[j]))
+            req.model_logprobs.append(float(mlps[j]))
+            self.stats["useful_tokens"] += 1
+            if t in p.stop_token_ids:
+                return self.finish(req, "stop", version)
+            if p.stop_strings:
+                text = self.detokenize(req.generated)
+                if any(s in text for s in p.stop_strings):
+                    return self.finish(req, "stop", version)
+            if self.budget(req) <= 0:
+                return self.finish(req, "length", version)
+
+    def finish(self, req: Request, reason: str, version: int, error: str | None = None) -> None:
+        """Frees the request's slot (keeping its K/V as its session's cache) and reports it."""
+        slot = req.slot
+        if slot >= 0 and self.running.get(slot) is req:
+            del self.running[slot]
+            self.admit_order.remove(slot)
+            if req.session_id is not None:
+                pages, kv_len = self.alloc.detach(slot)
+                seq = req.seq
+                kv_len = min(kv_len, len(seq))
+                old = self.sessions.pop(req.session_id, None)
+                if old is not None:
+                    self.alloc.decref(old.pages)
+                runs = image_runs(seq, self.image_token_id)
+                self.sessions[req.session_id] = Session(seq, kv_len, pages, runs, req.image_hashes)
+            else:
+                self.alloc.release(slot)
+        req.slot = -1
+        req.on_done(
+            GenerateOutput(
+                tokens=list(req.generated),
+                logprobs=np.asarray(req.logprobs, np.float32),
+                model_logprobs=np.asarray(req.model_logprobs, np.float32),
+                finish_reason=reason,
+                version=max(req.version, 0) if req.version >= 0 else version,
+                num_prompt_tokens=len(req.prompt),
+                num_cached_tokens=max(req.cached_tokens, 0),
+                num_preemptions=req.preemptions,
+                error=error,
+            )
+        )
+
+    def drop_session(self, session_id: Any) -> None:
+        sess = self.sessions.pop(session_id, None)
+        if sess is not None:
+            self.alloc.decref(sess.pages)
+
+    def check_pages(self) -> None:
+        """Raises AssertionError unless refcounts equal the owners (slots + session caches)."""
+        counts = self.alloc.owned_counts([s.pages for s in self.sessions.values()])
+        if not np.array_equal(counts, self.alloc.refcount):
+            raise AssertionError("page refcounts disagree with the owners")
+        if TRASH_PAGE in [p for s in self.sessions.values() for p in s.pages]:
+            raise AssertionError("a session cache holds the scratch page")

@@ -1,0 +1,558 @@
+"""The sampler's device programs: prefill, the two decode loops, first-token sampling, page copy.
+
+Module-level pure functions of (params, cache, arrays) with everything static (the model's
+graphdef, page size, chunk length, attention backend, mesh) bound in a `ModelDef` and a
+`StepConfig`; `build_step_fns` wraps them in `jax.jit` with explicit in/out shardings and the
+cache donated. They can be lowered ahead of time from `jax.ShapeDtypeStruct`s (see
+`decode_arg_shapes` / `prefill_arg_shapes` and /tmp/coord/engine_api.md):
+
+    fns = build_step_fns(model_def, cfg, shardings)
+    fns.decode_paged.lower(abstract_params, abstract_cache, *decode_arg_shapes(S, P)).compile()
+
+Decode has two loops. `decode_paged`: every step writes its K/V into the pages and calls
+`paged_attention` (the Pallas kernels on GPU / TPU, the jnp reference elsewhere).
+`decode_contiguous` (jnp reference backend on CPU, when the gathered buffers are small): each
+slot's pages are gathered into contiguous K/V buffers once per chunk, each step writes into and
+attends to those buffers, and the chunk's new tokens go into the pages once at the end.
+
+On a mesh (`StepConfig.mesh`), the K/V pools are sharded by kv head over `tensor` and the K/V
+writes and attention run inside `shard_map`: each device writes and attends over its own kv
+heads (q heads split over `tensor` the same way, so every q head meets its GQA kv head on the
+same device). Everything else (embeddings, matmuls, vision tower, sampling) is left to GSPMD with
+the parameters' own shardings.
+
+Letters: S slots, C decode chunk, P pages per sequence, L page size, T tokens, V vocab,
+N q-heads, K kv-heads, H head-dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
+
+from cua_jax.models.qwen_vl.vision import vision_metadata
+from cua_jax.sampler import kv_cache
+from cua_jax.sampler.kernels.paged_attention import (
+    GpuKernelOptions,
+    chunk_attention_reference,
+    contiguous_decode_attention,
+    paged_attention,
+)
+from cua_jax.sampler.sampling import MAX_BANNED, SlotSampling, sample_tokens
+
+MAX_STOP_IDS = 8
+KV_AXIS = "tensor"  # mesh axis the kv heads (and q heads) are split over
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDef:
+    """The static half of the model: `nnx.split(model, nnx.Param, ...)`'s graphdef and the
+    non-Param state (empty for QwenVL; closed over as constants), plus its config."""
+
+    graphdef: Any
+    other: Any
+    config: Any
+
+    @staticmethod
+    def of(model: nnx.Module) -> tuple[ModelDef, nnx.State]:
+        """(ModelDef, params) of a model; params are the model's arrays (no copy)."""
+        graphdef, params, other = nnx.split(model, nnx.Param, ...)
+        return ModelDef(graphdef, other, model.config), params
+
+    def merge(self, params: nnx.State) -> nnx.Module:
+        return nnx.merge(self.graphdef, params, self.other)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Static settings of the step functions.
+
+    attn_backend: a resolved paged-attention backend ("tpu", "gpu", "interpret", "reference");
+      prefill always uses the jnp chunk attention. mesh: shard_map the K/V writes and attention
+      over kv heads on `mesh`'s `tensor` axis (None: no shard_map, one device or GSPMD only).
+    """
+
+    page_size: int
+    decode_chunk: int
+    head_dim: int
+    attn_backend: str = "reference"
+    attn_options: GpuKernelOptions = GpuKernelOptions()
+    mesh: Mesh | None = None
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def kv_spec(self) -> PartitionSpec:
+        """Spec of a page pool f[K, Ptot, L, H]: kv heads over `tensor` where the mesh has it."""
+        return PartitionSpec(self.kv_axis)
+
+    @property
+    def kv_axis(self) -> str | None:
+        if self.mesh is None or self.mesh.shape.get(KV_AXIS, 1) == 1:
+            return None
+        return KV_AXIS
+
+
+def _on_kv_heads(cfg: StepConfig, fn: Callable, in_specs: tuple, out_specs: Any) -> Callable:
+    """`fn` under shard_map over cfg.mesh with `kv` in the specs standing for the kv axis
+    (identity without a mesh). Every input not split over kv heads is replicated.
+
+    Pages are replicated over the `data` and `fsdp` axes: the page pool is one pool shared by
+    all slots (any slot may hold any page, pages are forked between slots of a GRPO group), so
+    splitting pages over devices would make every attention step gather other devices' pages;
+    replicating them costs memory (num_pages x data x fsdp copies) but no communication. The
+    decode batch is small and latency-bound, so it is replicated too; a throughput-bound
+    deployment gives the sampler its own `tensor`-only sub-mesh (Engine(mesh=sampler_mesh)).
+    """
+    if cfg.mesh is None:
+        return fn
+
+    def spec(s):
+        return PartitionSpec(*[cfg.kv_axis if a == "kv" else a for a in s])
+
+    return jax.shard_map(
+        fn,
+        mesh=cfg.mesh,
+        in_specs=tuple(spec(s) for s in in_specs),
+        out_specs=tuple(spec(s) for s in out_specs),
+        check_vma=False,  # the Pallas kernels carry no varying-axes annotations
+    )
+
+
+# ---------------------------------------------------------------------------------- prefill
+def prefill(
+    params,
+    cache,
+    ids_BT,
+    pix,
+    pos_3BT,
+    table_BP,
+    start_B,
+    n_B,
+    *,
+    model: ModelDef,
+    cfg: StepConfig,
+    grid: tuple = (),
+):
+    """Runs rows b: tokens start[b] .. start[b] + n[b] - 1 (n[b] = 0: a padding row) into the
+    cache. Returns (cache, f32[B, V] logits of each row's last token). `grid`: the image grids
+    (t, h, w) of the images in `pix` (static: the vision tower's shapes depend on it)."""
+    m = model.merge(params)
+    B, T = ids_BT.shape
+    meta = vision_metadata(model.config, np.asarray(grid, np.int64)) if grid else None
+    embeds, vis_mask, ds = m.embed(ids_BT, pix, None, vision_meta=meta)
+    q_pos = start_B[:, None] + jnp.arange(T)[None]  # i32[B, T]
+    valid = jnp.arange(T)[None] < n_B[:, None]
+    page, off = kv_cache.token_slots(table_BP, q_pos, valid, cfg.page_size)
+    k_pools, v_pools = list(cache.k), list(cache.v)
+    kv_lengths = start_B + n_B
+
+    def write_attend(kp, vp, q, k, v, page, off, table, q_pos, kv_lengths):
+        kp, vp = kv_cache.write_kv(kp, vp, k, v, page, off)
+        out = chunk_attention_reference(q, kp, vp, table, q_pos, kv_lengths, cfg.scale)
+        return kp, vp, out.astype(q.dtype)
+
+    bt_kv = (None, None, "kv", None)
+    write_attend = _on_kv_heads(
+        cfg,
+        write_attend,
+        (("kv",), ("kv",), bt_kv, bt_kv, bt_kv, (), (), (), (), ()),
+        (("kv",), ("kv",), bt_kv),
+    )
+
+    def attn_fn(i, q_BTNH, k_BTKH, v_BTKH):
+        k_pools[i], v_pools[i], out = write_attend(
+            k_pools[i], v_pools[i], q_BTNH, k_BTKH, v_BTKH, page, off, table_BP, q_pos, kv_lengths
+        )
+        return out
+
+    hidden = m.decode(embeds, pos_3BT, attn_fn, vis_mask, ds)
+    last = jnp.take_along_axis(hidden, jnp.maximum(n_B - 1, 0)[:, None, None], axis=1)
+    logits = m.logits(last)[:, 0]
+    return kv_cache.KVCache(tuple(k_pools), tuple(v_pools)), logits
+
+
+# ----------------------------------------------------------------------------------- decode
+def _decode_loop(
+    model: ModelDef,
+    params,
+    kv0,
+    attend,
+    table_SP,
+    lengths_S,
+    tok_S,
+    delta_S,
+    steps_S,
+    gen_S,
+    stop_SX,
+    sampling,
+    chunk: int,
+):
+    """The decode while_loop shared by both layouts; `attend(kv, li, q, k, v, active, lengths)`
+    writes the step's K/V of layer li into `kv` and returns (kv, attention output)."""
+    m = model.merge(params)
+    S, C = tok_S.shape[0], chunk
+
+    def cond(carry):
+        i, done = carry[0], carry[4]
+        return (i < C) & jnp.any(~done & (i < steps_S))
+
+    def body(carry):
+        i, kv, lengths, tok, done, out_tok, out_lp, out_mlp = carry
+        active = (~done) & (i < steps_S)
+        pos_S = lengths + delta_S
+        pos = jnp.broadcast_to(pos_S[None, :, None], (3, S, 1))
+        box = [kv]
+
+        def attn_fn(li, q_BTNH, k_BTKH, v_BTKH):
+            box[0], o = attend(box[0], li, q_BTNH, k_BTKH, v_BTKH, active, lengths)
+            return o[:, None].astype(q_BTNH.dtype)
+
+        embeds, _, _ = m.embed(tok[:, None])
+        hidden = m.decode(embeds, pos, attn_fn)
+        logits = m.logits(hidden)[:, 0]
+        new, lp, mlp = sample_tokens(logits, sampling, gen_S + i)
+        is_stop = jnp.any(new[:, None] == stop_SX, axis=1)
+        return (
+            i + 1,
+            box[0],
+            lengths + active,
+            jnp.where(active, new, tok),
+            done | (active & is_stop),
+            out_tok.at[:, i].set(jnp.where(active, new, -1)),
+            out_lp.at[:, i].set(lp),
+            out_mlp.at[:, i].set(mlp),
+        )
+
+    init = (
+        jnp.int32(0),
+        kv0,
+        lengths_S,
+        tok_S,
+        jnp.zeros((S,), bool),
+        jnp.full((S, C), -1, jnp.int32),
+        jnp.zeros((S, C), jnp.float32),
+        jnp.zeros((S, C), jnp.float32),
+    )
+    # while_loop, not fori_loop: the chunk ends early once every slot has stopped.
+    _, kv, lengths, _, _, out_tok, out_lp, out_mlp = jax.lax.while_loop(cond, body, init)
+    return kv, lengths, out_tok, out_lp, out_mlp
+
+
+def decode_paged(
+    params,
+    cache,
+    table_SP,
+    lengths_S,
+    tok_S,
+    delta_S,
+    steps_S,
+    gen_S,
+    stop_SX,
+    sampling,
+    *,
+    model: ModelDef,
+    cfg: StepConfig,
+):
+    """Up to C decode steps for every slot (slot s runs steps_S[s] steps or until a stop token),
+    each writing its K/V into the pages and attending with `paged_attention`.
+
+    Returns (cache, i32[S, C] tokens (-1 after a slot's last), f32[S, C] log-probs, f32[S, C]
+    model log-probs)."""
+
+    def write_attend(kp, vp, q, k, v, page, off, table, attn_len):
+        kp, vp = kv_cache.write_kv(kp, vp, k, v, page, off)
+        o = paged_attention(
+            q,
+            kp,
+            vp,
+            table,
+            attn_len,
+            scale=cfg.scale,
+            backend=cfg.attn_backend,
+            gpu_options=cfg.attn_options,
+        )
+        return kp, vp, o
+
+    bt_kv = (None, None, "kv", None)
+    write_attend = _on_kv_heads(
+        cfg,
+        write_attend,
+        (("kv",), ("kv",), (None, "kv"), bt_kv, bt_kv, (), (), (), ()),
+        (("kv",), ("kv",), (None, "kv")),
+    )
+
+    def attend(kv, li, q_BTNH, k_BTKH, v_BTKH, active, lengths):
+        page, off = kv_cache.token_slots(table_SP, lengths[:, None], active[:, None], cfg.page_size)
+        attn_len = jnp.where(active, lengths + 1, 0)
+        k_bufs, v_bufs = list(kv.k), list(kv.v)
+        k_bufs[li], v_bufs[li], o = write_attend(
+            k_bufs[li], v_bufs[li], q_BTNH[:, 0], k_BTKH, v_BTKH, page, off, table_SP, attn_len
+        )
+        return kv_cache.KVCache(tuple(k_bufs), tuple(v_bufs)), o
+
+    kv, _, out_tok, out_lp, out_mlp = _decode_loop(
+        model,
+        params,
+        cache,
+        attend,
+        table_SP,
+        lengths_S,
+        tok_S,
+        delta_S,
+        steps_S,
+        gen_S,
+        stop_SX,
+        sampling,
+        cfg.decode_chunk,
+    )
+    return kv, out_tok, out_lp, out_mlp
+
+
+def contiguous_bytes(cache: kv_cache.KVCache, num_slots: int, table_cols: int) -> int:
+    """Bytes of the contiguous K/V buffers `decode_contiguous` gathers (all layers)."""
+    K, _, L, H = cache.k[0].shape
+    return 2 * cache.num_layers * K * num_slots * table_cols * L * H * cache.k[0].dtype.itemsize
+
+
+def decode_contiguous(
+    params,
+    cache,
+    table_SP,
+    lengths_S,
+    tok_S,
+    delta_S,
+    steps_S,
+    gen_S,
+    stop_SX,
+    sampling,
+    *,
+    model: ModelDef,
+    cfg: StepConfig,
+):
+    """`decode_paged`'s contract, over per-slot contiguous K/V buffers (jnp attention).
+
+    Each slot's pages are gathered once per chunk (the table covers every position the chunk
+    writes); each step writes its K/V into the buffers and attends to them; the chunk's new
+    tokens go into the pages once at the end: no page gather inside the loop.
+    """
+    S, C = tok_S.shape[0], cfg.decode_chunk
+    K, P, L, H = cache.k[0].shape[0], table_SP.shape[1], cfg.page_size, cache.k[0].shape[3]
+    # k [S, K, H, P*L], v [S, K, P*L, H] (the layouts the attention dots take); V past each
+    # slot's length is zeroed (stale pages) since attention multiplies it by 0.
+    live = (jnp.arange(P * L)[None, :] < lengths_S[:, None])[:, None, :, None]
+    ks, vs = [], []
+    for kp, vp in zip(cache.k, cache.v, strict=True):
+        k = kp[:, table_SP].reshape(K, S, P * L, H)
+        v = jnp.transpose(vp[:, table_SP].reshape(K, S, P * L, H), (1, 0, 2, 3))
+        ks.append(jnp.transpose(k, (1, 0, 3, 2)))
+        vs.append(jnp.where(live, v, 0).astype(v.dtype))
+
+    def write_attend(kb, vb, q, k, v, at, attn_len):
+        rows = jnp.arange(S)
+        # Inactive slots write out of range: dropped.
+        kb = kb.at[rows, :, :, at].set(k[:, 0].astype(kb.dtype), mode="drop")
+        vb = vb.at[rows, :, at].set(v[:, 0].astype(vb.dtype), mode="drop")
+        return kb, vb, contiguous_decode_attention(q, kb, vb, attn_len, cfg.scale)
+
+    bt_kv = (None, None, "kv", None)
+    write_attend = _on_kv_heads(
+        cfg,
+        write_attend,
+        ((None, "kv"), (None, "kv"), (None, "kv"), bt_kv, bt_kv, (), ()),
+        ((None, "kv"), (None, "kv"), (None, "kv")),
+    )
+
+    def attend(kv, li, q_BTNH, k_BTKH, v_BTKH, active, lengths):
+        k_bufs, v_bufs = list(kv[0]), list(kv[1])
+        at = jnp.where(active, lengths, P * L)
+        attn_len = jnp.where(active, lengths + 1, 0)
+        k_bufs[li], v_bufs[li], o = write_attend(
+            k_bufs[li], v_bufs[li], q_BTNH[:, 0], k_BTKH, v_BTKH, at, attn_len
+        )
+        return (tuple(k_bufs), tuple(v_bufs)), o
+
+    kv, lengths, out_tok, out_lp, out_mlp = _decode_loop(
+        model,
+        params,
+        (tuple(ks), tuple(vs)),
+        attend,
+        table_SP,
+        lengths_S,
+        tok_S,
+        delta_S,
+        steps_S,
+        gen_S,
+        stop_SX,
+        sampling,
+        C,
+    )
+    # A slot's active steps are a prefix of the chunk: it wrote positions
+    # lengths_S .. lengths - 1; copy those from the buffers into the pages.
+    pos_SC = jnp.minimum(lengths_S[:, None] + jnp.arange(C)[None], P * L - 1)
+    valid_SC = jnp.arange(C)[None] < (lengths - lengths_S)[:, None]
+    page, off = kv_cache.token_slots(table_SP, pos_SC, valid_SC, cfg.page_size)
+    k_pools, v_pools = list(cache.k), list(cache.v)
+    for li in range(cache.num_layers):
+        k_new = jnp.take_along_axis(kv[0][li], pos_SC[:, None, None, :], axis=3)  # [S,K,H,C]
+        v_new = jnp.take_along_axis(kv[1][li], pos_SC[:, None, :, None], axis=2)  # [S,K,C,H]
+        k_pools[li], v_pools[li] = kv_cache.write_kv(
+            k_pools[li],
+            v_pools[li],
+            jnp.transpose(k_new, (0, 3, 1, 2)),
+            jnp.transpose(v_new, (0, 2, 1, 3)),
+            page,
+            off,
+        )
+    return kv_cache.KVCache(tuple(k_pools), tuple(v_pools)), out_tok, out_lp, out_mlp
+
+
+def sample_first(logits_XV, idx_B, sampling, step_B):
+    """First tokens after prefill: sample rows idx_B of a prefill call's logits."""
+    return sample_tokens(logits_XV[idx_B], sampling, step_B)
+
+
+# ------------------------------------------------------------------------------------ jitting
+@dataclasses.dataclass(frozen=True)
+class StepShardings:
+    """params: a pytree (prefix) of shardings for the params; cache: the page pools' sharding;
+    small: every other input and output (host arrays, tokens, log-probs, logits)."""
+
+    params: Any
+    cache: jax.sharding.Sharding
+    small: jax.sharding.Sharding
+
+    def cache_tree(self, cache: kv_cache.KVCache) -> kv_cache.KVCache:
+        return jax.tree.map(lambda _: self.cache, cache)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFns:
+    """The jitted step functions (see the module docstring); `prefill(grid)` is built per grid."""
+
+    decode_paged: Callable
+    decode_contiguous: Callable
+    prefill: Callable[[tuple], Callable]
+    sample_first: Callable
+    copy_pages: Callable
+
+
+def build_step_fns(
+    model: ModelDef,
+    cfg: StepConfig,
+    sh: StepShardings,
+    num_layers: int,
+    compiler_options: dict | None = None,
+) -> StepFns:
+    """jax.jit of every step function with explicit in/out shardings; the cache is donated.
+
+    Positional arguments of each (what `.lower` takes):
+      decode_*(params, cache, table i32[S, P], lengths i32[S], tok i32[S], delta i32[S],
+               steps i32[S], gen i32[S], stop i32[S, MAX_STOP_IDS], sampling SlotSampling[S])
+        -> (cache, tok i32[S, C], lp f32[S, C], mlp f32[S, C])
+      prefill(grid)(params, cache, ids i32[B, T], pix f32[n_patches, D] | None,
+               pos i32[3, B, T], table i32[B, P], start i32[B], n i32[B]) -> (cache, f32[B, V])
+      sample_first(logits f32[X, V], idx i32[B], sampling SlotSampling[B], step i32[B])
+        -> (tok i32[B], lp f32[B], mlp f32[B])
+      copy_pages(cache, src i32[n], dst i32[n]) -> cache
+    """
+    cache_sh = kv_cache.KVCache((sh.cache,) * num_layers, (sh.cache,) * num_layers)
+    small = sh.small
+    decode_kw = dict(
+        in_shardings=(sh.params, cache_sh, *[small] * 8),
+        out_shardings=(cache_sh, small, small, small),
+        donate_argnums=(1,),
+        compiler_options=compiler_options,
+    )
+    d_paged = jax.jit(functools.partial(decode_paged, model=model, cfg=cfg), **decode_kw)
+    d_contig = jax.jit(functools.partial(decode_contiguous, model=model, cfg=cfg), **decode_kw)
+
+    @functools.cache
+    def prefill_for(grid: tuple) -> Callable:
+        return jax.jit(
+            functools.partial(prefill, model=model, cfg=cfg, grid=grid),
+            in_shardings=(sh.params, cache_sh, *[small] * 6),
+            out_shardings=(cache_sh, small),
+            donate_argnums=(1,),
+            compiler_options=compiler_options,
+        )
+
+    sample = jax.jit(
+        sample_first, in_shardings=small, out_shardings=small, compiler_options=compiler_options
+    )
+    copy = jax.jit(
+        kv_cache.copy_pages,
+        in_shardings=(cache_sh, small, small),
+        out_shardings=cache_sh,
+        donate_argnums=(0,),
+    )
+    return StepFns(d_paged, d_contig, prefill_for, sample, copy)
+
+
+def decode_arg_shapes(num_slots: int, table_cols: int) -> tuple:
+    """ShapeDtypeStructs of decode_*'s arguments after (params, cache), for `.lower`."""
+    S, i32, f32 = num_slots, jnp.int32, jnp.float32
+    sds = jax.ShapeDtypeStruct
+    sampling = SlotSampling(
+        temperature=sds((S,), f32),
+        top_k=sds((S,), i32),
+        top_p=sds((S,), f32),
+        key_data=sds((S, 2), jnp.uint32),
+        banned=sds((S, MAX_BANNED), i32),
+    )
+    vec = sds((S,), i32)
+    return (
+        sds((S, table_cols), i32),
+        vec,
+        vec,
+        vec,
+        vec,
+        vec,
+        sds((S, MAX_STOP_IDS), i32),
+        sampling,
+    )
+
+
+def prefill_arg_shapes(
+    rows: int, tokens: int, table_cols: int, pixel_shape: tuple[int, int] | None = None
+) -> tuple:
+    """ShapeDtypeStructs of prefill(grid)'s arguments after (params, cache). `pixel_shape`:
+    (patch rows, patch dim) of the images of `grid` (None for a text-only call)."""
+    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    pix = None if pixel_shape is None else sds(pixel_shape, jnp.float32)
+    B, T = rows, tokens
+    return (
+        sds((B, T), i32),
+        pix,
+        sds((3, B, T), i32),
+        sds((B, table_cols), i32),
+        sds((B,), i32),
+        sds((B,), i32),
+    )
+
+
+def abstract_cache(
+    num_layers: int,
+    num_kv_heads: int,
+    num_pages: int,
+    page_size: int,
+    head_dim: int,
+    dtype: Any,
+    sharding: jax.sharding.Sharding | None = None,
+) -> kv_cache.KVCache:
+    """ShapeDtypeStructs of a page cache (for `.lower` without allocating it)."""
+    x = jax.ShapeDtypeStruct(
+        (num_kv_heads, num_pages, page_size, head_dim), dtype, sharding=sharding
+    )
+    return kv_cache.KVCache((x,) * num_layers, (x,) * num_layers)
