@@ -18,3 +18,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# Silent broadcasting bugs fail fast (STYLE.md): operands of different ranks must be broadcast
+# explicitly.
+jax.config.update("jax_numpy_rank_promotion", "raise")
