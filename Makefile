@@ -3,7 +3,7 @@ PY ?= python3.12
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-APT_PKGS := chromium xvfb xdotool wmctrl x11-utils openbox scrot xterm imagemagick fonts-dejavu-core nano x11-xserver-utils
+APT_PKGS := chromium xvfb xdotool wmctrl x11-utils openbox scrot xterm imagemagick fonts-dejavu-core nano x11-xserver-utils postgresql
 
 .PHONY: test smoke venv apt lint
 
