@@ -531,7 +531,6 @@ _DECODE_WINDOW = 256  # first window read at a '{'; then x4 until the error is c
 _DECODE_LOOKAHEAD = 16  # the decoder looks at most this far past the char an error names
 _DECODE_BUDGET_PER_CHAR = 8  # decoded chars per char of text, at most (plus the floor below)
 _DECODE_BUDGET_MIN = 1 << 16
-_OUT, _IN, _ESC = 0, 1, 2  # lexer states: outside a string, inside one, right after a '\'
 
 
 def _object_ends(text: str, start: int, stop: int) -> dict[int, int]:
@@ -540,76 +539,60 @@ def _object_ends(text: str, start: int, stop: int) -> dict[int, int]:
 
     A decoder started at a '{' lexes strings from there, so a '{' inside a string for one start
     is outside every string for another. Starts whose lexers are in the same state at a char
-    agree from then on: they share a *track* (a stack of levels, each the starts that close at
-    the same '}'), and since the lexer has three states at most three tracks are alive; tracks
-    that reach the same state merge. One pass, O(len) plus small-to-large merges.
+    agree from then on: they share a *track*, a stack of levels (each level: the starts that
+    close at the same '}'). The lexer has three states (outside a string, inside one, right
+    after a backslash in one), so there are at most three tracks, one per state; tracks that
+    reach the same state merge. One pass, O(len) plus small-to-large merges.
     """
     ends: dict[int, int] = {}
-    tracks: list[list] = []  # [state, escaped char index, levels: list[list[int]]]
+    out: list[list[int]] | None = None  # the track outside a string
+    inside: list[list[int]] | None = None  # the track inside a string
+    esc: list[list[int]] | None = None  # the track right after a backslash in a string
+    esc_at = -1  # the char that `esc` skips
     for m in _JSON_SPECIAL_RE.finditer(text, start, stop):
         q = m.start()
         c = text[q]
-        joined = dirty = False
-        for t in tracks:
-            state = t[0]
-            if state == _ESC:
-                t[0] = state = _IN
-                dirty = True
-                if q == t[1]:  # this char is escaped
-                    continue
-            if state == _OUT:
-                if c == "{":
-                    n = m.end() - q  # a run of '{': one level each
-                    t[2].extend([[q + j] for j in range(n)])
-                    joined = True
-                elif c == "}":
-                    levels = t[2]  # a run of '}': each closes one level
-                    for j in range(min(m.end() - q, len(levels))):
-                        for s in levels.pop():
-                            ends[s] = q + j
-                    dirty = dirty or not levels
-                elif c == '"':
-                    t[0] = _IN
-                    dirty = True
-            elif c == '"':
-                t[0] = _OUT
-                dirty = True
-            elif c == "\\":
-                t[0], t[1] = _ESC, q + 1
-                dirty = True
-        if c == "{" and not joined:
-            n = m.end() - q
-            tracks.append([_OUT, 0, [[q + j] for j in range(n)]])
-            dirty = len(tracks) > 1
-        if dirty and (
-            len(tracks) > 2
-            or not all(t[2] for t in tracks)
-            or (len(tracks) == 2 and tracks[0][0] == tracks[1][0])
-        ):
-            tracks = _merge_tracks(tracks)
+        escaped = None
+        if esc is not None:
+            if q == esc_at:  # `esc` skips this char, then is inside a string again
+                escaped, esc = esc, None
+            else:  # an ordinary char was escaped
+                inside, esc = _merge_levels(inside, esc), None
+        if c == "{":  # a run of '{': each opens a level and starts an object
+            opened = [[q + j] for j in range(m.end() - q)]
+            if out is None:
+                out = opened
+            else:
+                out.extend(opened)
+        elif c == "}":  # a run of '}': each closes a level
+            if out is not None:
+                for j in range(min(m.end() - q, len(out))):
+                    for s in out.pop():
+                        ends[s] = q + j
+                if not out:
+                    out = None
+        elif c == '"':
+            out, inside = inside, out
+        elif inside is not None:  # a backslash in a string
+            esc, inside, esc_at = inside, None, q + 1
+        if escaped is not None:
+            inside = _merge_levels(inside, escaped)
     return ends
 
 
-def _merge_tracks(tracks: list[list]) -> list[list]:
-    """Drop tracks with no open '{'; merge tracks in the same lexer state (levels aligned at the
-    top: starts at the same depth close at the same '}')."""
-    by_state: dict[int, list] = {}
-    for t in tracks:
-        if not t[2]:
-            continue
-        other = by_state.get(t[0])
-        if other is None:
-            by_state[t[0]] = t
-            continue
-        a, b = (other, t) if len(other[2]) >= len(t[2]) else (t, other)
-        la, lb = a[2], b[2]
-        for k in range(1, len(lb) + 1):
-            x, y = la[-k], lb[-k]
-            if len(x) < len(y):
-                la[-k], x, y = y, y, x
-            x.extend(y)
-        by_state[t[0]] = a
-    return list(by_state.values())
+def _merge_levels(a: list[list[int]] | None, b: list[list[int]] | None) -> list[list[int]] | None:
+    """Two tracks in the same lexer state as one: levels aligned at the top (starts at the same
+    depth close at the same '}'), the smaller lists merged into the larger."""
+    if a is None or b is None:
+        return a if b is None else b
+    if len(a) < len(b):
+        a, b = b, a
+    for k in range(1, len(b) + 1):
+        x, y = a[-k], b[-k]
+        if len(x) < len(y):
+            a[-k], x, y = y, y, x
+        x.extend(y)
+    return a
 
 
 _NOTHING = object()
