@@ -42,8 +42,13 @@ SHORT = [
 
 
 def _cmd(workdir, *extra):
-    return [sys.executable, os.path.join(ROOT, "launch", "tpu.py"), *SHORT, *extra,
-            f"--workdir={workdir}"]  # fmt: skip
+    return [
+        sys.executable,
+        os.path.join(ROOT, "launch", "tpu.py"),
+        *SHORT,
+        *extra,
+        f"--workdir={workdir}",
+    ]
 
 
 def _env():
@@ -64,8 +69,7 @@ def full_run(tmp_path_factory):
     # Rows of an earlier attempt that died before its first checkpoint: the run starts afresh.
     with open(os.path.join(wd, "metrics.jsonl"), "w") as f:
         f.write(json.dumps({"step": 0, "stale_attempt": 1.0}) + "\n")
-    r = subprocess.run(_cmd(wd), cwd=ROOT, env=_env(), capture_output=True, text=True,
-                       timeout=900)  # fmt: skip
+    r = subprocess.run(_cmd(wd), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     return wd
 
@@ -105,8 +109,15 @@ def _comparable(row):
 
 def test_resume_after_sigkill_reproduces_the_following_steps(full_run, tmp_path):
     wd = str(tmp_path / "killed")
-    proc = subprocess.Popen(_cmd(wd), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        _cmd(wd),
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     done_marker = os.path.join(wd, "checkpoints", "1", "commit_success.txt")
     deadline = time.time() + 900
     while not os.path.exists(done_marker):
@@ -115,8 +126,7 @@ def test_resume_after_sigkill_reproduces_the_following_steps(full_run, tmp_path)
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    r = subprocess.run(_cmd(wd), cwd=ROOT, env=_env(), capture_output=True, text=True,
-                       timeout=900)  # fmt: skip
+    r = subprocess.run(_cmd(wd), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     resumed = {row["step"]: row for row in _rows(wd) if row["step"] >= 2}
     reference = {row["step"]: row for row in _rows(full_run) if row["step"] >= 2}
@@ -132,11 +142,18 @@ def test_async_mode_keeps_staleness_within_the_bound(tmp_path):
     """Rollouts keep running while the learner trains; the staleness gate and the store keep
     every trained group within max_steps_off_policy, and the learner's idle share is logged."""
     wd = str(tmp_path / "async")
-    extra = ("--config.rl.mode=async", "--config.total_steps=5", "--config.log.eval_every=5",
-             "--config.rl.filter_zero_variance=False", "--config.env.max_turns=2",
-             "--config.rl.max_steps_off_policy=1", "--config.ckpt.save_every=100")  # fmt: skip
-    r = subprocess.run(_cmd(wd, *extra), cwd=ROOT, env=_env(), capture_output=True, text=True,
-                       timeout=900)  # fmt: skip
+    extra = (
+        "--config.rl.mode=async",
+        "--config.total_steps=5",
+        "--config.log.eval_every=5",
+        "--config.rl.filter_zero_variance=False",
+        "--config.env.max_turns=2",
+        "--config.rl.max_steps_off_policy=1",
+        "--config.ckpt.save_every=100",
+    )
+    r = subprocess.run(
+        _cmd(wd, *extra), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [row for row in _rows(wd) if row["step"] >= 1]
     assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]
@@ -149,9 +166,14 @@ def test_async_mode_keeps_staleness_within_the_bound(tmp_path):
 
 
 def _eval_tool(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "eval.py"), *args],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "eval.py"), *args],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_eval_tool_reproduces_the_runs_eval(full_run, tmp_path):

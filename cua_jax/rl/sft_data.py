@@ -55,9 +55,9 @@ async def oracle_sft_batches(
     from cua_jax.rl.trajectory import trajectory_to_samples
 
     todo = demo_tasks(tasks, episodes_per_task)
-    demos = await agent.demonstrations(
-        pool, todo, recovery_detours(recovery_share, len(todo), seed)
-    )
+    # `recovery_share` of them start with a random click (a miss, mostly): recovery demos.
+    detours = recovery_detours(len(todo), share=recovery_share, seed=seed + 1)
+    demos = await agent.demonstrations(pool, todo, detours)
     good = [d for d in demos if d.success]
     if not good:
         raise RuntimeError("no oracle demonstration succeeded; check the env and task oracles")

@@ -212,8 +212,9 @@ def test_tempered_rollouts_start_at_ratio_one():
         prompt = rng.integers(0, 200, 6 + 3 * i)
         params = SamplingParams(temperature=0.7, seed=i, max_new_tokens=8)
         out = engine.generate_batch([dict(prompt_ids=prompt, params=params)])[0]
-        np.testing.assert_raises(AssertionError, np.testing.assert_allclose,
-                                 out.logprobs, out.model_logprobs, atol=1e-3)  # fmt: skip
+        np.testing.assert_raises(
+            AssertionError, np.testing.assert_allclose, out.logprobs, out.model_logprobs, atol=1e-3
+        )
         turn = Turn(prompt, np.asarray(out.tokens), out.logprobs)
         group.append(Trajectory("t", "g", [turn], reward=float(i), policy_version=0))
     tempered = Learner(model, loss=LossConfig(temperature=0.7), seq_len_buckets=(64,), donate=False)
@@ -256,9 +257,8 @@ def test_padding_patches_to_a_bucket_changes_nothing(learner):
 def test_row_count_is_rounded_to_a_shape_bucket(learner, samples):
     from cua_jax.rl.learner import shape_bucket
 
-    assert [shape_bucket(n) for n in (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33)] == [
-        1, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64,
-    ]  # fmt: skip
+    sizes = (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33)
+    assert [shape_bucket(n) for n in sizes] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64]
     for n in range(1, len(samples) + 1):
         rows = learner.pack(samples[:n]).shape[0]
         assert rows == shape_bucket(rows)

@@ -53,6 +53,27 @@ def test_releases_only_complete_groups_in_order():
         TrajectoryStore(capacity=1, group_size=2)
 
 
+def test_queue_counts_move_a_group_from_ready_to_taken_at_once():
+    """The async staleness gate counts groups ahead of a new one from these two numbers."""
+    st = TrajectoryStore(capacity=8, group_size=2, replay_best=True)
+    assert st.queue_counts() == (0, 0)
+    for gid, reward in (("a", 1.0), ("a", 0.0), ("b", 0.0), ("b", 0.0), ("c", 0.0)):
+        traj = _traj(gid, reward=reward)
+        traj.task_position = {"a": 3, "b": 7, "c": 9}[gid]
+        st.put(traj)
+    assert st.queue_counts() == (2, 0)  # "c" is not complete
+    (ga,) = st.get_groups(1)
+    assert st.queue_counts() == (1, 1)
+    # a replayed success stands in for a rollout of "b" (keep-best replay): still one group
+    # taken, and the stand-in keeps the group's own id and task position
+    st.put(_traj("d"))
+    st.put(_traj("d"))
+    (gb,) = st.get_groups(1)
+    assert st.stats()["replayed"] == 1 and gb[-1].reward == 1.0 and gb[-1].group_id == "b"
+    assert [t.task_position for t in ga + gb] == [3, 3, 7, 7]
+    assert st.queue_counts() == (1, 2)
+
+
 def test_staleness_drops_and_counts_groups():
     st = TrajectoryStore(capacity=8, group_size=2, max_steps_off_policy=1)
     st.put(_traj("old", version=0))
