@@ -67,6 +67,9 @@ def base_config(family: str) -> ConfigDict:
     c.sampler.max_slots = 16
     c.sampler.page_size = 16
     c.sampler.num_pages = 512
+    # > 0: the KV pool takes this share of each device's HBM (pages of K/V sharded over
+    # mesh.tensor; cua_jax.plan.kv_pages_for_budget) instead of a fixed num_pages
+    c.sampler.kv_memory_fraction = 0.0
     c.sampler.max_seq_len = 4096
     c.sampler.decode_chunk = 8
     c.sampler.backend = "auto"  # paged-attention backend: auto | tpu | gpu | interpret | reference

@@ -569,6 +569,7 @@ def _decode_step_fn(graphdef: Any, mesh: Any, page_size: int, scale: float, back
             q_BNH, k_pages, v_pages, table_SP, lengths_S, scale=scale, backend=backend
         )
 
+    new_kv_sh = NamedSharding(mesh, P(None, None, "tensor", None))
     sharded_attention = jax.shard_map(
         attention,
         mesh=mesh,
@@ -579,6 +580,9 @@ def _decode_step_fn(graphdef: Any, mesh: Any, page_size: int, scale: float, back
 
     def step(params, cache, table_SP, lengths_S, tok_S, delta_S):
         model = nnx.merge(graphdef, params)
+        # No backward pass here, so no remat: under jax.checkpoint the attention callback's
+        # K/V writes would be traced inside the checkpoint and never reach the returned pool.
+        model.model.language_model.cfg = model.config.replace(remat="none")
         S = tok_S.shape[0]
         pos = jnp.broadcast_to((lengths_S + delta_S)[None, :, None], (3, S, 1))
         page, off = kv_cache.token_slots(
@@ -587,6 +591,11 @@ def _decode_step_fn(graphdef: Any, mesh: Any, page_size: int, scale: float, back
         ks, vs = list(cache.k), list(cache.v)
 
         def attn_fn(li, q_BTNH, k_BTKH, v_BTKH):
+            # New K/V laid out as the pool (kv heads over tensor, whole over data / fsdp):
+            # otherwise the partitioner scatters into a resharded copy of the whole pool.
+            k_BTKH, v_BTKH = (
+                jax.lax.with_sharding_constraint(x, new_kv_sh) for x in (k_BTKH, v_BTKH)
+            )
             ks[li], vs[li] = kv_cache.write_kv(ks[li], vs[li], k_BTKH, v_BTKH, page, off)
             o = sharded_attention(q_BTNH[:, 0], ks[li], vs[li], table_SP, lengths_S + 1)
             return o[:, None].astype(q_BTNH.dtype)
