@@ -419,12 +419,14 @@ class VMEnv:
     # ------------------------------------------------------------------------- evaluate
 
     async def evaluate(self) -> float:
-        """The task's evaluator on the current VM state; 0.0 after a fault."""
+        """The task's evaluator on the current VM state. A VM that faulted during the episode,
+        or that fails while the evaluator runs, raises `EnvError`: the episode is an
+        infrastructure fault, never a 0-score failure."""
         if self._ot is None:
             raise EnvError("VMEnv.evaluate() before reset()")
         if self._fault is not None:
             self.last_eval = osworld.EvalResult(0.0, [{"error": self._fault}])
-            return 0.0
+            raise EnvError(f"cannot evaluate: the VM faulted in this episode: {self._fault}")
         try:
             self.last_eval = await osworld.evaluate(
                 self.client,
@@ -435,7 +437,7 @@ class VMEnv:
         except (VMError, osworld.SetupError, OSError) as e:
             self._fault = f"{type(e).__name__}: {e}"
             self.last_eval = osworld.EvalResult(0.0, [{"error": self._fault}])
-            return 0.0
+            raise EnvError(f"the VM failed while the evaluator ran: {self._fault}") from e
         return self.last_eval.score
 
     async def oracle_actions(self) -> list[Action]:

@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from cua_jax.actions import Click, TypeText
-from cua_jax.env_api import INFO_DONE_REASON, INFO_ERROR, Task
+from cua_jax.env_api import INFO_DONE_REASON, INFO_ERROR, EnvError, Task
 from envs.vm import osworld
 from envs.vm.env import VMEnv, task_from_osworld
 from envs.vm.providers import DesktopPool, LocalDesktop, PoolExhaustedError, Remote
@@ -71,7 +71,9 @@ def test_server_killed_mid_episode_ends_it_and_provider_recreates(xserver, aio):
             os.kill(old_pid, signal.SIGKILL)
             res = await env.step(Click(240, 160))  # must not raise
             after = await env.step(TypeText("ls\n"))
-            score = await env.evaluate()
+            with pytest.raises(EnvError, match="faulted in this episode"):
+                await env.evaluate()  # an infrastructure fault, never a 0-score failure
+            score = env.last_eval.score
             # The next episode: the pool recreates the desktop and the task runs normally.
             await env.reset(MKDIR)
             for a in MKDIR.oracle:
