@@ -1,7 +1,8 @@
 """The agent loop: episodes of a policy in an environment, recorded as `Trajectory`s.
 
-Each turn renders the conversation, asks the sampler for a continuation, parses the action and
-steps the env:
+Each turn renders the conversation, asks the episode's policy for a continuation (the sampler,
+or the env's oracle for demonstrations: `cua_jax.rl.policies`), parses the action and steps the
+env:
 
     system: the action tool's schema (from cua_jax.actions)
     user:   [screenshot_0] instruction
@@ -17,7 +18,9 @@ is dropped the prompt no longer extends the previous sequence, the turn is recor
 `extends_previous=False`, and the sampler recomputes.
 
 A model output that does not parse is not an error: the env receives the `InvalidAction`, answers
-with feedback, and the episode goes on (it counts towards `invalid_actions`).
+with feedback, and the episode goes on (it counts towards `invalid_actions`). Faults of the
+infrastructure (the env, the sampler, the task's checker) end the episode without raising and
+mark it `Trajectory.infra_fault`, so it is neither trained on nor counted as a failure.
 """
 
 from __future__ import annotations
@@ -385,7 +388,6 @@ class AgentLoop:
             self.settings.max_history_images,
         )
         invalid = 0
-        done = False
         feedback = ""
         # The task's own step budget, within the trainer's cap on turns.
         for turn in range(min(self.settings.max_turns, task.max_steps)):
@@ -393,14 +395,14 @@ class AgentLoop:
                 screens.append(obs.screenshot)
             prompt = transcript.prompt(feedback, obs.screenshot)
             ctx = TurnContext(
-                env,
-                task,
-                turn,
-                obs.screenshot,
-                space,
-                prompt.ids,
-                prompt.pixel_values,
-                prompt.grid,
+                env=env,
+                task=task,
+                turn=turn,
+                screenshot=obs.screenshot,
+                space=space,
+                prompt_ids=prompt.ids,
+                pixel_values=prompt.pixel_values,
+                image_grid_thw=prompt.grid,
             )
             t0 = time.perf_counter()
             reply = await policy.act(ctx)
@@ -412,23 +414,10 @@ class AgentLoop:
             transcript.reply(gen_ids)
             acts = self.fmt.parse(self.tokenizer.decode(gen_ids), space)
             t0 = time.perf_counter()
-            results = []
-            for act in acts:
-                try:
-                    res = await env.step(act)
-                except Exception as e:  # noqa: BLE001 -- Env.step must not raise; if it does,
-                    traj.failure_reason = _fault("step", e)  # it is the env's fault
-                    done = True
-                    break
-                results.append(res)
-                if isinstance(act, A.InvalidAction):
-                    invalid += 1
-                if res.done:
-                    done = True
-                    if res.info.get(INFO_ERROR):
-                        traj.failure_reason = f"env_error: {res.info[INFO_ERROR]}"
-                    break
+            results, n_invalid, done, fault = await _step_all(env, acts)
             timings["env"] += time.perf_counter() - t0
+            invalid += n_invalid
+            traj.failure_reason = fault or traj.failure_reason
             feedback = self.feedback_for(results)
             traj.turns.append(
                 Turn(
@@ -450,14 +439,7 @@ class AgentLoop:
             traj.failure_reason = traj.failure_reason or "max_turns"
         traj.policy_version = policy.finish()
         t0 = time.perf_counter()
-        if traj.failure_reason and traj.failure_reason.startswith("env_error"):
-            score = 0.0  # the env is gone: nothing to score
-        else:
-            try:
-                score = float(await env.evaluate())
-            except Exception as e:  # noqa: BLE001 -- a broken checker fails this episode only
-                traj.failure_reason = f"evaluate_error: {type(e).__name__}: {e}"
-                score = 0.0
+        score = await _score(env, traj)
         timings["evaluate"] = time.perf_counter() - t0
         timings["total"] = time.perf_counter() - t_start
         timings["invalid_actions"] = float(invalid)
@@ -564,6 +546,36 @@ class AgentLoop:
                 )
 
         return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
+
+
+async def _step_all(env: Env, acts: Sequence[A.Action]) -> tuple[list[Any], int, bool, str | None]:
+    """Steps the turn's actions in order until one ends the episode: (step results, invalid
+    actions among those stepped, the episode is over, the env fault that ended it or None)."""
+    results, invalid = [], 0
+    for act in acts:
+        try:
+            res = await env.step(act)
+        except Exception as e:  # noqa: BLE001 -- Env.step must not raise; if it does, the env
+            return results, invalid, True, _fault("step", e)  # is broken, not the policy
+        results.append(res)
+        if isinstance(act, A.InvalidAction):
+            invalid += 1
+        if res.done:
+            error = res.info.get(INFO_ERROR)
+            return results, invalid, True, f"env_error: {error}" if error else None
+    return results, invalid, False, None
+
+
+async def _score(env: Env, traj: Trajectory) -> float:
+    """The task's score from the env's checker; a checker that raises (say, on a dead browser)
+    sets `traj.failure_reason` to an `evaluate_error` (an infrastructure fault) and scores 0."""
+    if traj.failure_reason and traj.failure_reason.startswith("env_error"):
+        return 0.0  # the env is gone: nothing to score
+    try:
+        return float(await env.evaluate())
+    except Exception as e:  # noqa: BLE001 -- a broken checker fails this episode only
+        traj.failure_reason = f"evaluate_error: {type(e).__name__}: {e}"
+        return 0.0
 
 
 def count_infra_faults(trajs: Sequence[Trajectory]) -> int:
