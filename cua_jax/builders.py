@@ -3,7 +3,7 @@
     model, processor = build_model_and_processor(config, mesh, rules)
     init_model_weights(model, config)           # config.ckpt.init_params_from, if set
     learner = build_learner(model, config, mesh, rules, sft=False)
-    engine = build_engine(learner.model, config, processor.tokenizer)
+    engine = build_engine(learner.model, config, processor.tokenizer, mesh=mesh, rules=rules)
     agent = AgentLoop(engine, processor, build_rollout_settings(config, learner.model))
 
 Model hand-off: `Learner` takes ownership of the model it is given (it applies LoRA, shards it on
@@ -144,13 +144,17 @@ def build_learner(model: Any, config: Any, mesh: Any, rules: Any, *, sft: bool):
     )
 
 
-def build_engine(model: Any, config: Any, tokenizer: Any):
-    """The paged sampler over `model` (a learner's `learner.model` when one trains it)."""
+def build_engine(model: Any, config: Any, tokenizer: Any, *, mesh: Any, rules: Any):
+    """The paged sampler over `model` (a learner's `learner.model` when one trains it) on the
+    run's `mesh`: parameters already sharded there (the learner's) are decoded in place, K/V
+    pages are sharded over `tensor`."""
     from cua_jax.sampler import Engine
 
     sc = config.sampler
     return Engine(
         model,
+        mesh=mesh,
+        rules=rules,
         max_slots=sc.max_slots,
         page_size=sc.page_size,
         num_pages=sc.num_pages,

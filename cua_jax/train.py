@@ -108,7 +108,9 @@ async def run(
             resume_from.close()
     else:  # a rerun of a run that died before its first checkpoint starts its metrics afresh
         writer.truncate_after(-1)
-    engine = builders.build_engine(learner.model, config, processor.tokenizer)
+    engine = builders.build_engine(
+        learner.model, config, processor.tokenizer, mesh=mesh, rules=rules
+    )
     engine.update_params(learner.params_for_sampler(), learner.version)
     agent = AgentLoop(engine, processor, builders.build_rollout_settings(config, learner.model))
     progress = metrics_lib.Progress(

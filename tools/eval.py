@@ -127,7 +127,7 @@ def main(argv: list[str]) -> None:
         builders.init_model_weights(model, config)
     out_dir = _OUT.value or os.path.join(_WORKDIR.value, "eval", f"step_{step}")
     os.makedirs(out_dir, exist_ok=True)
-    engine = builders.build_engine(model, config, processor.tokenizer)
+    engine = builders.build_engine(model, config, processor.tokenizer, mesh=mesh, rules=rules)
     agent = AgentLoop(engine, processor, builders.build_rollout_settings(config, model))
 
     bar = metrics_lib.Progress(len(tasks), desc="eval")
