@@ -1,0 +1,93 @@
+"""The main job on the test session's 8 forced host devices with `mesh.fsdp=-1`: the learner
+shards the policy over all of them and the sampler decodes those very arrays (`learner.model`,
+`build_engine(mesh=...)`), so rollouts run and a GRPO step trains.
+
+Before the engine took the run's mesh, every rollout of such a run failed (the KV pool sat on
+device 0, the parameters on 8 devices) and the run trained on nothing, silently. The env is a
+stand-in (a blank screen, one turn, alternating scores), so the test needs no browser.
+"""
+
+import contextlib
+import json
+import os
+
+import jax
+import numpy as np
+
+from configs.qwen3vl_grpo import get_config
+from cua_jax import train
+from cua_jax.env_api import Observation, StepResult, Task
+
+
+class _BlankEnv:
+    """One-turn episodes on a blank screen; scores alternate 1, 0 so groups carry a signal."""
+
+    scored = 0
+
+    def __init__(self, size):
+        self.screen = np.full((size[1], size[0], 3), 255, np.uint8)
+
+    async def reset(self, task, seed=None):
+        return Observation(self.screen, task.instruction)
+
+    async def step(self, action):
+        return StepResult(Observation(self.screen, ""), done=True)
+
+    async def evaluate(self):
+        _BlankEnv.scored += 1
+        return float(_BlankEnv.scored % 2)
+
+    async def close(self):
+        pass
+
+
+class _Pool:
+    def __init__(self, size):
+        self.size = size
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return False
+
+    def __len__(self):
+        return 2
+
+    @contextlib.asynccontextmanager
+    async def acquire(self):
+        yield _BlankEnv(self.size)
+
+
+def _load_tasks(sources):
+    if sources[0]["source_type"] == "none":
+        return []
+    return [
+        Task(id=f"blank/t{i}", instruction="click", source="blank", max_steps=1) for i in range(2)
+    ]
+
+
+def test_one_grpo_step_on_all_forced_devices(tmp_path):
+    assert len(jax.devices()) == 8  # tests/conftest.py
+    c = get_config("smoke")
+    c.total_steps = 1
+    c.sft.steps = 0
+    c.mesh.fsdp = -1
+    c.rl.group_size = 2
+    c.rl.groups_per_batch = 1
+    c.rl.max_tokens = 8
+    c.env.max_turns = 1
+    c.env.concurrency = 2
+    c.env.viewport_width = c.env.viewport_height = 64  # a few image tokens
+    c.log.progress = False
+    c.log.tensorboard = False
+    c.compile_cache_dir = ""
+    c.eval_tasks = ({"source_type": "none"},)
+    size = (c.env.viewport_width, c.env.viewport_height)
+    train.main(c, str(tmp_path), env_factory=lambda: _Pool(size), load_tasks=_load_tasks)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    (step1,) = [r for r in rows if r["step"] == 1]
+    assert step1["rollout/env_failures"] == 0.0 and step1["rollout/faults_sampler_error"] == 0.0
+    assert step1["rollout/generated_tokens"] > 0 and step1["train/samples"] == 2.0
+    assert np.isfinite(step1["train/loss"]) and step1["train/version"] == 1.0
+    assert os.listdir(tmp_path / "checkpoints") == ["1"]
