@@ -3,8 +3,9 @@ shards the policy over all of them and the sampler decodes those very arrays (`l
 `build_engine(mesh=...)`), so rollouts run and a GRPO step trains.
 
 Before the engine took the run's mesh, every rollout of such a run failed (the KV pool sat on
-device 0, the parameters on 8 devices) and the run trained on nothing, silently. The env is a
-stand-in (a blank screen, one turn, alternating scores), so the test needs no browser.
+device 0, the parameters on 8 devices) and the run trained on nothing, silently. The same job
+with a NaN learning rate stops at the first NaN loss. The env is a stand-in (a blank screen, one
+turn, alternating scores), so the tests need no browser.
 """
 
 import contextlib
@@ -13,10 +14,12 @@ import os
 
 import jax
 import numpy as np
+import pytest
 
 from configs.qwen3vl_grpo import get_config
 from cua_jax import train
 from cua_jax.env_api import Observation, StepResult, Task
+from cua_jax.rl.learner import NonFiniteError
 
 
 class _BlankEnv:
@@ -67,8 +70,7 @@ def _load_tasks(sources):
     ]
 
 
-def test_one_grpo_step_on_all_forced_devices(tmp_path):
-    assert len(jax.devices()) == 8  # tests/conftest.py
+def _config():
     c = get_config("smoke")
     c.total_steps = 1
     c.sft.steps = 0
@@ -83,6 +85,12 @@ def test_one_grpo_step_on_all_forced_devices(tmp_path):
     c.log.tensorboard = False
     c.compile_cache_dir = ""
     c.eval_tasks = ({"source_type": "none"},)
+    return c
+
+
+def test_one_grpo_step_on_all_forced_devices(tmp_path):
+    assert len(jax.devices()) == 8  # tests/conftest.py
+    c = _config()
     size = (c.env.viewport_width, c.env.viewport_height)
     train.main(c, str(tmp_path), env_factory=lambda: _Pool(size), load_tasks=_load_tasks)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
@@ -91,3 +99,18 @@ def test_one_grpo_step_on_all_forced_devices(tmp_path):
     assert step1["rollout/generated_tokens"] > 0 and step1["train/samples"] == 2.0
     assert np.isfinite(step1["train/loss"]) and step1["train/version"] == 1.0
     assert os.listdir(tmp_path / "checkpoints") == ["1"]
+
+
+def test_a_nan_loss_stops_the_run_naming_the_step_and_the_last_good_checkpoint(tmp_path):
+    """A NaN learning rate turns every parameter NaN in step 1 (whose own loss is finite); step
+    2's loss is NaN and the run stops there, pointing at step 1's checkpoint."""
+    c = _config()
+    c.total_steps = 2
+    c.ckpt.save_every = 1
+    c.ckpt.keep = 5
+    c.rl.learning_rate = float("nan")
+    size = (c.env.viewport_width, c.env.viewport_height)
+    ckpts = os.path.join(str(tmp_path), "checkpoints")
+    with pytest.raises(NonFiniteError, match=rf"GRPO step 2: loss is nan.*{ckpts}/1\b"):
+        train.main(c, str(tmp_path), env_factory=lambda: _Pool(size), load_tasks=_load_tasks)
+    assert sorted(os.listdir(ckpts)) == ["1"]  # the NaN step is not saved
