@@ -1,0 +1,154 @@
+"""The Engine on a mesh of forced host devices (tests/conftest.py forces 8) == on one device.
+
+* colocated: the learner's sharded parameters (fsdp x tensor, data x tensor) are used in place,
+  K/V pages are split by kv head over `tensor`, and greedy and sampled outputs (text, images, a
+  second turn reusing the session's cached K/V) are token-identical to a 1-device Engine;
+* disaggregated: an Engine on its own 2-device sub-mesh takes parameters that live on another
+  mesh, at construction and in update_params (resharded onto its devices);
+* the randomized multi-turn stress workload (GRPO groups, preemption, weight updates) on a
+  4-device mesh equals each turn run alone on one device.
+"""
+
+import asyncio
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from cua_jax import sharding as shd  # noqa: E402
+from cua_jax.models import qwen_vl  # noqa: E402
+from cua_jax.sampler import Engine, SamplingParams  # noqa: E402
+from tests.models.hf_tiny import image_inputs, prompt_ids  # noqa: E402
+from tests.sampler import test_engine_stress as stress  # noqa: E402
+
+KW = dict(max_slots=4, page_size=8, num_pages=64, max_seq_len=128, decode_chunk=4)
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_new_tokens=6)
+
+
+def _model(family: str, mesh=None):
+    model = qwen_vl.init_random(qwen_vl.tiny(family), seed=1)
+    return shd.shard_model(model, mesh) if mesh is not None else model
+
+
+def _run(engine, family):
+    """Two text prompts (one sampled), then a two-turn session with a screenshot per turn."""
+    pv, grid = image_inputs(family, [(56, 56), (56, 56)], seed=4)
+    per = int(np.prod(grid[0]))
+    p1 = prompt_ids(grid[:1], [5, 4], seed=1)
+    outs = engine.generate_batch(
+        [
+            dict(prompt_ids=prompt_ids(None, [5], seed=2), params=GREEDY),
+            dict(prompt_ids=prompt_ids(None, [13], seed=3), params=SAMPLED),
+            dict(
+                prompt_ids=p1,
+                pixel_values=pv[:per],
+                image_grid_thw=grid[:1],
+                params=GREEDY,
+                session_id="ep",
+            ),
+        ]
+    )
+    p2 = np.concatenate([p1, outs[2].tokens, prompt_ids(grid[1:], [3, 4], seed=5)])
+    (turn2,) = engine.generate_batch(
+        [dict(prompt_ids=p2, pixel_values=pv, image_grid_thw=grid, params=GREEDY, session_id="ep")]
+    )
+    assert turn2.num_cached_tokens == len(p1) + len(outs[2].tokens) - 1
+    engine.drop_session("ep")
+    engine.check_pages()
+    return [*outs, turn2]
+
+
+def _assert_same(outs, want):
+    for o, w in zip(outs, want, strict=True):
+        assert (o.tokens, o.finish_reason) == (w.tokens, w.finish_reason)
+        np.testing.assert_allclose(o.logprobs, w.logprobs, atol=1e-5)
+        np.testing.assert_allclose(o.model_logprobs, w.model_logprobs, atol=1e-5)
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def reference(request):
+    family = request.param
+    return family, _run(Engine(_model(family), **KW), family)
+
+
+@pytest.mark.parametrize("axes", [(1, 4, 2), (4, 1, 2)], ids=["fsdp4xtensor2", "data4xtensor2"])
+def test_colocated_mesh_equals_one_device(reference, axes):
+    family, want = reference
+    mesh = shd.make_mesh(*axes)
+    model = _model(family, mesh)
+    engine = Engine(model, mesh=mesh, **KW)
+    # The learner's arrays themselves (no gather, no copy), and pages split by kv head.
+    for mine, theirs in zip(
+        jax.tree.leaves(engine._state), jax.tree.leaves(nnx.state(model, nnx.Param)), strict=True
+    ):
+        assert mine is theirs
+    assert jax.tree.leaves(nnx.state(model, nnx.Param))[0].sharding.spec != PartitionSpec()
+    for k in engine.cache.k:
+        assert k.sharding.mesh == mesh and k.sharding.spec == PartitionSpec("tensor")
+        assert k.addressable_shards[0].data.shape[0] == model.config.text.num_key_value_heads // 2
+    _assert_same(_run(engine, family), want)
+
+
+def test_disaggregated_sampler_mesh_reshards_updates():
+    """Learner on devices 0-3 (fsdp 2 x tensor 2), sampler on devices 4-5 (tensor 2)."""
+    family = "qwen2_5_vl"
+    devices = jax.devices()
+    learner_mesh = shd.make_mesh(1, 2, 2, devices=devices[:4])
+    sampler_mesh = shd.make_mesh(1, 1, 2, devices=devices[4:6])
+    learner_model = _model(family, learner_mesh)
+    engine = Engine(learner_model, mesh=sampler_mesh, **KW)
+    on_sampler = {d.id for d in devices[4:6]}
+    assert all({d.id for d in x.devices()} <= on_sampler for x in jax.tree.leaves(engine._state))
+    # A weight update on the learner's mesh: resharded onto the sampler's devices.
+    other = qwen_vl.init_random(qwen_vl.tiny(family), seed=9)
+    ref = Engine(other, **KW)
+    p = prompt_ids(None, [9], seed=6)
+    reqs = [dict(prompt_ids=p, params=GREEDY), dict(prompt_ids=p, params=SAMPLED)]
+    engine.update_params(shd.shard_model(other, learner_mesh), version=5)
+    outs = engine.generate_batch(reqs)
+    assert all(o.version == 5 for o in outs)
+    assert all({d.id for d in x.devices()} <= on_sampler for x in jax.tree.leaves(engine._state))
+    _assert_same(outs, ref.generate_batch(reqs))
+
+
+def test_stress_workload_on_a_4_device_mesh(hf_model_qwen25):
+    """test_engine_stress's randomized workload (seed 20: preemption, sessions, GRPO groups,
+    weight updates) on an fsdp 2 x tensor 2 mesh: every turn equals that turn run alone on one
+    device."""
+    model = hf_model_qwen25
+    mesh = shd.make_mesh(1, 2, 2, devices=jax.devices()[:4])
+    graphdef, state = nnx.split(model)
+    sharded = nnx.merge(graphdef, jax.tree.map(jax.numpy.copy, state))
+    shd.shard_model(sharded, mesh)
+    images = [
+        image_inputs(stress.FAM, [s], seed=i) for i, s in enumerate([(56, 56), (56, 84), (84, 56)])
+    ]
+    engine = Engine(
+        sharded, max_slots=4, page_size=2, num_pages=18, max_seq_len=34, decode_chunk=5, mesh=mesh
+    )
+    log = asyncio.run(stress._workload(engine, sharded, images, 20))
+    engine.check_pages()
+    assert engine.stats["preemptions"] > 0 and engine.stats["cached_tokens"] > 0
+    assert engine.version == 3
+    ref = Engine(
+        model,
+        max_slots=1,
+        page_size=8,
+        num_pages=64,
+        max_seq_len=256,
+        decode_chunk=4,
+        share_prefix=False,
+    )
+    for ids, pv, grid, p, out in log:
+        (want,) = ref.generate_batch(
+            [dict(prompt_ids=ids, pixel_values=pv, image_grid_thw=grid, params=p)]
+        )
+        assert (out.tokens, out.finish_reason) == (want.tokens, want.finish_reason)
+        np.testing.assert_allclose(out.logprobs, want.logprobs, atol=1e-5)
+        np.testing.assert_allclose(out.model_logprobs, want.model_logprobs, atol=1e-5)
