@@ -111,18 +111,14 @@ class SamplerPolicy:
         self.session = session
         self.seeds = seeds
         self.shaped_reward = not greedy
-
-        def params(turn: int) -> Any:
-            return SamplingParams(
-                temperature=0.0 if greedy else temperature,
-                top_p=1.0 if greedy else top_p,
-                seed=seeds(turn),
-                max_new_tokens=max_new_tokens,
-                stop_token_ids=tuple(stop_token_ids),
-                banned_token_ids=tuple(banned_token_ids),
-            )
-
-        self._params = params
+        # Every turn's settings but the seed.
+        self.params = SamplingParams(
+            temperature=0.0 if greedy else temperature,
+            top_p=1.0 if greedy else top_p,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=tuple(stop_token_ids),
+            banned_token_ids=tuple(banned_token_ids),
+        )
         # The weights that produced each turn (from the sampler's outputs: a weight update
         # handed to the engine is applied at its next scheduling step, not at once).
         self.versions: list[int] = []
@@ -132,7 +128,7 @@ class SamplerPolicy:
             ctx.prompt_ids,
             ctx.pixel_values,
             ctx.image_grid_thw,
-            params=self._params(ctx.turn),
+            params=dataclasses.replace(self.params, seed=self.seeds(ctx.turn)),
             session_id=self.session,
         )
         if out.finish_reason == "error":
