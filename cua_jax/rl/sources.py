@@ -381,6 +381,8 @@ class AsyncRollouts(RolloutSource):
             groups = get.result()
         except StoreClosed:
             raise self._producer_error(step) from None
+        except TimeoutError as e:  # rollouts run but no group completes (or all arrive stale)
+            raise RolloutError(f"step {step + 1}: {e}") from e
         return Rollouts(groups, [], {"idle": time.perf_counter() - t0})
 
     def _producer_error(self, step: int) -> RolloutError:
