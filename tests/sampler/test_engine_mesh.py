@@ -1,12 +1,13 @@
 """The Engine on a mesh of forced host devices (tests/conftest.py forces 8) == on one device.
 
-* colocated: the learner's sharded parameters (fsdp x tensor, data x tensor) are used in place,
+* colocated: the learner's sharded parameters (fsdp x tensor for Qwen2.5-VL, data x tensor for
+  Qwen3-VL) are used in place,
   K/V pages are split by kv head over `tensor`, and greedy and sampled outputs (text, images, a
   second turn reusing the session's cached K/V) are token-identical to a 1-device Engine;
 * disaggregated: an Engine on its own 2-device sub-mesh takes parameters that live on another
   mesh, at construction and in update_params (resharded onto its devices);
 * the randomized multi-turn stress workload (GRPO groups, preemption, weight updates) on a
-  4-device mesh equals each turn run alone on one device.
+  4-device mesh gives every turn what the same workload gives on one device.
 """
 
 import asyncio
@@ -71,84 +72,92 @@ def _assert_same(outs, want):
         np.testing.assert_allclose(o.model_logprobs, w.model_logprobs, atol=1e-5)
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
-def reference(request):
-    family = request.param
-    return family, _run(Engine(_model(family), **KW), family)
+@pytest.fixture(scope="module")
+def reference():
+    """Outputs of `_run` on one device, per family (computed on first use)."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = _run(Engine(_model(family), **KW), family)
+        return cache[family]
+
+    return get
 
 
-@pytest.mark.parametrize("axes", [(1, 4, 2), (4, 1, 2)], ids=["fsdp4xtensor2", "data4xtensor2"])
-def test_colocated_mesh_equals_one_device(reference, axes):
-    family, want = reference
+def _check_placement(engine, model, mesh):
+    for k in engine.cache.k:  # pages split by kv head over `tensor`, replicated elsewhere
+        assert k.sharding.mesh == mesh and k.sharding.spec == PartitionSpec("tensor")
+        assert k.addressable_shards[0].data.shape[0] == model.config.text.num_key_value_heads // 2
+
+
+# Both families and both colocated mesh shapes are covered with one Engine each (compiles are
+# what costs time here), plus a sampler on its own sub-mesh.
+@pytest.mark.parametrize(
+    "family,axes",
+    [("qwen2_5_vl", (1, 4, 2)), ("qwen3_vl", (4, 1, 2))],
+    ids=["qwen2_5_vl-fsdp4xtensor2", "qwen3_vl-data4xtensor2"],
+)
+def test_colocated_mesh_equals_one_device(reference, family, axes):
     mesh = shd.make_mesh(*axes)
     model = _model(family, mesh)
     engine = Engine(model, mesh=mesh, **KW)
-    # The learner's arrays themselves (no gather, no copy), and pages split by kv head.
-    for mine, theirs in zip(
-        jax.tree.leaves(engine._state), jax.tree.leaves(nnx.state(model, nnx.Param)), strict=True
-    ):
-        assert mine is theirs
-    assert jax.tree.leaves(nnx.state(model, nnx.Param))[0].sharding.spec != PartitionSpec()
-    for k in engine.cache.k:
-        assert k.sharding.mesh == mesh and k.sharding.spec == PartitionSpec("tensor")
-        assert k.addressable_shards[0].data.shape[0] == model.config.text.num_key_value_heads // 2
-    _assert_same(_run(engine, family), want)
+    # The learner's arrays themselves: no gather, no copy.
+    theirs = jax.tree.leaves(nnx.state(model, nnx.Param))
+    for mine, their in zip(jax.tree.leaves(engine._state), theirs, strict=True):
+        assert mine is their
+    assert any(x.sharding.spec != PartitionSpec() for x in theirs)
+    _check_placement(engine, model, mesh)
+    _assert_same(_run(engine, family), reference(family))
 
 
-def test_disaggregated_sampler_mesh_reshards_updates():
-    """Learner on devices 0-3 (fsdp 2 x tensor 2), sampler on devices 4-5 (tensor 2)."""
-    family = "qwen2_5_vl"
+def test_disaggregated_sampler_mesh_reshards_updates(reference):
+    """Learner on devices 0-3 (fsdp 2 x tensor 2), sampler on devices 4-5 (tensor 2). The
+    sampler starts from other weights; update_params brings the learner's, resharded onto the
+    sampler's devices, and the outputs then equal the 1-device run of the learner's weights."""
+    family = "qwen3_vl"
     devices = jax.devices()
     learner_mesh = shd.make_mesh(1, 2, 2, devices=devices[:4])
     sampler_mesh = shd.make_mesh(1, 1, 2, devices=devices[4:6])
-    learner_model = _model(family, learner_mesh)
-    engine = Engine(learner_model, mesh=sampler_mesh, **KW)
+    start = shd.shard_model(qwen_vl.init_random(qwen_vl.tiny(family), seed=9), learner_mesh)
+    engine = Engine(start, mesh=sampler_mesh, **KW)
     on_sampler = {d.id for d in devices[4:6]}
     assert all({d.id for d in x.devices()} <= on_sampler for x in jax.tree.leaves(engine._state))
-    # A weight update on the learner's mesh: resharded onto the sampler's devices.
-    other = qwen_vl.init_random(qwen_vl.tiny(family), seed=9)
-    ref = Engine(other, **KW)
-    p = prompt_ids(None, [9], seed=6)
-    reqs = [dict(prompt_ids=p, params=GREEDY), dict(prompt_ids=p, params=SAMPLED)]
-    engine.update_params(shd.shard_model(other, learner_mesh), version=5)
-    outs = engine.generate_batch(reqs)
+    engine.update_params(_model(family, learner_mesh), version=5)
+    outs = _run(engine, family)
     assert all(o.version == 5 for o in outs)
     assert all({d.id for d in x.devices()} <= on_sampler for x in jax.tree.leaves(engine._state))
-    _assert_same(outs, ref.generate_batch(reqs))
+    _check_placement(engine, start, sampler_mesh)
+    _assert_same(outs, reference(family))
 
 
-def test_stress_workload_on_a_4_device_mesh(hf_model_qwen25):
-    """test_engine_stress's randomized workload (seed 20: preemption, sessions, GRPO groups,
-    weight updates) on an fsdp 2 x tensor 2 mesh: every turn equals that turn run alone on one
-    device."""
-    model = hf_model_qwen25
-    mesh = shd.make_mesh(1, 2, 2, devices=jax.devices()[:4])
-    graphdef, state = nnx.split(model)
-    sharded = nnx.merge(graphdef, jax.tree.map(jax.numpy.copy, state))
-    shd.shard_model(sharded, mesh)
+def _logged(log):
+    """{(prompt, sampling params): output} of a stress workload's turns."""
+    out = {}
+    for ids, _, _, p, o in log:
+        assert (tuple(ids), p) not in out
+        out[tuple(ids), p] = o
+    return out
+
+
+def test_stress_workload_on_a_4_device_mesh():
+    """test_engine_stress's randomized workload (preemption, session reuse, GRPO groups, weight
+    updates) on an fsdp 2 x tensor 2 mesh gives every turn exactly what the same workload gives
+    on one device (where test_engine_stress shows each turn equals that turn run alone)."""
     images = [
         image_inputs(stress.FAM, [s], seed=i) for i, s in enumerate([(56, 56), (56, 84), (84, 56)])
     ]
-    engine = Engine(
-        sharded, max_slots=4, page_size=2, num_pages=18, max_seq_len=34, decode_chunk=5, mesh=mesh
-    )
-    log = asyncio.run(stress._workload(engine, sharded, images, 20))
-    engine.check_pages()
-    assert engine.stats["preemptions"] > 0 and engine.stats["cached_tokens"] > 0
-    assert engine.version == 3
-    ref = Engine(
-        model,
-        max_slots=1,
-        page_size=8,
-        num_pages=64,
-        max_seq_len=256,
-        decode_chunk=4,
-        share_prefix=False,
-    )
-    for ids, pv, grid, p, out in log:
-        (want,) = ref.generate_batch(
-            [dict(prompt_ids=ids, pixel_values=pv, image_grid_thw=grid, params=p)]
+    mesh = shd.make_mesh(1, 2, 2, devices=jax.devices()[:4])
+    logs = []
+    for m in (mesh, None):
+        model = _model(stress.FAM, m)
+        engine = Engine(
+            model, max_slots=4, page_size=2, num_pages=18, max_seq_len=34, decode_chunk=5, mesh=m
         )
-        assert (out.tokens, out.finish_reason) == (want.tokens, want.finish_reason)
-        np.testing.assert_allclose(out.logprobs, want.logprobs, atol=1e-5)
-        np.testing.assert_allclose(out.model_logprobs, want.model_logprobs, atol=1e-5)
+        logs.append(_logged(asyncio.run(stress._workload(engine, model, images, 20))))
+        engine.check_pages()
+        assert engine.stats["preemptions"] > 0 and engine.stats["cached_tokens"] > 0
+        assert engine.version == 3
+    on_mesh, alone = logs
+    assert on_mesh.keys() == alone.keys() and len(alone) > 8
+    _assert_same([on_mesh[k] for k in alone], list(alone.values()))
