@@ -14,6 +14,7 @@ import json
 import os
 from typing import Any
 
+from cua_jax.config_limits import LimitError, check_limits
 from cua_jax.sampler.kernels.paged_attention import GpuKernelOptions
 
 # Keys whose value must be one of a fixed set.
@@ -32,21 +33,6 @@ ENUMS = {
     "env.system_prompt": ("tools", "compact"),
     "sampler.backend": ("auto", "tpu", "gpu", "interpret", "reference"),
 }
-
-# Counts that must be >= 1.
-POSITIVE = (
-    "rl.groups_per_batch",
-    "rl.max_tokens",
-    "env.concurrency",
-    "env.max_turns",
-    "sampler.max_slots",
-    "sampler.page_size",
-    "sampler.num_pages",
-    "log.eval_every",
-    "ckpt.keep",
-    "ckpt.save_every",
-)
-
 
 class ConfigError(ValueError):
     """A config value that type-checks but means nothing; names the key and the valid values."""
@@ -77,32 +63,11 @@ def validate_config(config: Any) -> None:
             raise ConfigError(
                 f"config.{key}={_get(config, key)!r} is not one of {', '.join(valid)}"
             )
-    for key in POSITIVE:
-        if _get(config, key) < 1:
-            raise ConfigError(f"config.{key}={_get(config, key)} must be >= 1")
+    try:  # every numeric key's range (finite, sign, bounds): one table, beside no other rule
+        check_limits(config)
+    except LimitError as e:
+        raise ConfigError(str(e)) from None
     rl, sc, ck = config.rl, config.sampler, config.ckpt
-    if rl.group_size < 2:
-        raise ConfigError(
-            f"config.rl.group_size={rl.group_size} must be >= 2: GRPO compares rollouts in a group"
-        )
-    if rl.loss_norm < 0:
-        raise ConfigError(
-            f"config.rl.loss_norm={rl.loss_norm} must be >= 0 (0: the generation budget)"
-        )
-    if rl.invalid_action_penalty < 0:
-        raise ConfigError(
-            f"config.rl.invalid_action_penalty={rl.invalid_action_penalty} must be >= 0 "
-            "(it is subtracted from the reward per invalid action)"
-        )
-    if rl.logits_chunk < 0:
-        raise ConfigError(f"config.rl.logits_chunk={rl.logits_chunk} must be >= 0")
-    if not rl.temperature > 0:
-        raise ConfigError(
-            f"config.rl.temperature={rl.temperature} must be > 0 (rollouts sample at it; "
-            "the learner scores the same tempered policy; eval is greedy regardless)"
-        )
-    if not 0 < rl.top_p <= 1:
-        raise ConfigError(f"config.rl.top_p={rl.top_p} must be in (0, 1]")
     if rl.top_p < 1 and rl.old_logprobs == "behaviour":
         # The sampler reports log-probs of the nucleus-truncated distribution it drew from; the
         # learner scores the full (tempered) one, so the PPO ratio would not start at 1.
@@ -133,11 +98,6 @@ def validate_config(config: Any) -> None:
                 f"config.ckpt.init_params_from={ck.init_params_from!r} is not a directory (pass "
                 "a run's workdir or its checkpoints directory, WORKDIR/checkpoints)"
             )
-    if not 0.0 <= config.sft.recovery_share <= 1.0:
-        raise ConfigError(
-            f"config.sft.recovery_share={config.sft.recovery_share} must be in [0, 1] (the share "
-            "of oracle demonstrations that start with a scripted miss)"
-        )
     if config.sft.steps > 0 and config.sft.source != "oracle":
         check_sft_source(config.sft.source)
     _check_model(config)

@@ -38,7 +38,7 @@ def _launch(*args):
         ),
         (
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.rl.temperature=0"],
-            "config.rl.temperature=0.0 must be > 0",
+            "config.rl.temperature=0.0 is out of range: a finite number > 0",
         ),
         (
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.ckpt.init_params_from=/nope"],
@@ -46,11 +46,11 @@ def _launch(*args):
         ),
         (
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.sft.recovery_share=1.5"],
-            "config.sft.recovery_share=1.5 must be in [0, 1]",
+            "config.sft.recovery_share=1.5 is out of range: a finite number in [0, 1]",
         ),
         (
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.rl.logits_chunk=-1"],
-            "config.rl.logits_chunk=-1 must be >= 0",
+            "config.rl.logits_chunk=-1 is out of range: an integer >= 0",
         ),
         (
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.sft.source=/nope/demos.jsonl"],
@@ -58,15 +58,15 @@ def _launch(*args):
         ),
         (
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.log.eval_every=0"],
-            "config.log.eval_every=0 must be >= 1",
+            "config.log.eval_every=0 is out of range: an integer >= 1",
         ),
         (
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.ckpt.keep=0"],
-            "config.ckpt.keep=0 must be >= 1",
+            "config.ckpt.keep=0 is out of range: an integer >= 1",
         ),
         (
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.rl.loss_norm=-1"],
-            "config.rl.loss_norm=-1.0 must be >= 0",
+            "config.rl.loss_norm=-1.0 is out of range: a finite number >= 0",
         ),
         (
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.sampler.num_pages=32"],
