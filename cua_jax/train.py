@@ -37,7 +37,7 @@ from cua_jax.config_checks import ConfigError, validate_config
 from cua_jax.env_api import Task
 from cua_jax.rl import sft_data
 from cua_jax.rl.learner import check_finite
-from cua_jax.rl.rollout import AgentLoop
+from cua_jax.rl.rollout import AgentLoop, count_infra_faults
 from cua_jax.rl.trajectory import Trajectory
 
 
@@ -359,13 +359,17 @@ async def evaluate_policy(
 
 
 def success_by_category(trajs: Sequence[Trajectory], tasks: Sequence[Task]) -> dict[str, float]:
-    """eval/success overall and per task category, and eval/reward."""
+    """eval/success overall and per task category, and eval/reward, over the episodes that ran:
+    an episode still ended by an infrastructure fault after its retry is counted apart
+    (eval/episodes_infra_fault), never as a failure."""
     by_cat: dict[str, list[float]] = defaultdict(list)
-    for traj, task in zip(trajs, tasks, strict=True):
+    ran = [(traj, task) for traj, task in zip(trajs, tasks, strict=True) if not traj.infra_fault]
+    for traj, task in ran:
         by_cat[task.category or "all"].append(float(traj.success))
     out = {f"eval/success/{k}": float(np.mean(v)) for k, v in sorted(by_cat.items())}
-    out["eval/success"] = float(np.mean([t.success for t in trajs])) if trajs else 0.0
-    out["eval/reward"] = float(np.mean([t.reward for t in trajs])) if trajs else 0.0
+    out["eval/success"] = float(np.mean([t.success for t, _ in ran])) if ran else 0.0
+    out["eval/reward"] = float(np.mean([t.reward for t, _ in ran])) if ran else 0.0
+    out["eval/episodes_infra_fault"] = float(count_infra_faults(trajs))
     return out
 
 
