@@ -14,7 +14,10 @@ def _traj(success: bool, failure_reason: str | None = None) -> Trajectory:
 
 
 def test_faulted_episodes_are_counted_apart_not_as_failures():
-    tasks = [Task(id=f"click/{i}", instruction="x", category=c) for i, c in enumerate("aabb")]
+    tasks = [
+        Task(id=f"click/{i}", instruction="x", source="custom", category=c)
+        for i, c in enumerate("aabb")
+    ]
     trajs = [
         _traj(True),
         _traj(False, "env_error: browser has been closed"),  # a fault: not a failure
