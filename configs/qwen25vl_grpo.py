@@ -3,16 +3,39 @@ r"""Multi-turn GRPO for a Qwen2.5-VL computer-use agent.
     python launch/tpu.py --config=configs/qwen25vl_grpo.py:smoke --workdir=/tmp/cua_smoke25
     python launch/tpu.py --config=configs/qwen25vl_grpo.py:7b \
         --config.model.hf_path=/ckpts/Qwen2.5-VL-7B-Instruct --workdir=/runs/q25_7b
+    python tools/plan.py --config=configs/qwen25vl_grpo.py:7b --topology=v5p-8   # will it fit?
 
 Presets:
   smoke  tiny random Qwen2.5-VL, the shipped tokenizer, built-in browser tasks, 2-core CPU.
   3b, 7b, 32b, 72b  real dense Qwen2.5-VL checkpoints from --config.model.hf_path.
+
+Smallest TPU slice each real preset is meant for (TOPOLOGY; `tools/plan.py` compiles the train
+step and the sampler's decode step for it and they fit with 10% of HBM to spare):
+  3b  v5p-8    full fine-tuning, fsdp=4; remat=full, 2 micro-batches, 4096 KV pages
+  7b  v5p-8    full fine-tuning, fsdp=2 x tensor=2; remat=full, 4 micro-batches, 4096 KV pages
+  32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4; remat=full, 8 micro-batches, 4096 pages
+  72b v5p-16   LoRA rank 64 on bf16 weights, tensor=8 (2 hosts); remat=full, 8 micro-batches,
+               4096 KV pages
+The KV pool stays resident next to the learner (colocated sampler): its pages are sharded over
+`tensor` only, so it is sized here, not left at a fixed 8192 pages.
 """
 
 from configs import common
 
 PRESETS = ("smoke", "3b", "7b", "32b", "72b")
 
+TOPOLOGY = {"3b": "v5p-8", "7b": "v5p-8", "32b": "v5p-8", "72b": "v5p-16"}
+# (remat, rl.num_substeps, sampler.num_pages) that fit TOPOLOGY (tools/plan.py)
+FIT = {
+    "3b": ("full", 2, 4096),
+    "7b": ("full", 4, 4096),
+    "32b": ("full", 8, 4096),
+    "72b": ("full", 8, 4096),
+}
+
 
 def get_config(arg=None):
-    return common.build("qwen2_5_vl", arg, PRESETS)
+    c = common.build("qwen2_5_vl", arg, PRESETS)
+    if c.preset in FIT:
+        c.model.remat, c.rl.num_substeps, c.sampler.num_pages = FIT[c.preset]
+    return c

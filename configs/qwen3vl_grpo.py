@@ -3,17 +3,39 @@ r"""Multi-turn GRPO for a Qwen3-VL computer-use agent.
     python launch/tpu.py --config=configs/qwen3vl_grpo.py:smoke --workdir=/tmp/cua_smoke
     python launch/tpu.py --config=configs/qwen3vl_grpo.py:8b \
         --config.model.hf_path=/ckpts/Qwen3-VL-8B-Instruct --workdir=gs://bucket/run1
+    python tools/plan.py --config=configs/qwen3vl_grpo.py:8b --topology=v5p-8   # will it fit?
 
 Presets:
   smoke  tiny random Qwen3-VL, the shipped tokenizer, built-in browser tasks; SFT warm-up on the
          tasks' oracles, then GRPO. Runs on a 2-core CPU.
   2b, 4b, 8b, 32b  real dense Qwen3-VL checkpoints from --config.model.hf_path (a local directory).
+
+Smallest TPU slice each real preset is meant for (TOPOLOGY; `tools/plan.py` compiles the train
+step and the sampler's decode step for it and they fit with 10% of HBM to spare):
+  2b  v5p-8    full fine-tuning, fsdp=4; remat=full, 2 micro-batches, 4096 KV pages
+  4b  v5p-8    full fine-tuning, fsdp=4; remat=full, 2 micro-batches, 4096 KV pages
+  8b  v5p-8    full fine-tuning, fsdp=2 x tensor=2; remat=full, 4 micro-batches, 3072 KV pages
+  32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4; remat=full, 8 micro-batches, 4096 pages
+The KV pool stays resident next to the learner (colocated sampler): its pages are sharded over
+`tensor` only, so it is sized here, not left at a fixed 8192 pages.
 """
 
 from configs import common
 
 PRESETS = ("smoke", "2b", "4b", "8b", "32b")
 
+TOPOLOGY = {"2b": "v5p-8", "4b": "v5p-8", "8b": "v5p-8", "32b": "v5p-8"}
+# (remat, rl.num_substeps, sampler.num_pages) that fit TOPOLOGY (tools/plan.py)
+FIT = {
+    "2b": ("full", 2, 4096),
+    "4b": ("full", 2, 4096),
+    "8b": ("full", 4, 3072),
+    "32b": ("full", 8, 4096),
+}
+
 
 def get_config(arg=None):
-    return common.build("qwen3_vl", arg, PRESETS)
+    c = common.build("qwen3_vl", arg, PRESETS)
+    if c.preset in FIT:
+        c.model.remat, c.rl.num_substeps, c.sampler.num_pages = FIT[c.preset]
+    return c

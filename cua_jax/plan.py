@@ -345,9 +345,12 @@ def _advice(consumer: str, plan: Plan) -> str:
         lora = "" if s.get("lora_rank") else "LoRA (--config.model.lora_rank=64), "
         return f"try {lora}{more} (FSDP shards params and optimizer state over every device)"
     if consumer.startswith("temp"):
+        remat = "" if s.get("remat") == "full" else "--config.model.remat=full, "
+        subs = 2 * int(s.get("num_substeps", 1))
         return (
-            "try --config.model.remat=full, --config.rl.num_substeps=2 (micro-batches), a "
-            f"shorter --config.rl.row_lengths, or {more}"
+            f"try {remat}--config.rl.num_substeps={subs} (micro-batches; rows_per_step must be "
+            f"a multiple of it x data x fsdp), a shorter --config.rl.row_lengths, fewer "
+            f"--config.sampler.num_pages (the KV pool is resident), or {more}"
         )
     return f"try {more}"
 
@@ -554,6 +557,14 @@ def plan_train_step(
         f"remat={ab.learner.config.remat}, logits_chunk={ab.learner.logits_chunk}"
     )
     _compile(learner._get_step("rl"), args, prog)
+    s = learner.num_substeps
+    if s > 1 and prog.compile_error is None:
+        # XLA's cost analysis counts a loop body once: the micro-batch scan runs it s times (the
+        # embedding stage and the optimizer update outside it are counted s times too: a
+        # slight overcount)
+        prog.flops *= s
+        prog.bytes_accessed *= s
+        prog.notes.append(f"FLOPs and bytes: XLA's count x {s} micro-batches")
     return prog
 
 
@@ -744,6 +755,8 @@ def make_plan(
         "kv_pool_bytes": kv_bytes,
         "rows": rows,
         "row_len": row_len,
+        "remat": ab.learner.config.remat,
+        "num_substeps": ab.learner.num_substeps,
     }
     train = next((p for p in out if p.name == "train_step" and p.compile_error is None), None)
     if train is not None:

@@ -6,6 +6,8 @@ layout is checked on a laptop. A preset whose tensor-parallel size does not divi
 otherwise fail only on the TPU slice, at `shard_model`, after the checkpoint download.
 """
 
+import re
+
 import jax
 import pytest
 from flax import nnx
@@ -44,3 +46,26 @@ def test_preset_mesh_divides_the_real_model(family, size, fsdp):
         shd._check_divisible(path, shapes[path], spec, mesh)
     n = sum(x.size for x in jax.tree.leaves(state))
     assert 1e9 < n < 1e11  # the model really is the checkpoint's size
+
+
+@pytest.mark.parametrize("family,size", sorted(REAL))
+def test_every_real_preset_names_a_slice_its_mesh_fits(family, size):
+    from cua_jax import plan
+
+    module = MODULES[family]
+    topo = plan.get_topology(module.TOPOLOGY[size])  # a known slice (tools/plan.py's table)
+    line = re.compile(rf"^\s+{size}\s+{re.escape(topo.name)}\s", re.M)
+    assert line.search(module.__doc__), (
+        f"{module.__name__}'s docstring does not name {size}'s slice"
+    )
+    config = module.get_config(size)
+    m = config.mesh
+    fixed = m.data * m.tensor * (m.fsdp if m.fsdp > 0 else 1)
+    assert topo.num_chips % fixed == 0, (size, topo.name, dict(m))
+    rows = config.rl.rows_per_step
+    fsdp = m.fsdp if m.fsdp > 0 else topo.num_chips // (m.data * m.tensor)
+    # the learner packs rows in multiples of micro-batches x data x fsdp
+    assert rows % (config.rl.num_substeps * m.data * fsdp) == 0, (size, rows)
+    # one sequence of max_seq_len fits the KV pool (the engine refuses otherwise)
+    pages_per_seq = -(-config.sampler.max_seq_len // config.sampler.page_size)
+    assert config.sampler.num_pages > pages_per_seq
