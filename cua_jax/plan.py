@@ -130,6 +130,21 @@ def get_topology(name: str) -> Topology:
     return TOPOLOGIES[name]
 
 
+def local_topology(devices: list[Any]) -> Topology:
+    """The devices actually present (launch-time check: `launch/tpu.py --dry_run`) as a
+    Topology: a known TPU chip's published figures, else the device's own memory limit (GPU,
+    CPU) and no peak figures (no roofline)."""
+    kind = devices[0].device_kind.lower()
+    table = (("v6 lite", "v6e"), ("v6e", "v6e"), ("v5 lite", "v5e"), ("v5e", "v5e"),
+             ("v5p", "v5p"), ("v5", "v5p"), ("v4", "v4"))  # fmt: skip
+    chip = next((CHIPS[c] for key, c in table if kind.startswith("tpu") and key in kind), None)
+    if chip is None:
+        stats = getattr(devices[0], "memory_stats", lambda: None)() or {}
+        chip = Chip(devices[0].device_kind, int(stats.get("bytes_limit", 0)), 0.0, 0.0)
+    name = f"{len(devices)} x {devices[0].device_kind}"
+    return Topology(name, chip, "", "", (1, 1, 1), len(devices))
+
+
 def abstract_devices(topo: Topology) -> list[Any]:
     """The slice's devices, abstract (compile-only), from libtpu."""
     try:
@@ -265,6 +280,8 @@ class ProgramPlan:
 
     @property
     def roofline_s(self) -> float:
+        if not (self.chip.peak_bf16_flops and self.chip.hbm_bandwidth):
+            return 0.0  # a device without published figures
         return max(
             self.flops / self.chip.peak_bf16_flops, self.bytes_accessed / self.chip.hbm_bandwidth
         )
@@ -304,9 +321,9 @@ class Plan:
         return int(self.topology.chip.hbm_bytes * (1.0 - self.headroom))
 
     def misfits(self) -> list[ProgramPlan]:
+        limit = self.budget_bytes or float("inf")  # a device that reports no memory limit
         return [
-            p for p in self.programs
-            if p.compile_error is not None or p.total_bytes > self.budget_bytes
+            p for p in self.programs if p.compile_error is not None or p.total_bytes > limit
         ]  # fmt: skip
 
     @property
@@ -479,7 +496,7 @@ def _compile(fn: Any, args: tuple, prog: ProgramPlan) -> None:
     resident buffers alone exceed the chip's HBM is not compiled (it cannot fit, and compiling a
     large model costs minutes and host memory)."""
     floor = sum(prog.arguments.values()) + sum(prog.resident.values())
-    if floor > prog.chip.hbm_bytes:
+    if prog.chip.hbm_bytes and floor > prog.chip.hbm_bytes:
         prog.compile_error = (
             f"not compiled: its arguments and resident buffers alone need {floor / GiB:.1f} GiB "
             f"of {prog.chip.hbm_bytes / GiB:.0f} GiB"
@@ -654,7 +671,8 @@ def plan_decode_step(
         resident["KL reference (learner, resident)"] = tree_shard_bytes(ab.ref)
     prog = ProgramPlan("decode_step", chip, arguments, resident)
     # As the engine decides: the TPU kernel, or the jnp reference where it cannot take the shapes.
-    backend = select_backend(backend, head_dim=t.head_dim, page_size=L, platform="tpu")
+    platform = mesh.devices.flat[0].platform
+    backend = select_backend(backend, head_dim=t.head_dim, page_size=L, platform=platform)
     # The kernel, by hand (XLA's cost analysis counts a Pallas call as almost nothing): per
     # layer and slot, q.k and p.v over ctx tokens (4 N H ctx FLOPs) reading K and V of ctx
     # tokens (2 K H ctx x dtype bytes); heads split over `tensor`.
@@ -662,7 +680,7 @@ def plan_decode_step(
     attn_flops = 4 * t.num_attention_heads * per_layer * t.num_hidden_layers / tensor
     kv_read = 2 * t.num_key_value_heads * per_layer * cache_dtype.itemsize * t.num_hidden_layers
     kv_read /= tensor
-    if backend == "tpu":
+    if backend in ("tpu", "gpu"):  # Pallas calls (Mosaic / Triton)
         prog.pallas_flops, prog.pallas_bytes = attn_flops, kv_read
     n_text = _text_param_count(params)
     prog.model_flops = (2 * n_text * S) / mesh.size + attn_flops
@@ -699,22 +717,27 @@ def _text_only(state: Any) -> list[Any]:
 # ------------------------------------------------------------------------------- the plan
 def make_plan(
     config: Any,
-    topology: str,
+    topology: str | Topology,
     *,
+    devices: list[Any] | None = None,
     headroom: float = 0.1,
     rows: int | None = None,
     row_len: int | None = None,
     programs: tuple[str, ...] = ("train_step", "decode_step"),
     attn_backend: str = "auto",
 ) -> Plan:
-    """Compiles `programs` of the run `config` describes for the slice `topology`.
+    """Compiles `programs` of the run `config` describes for the slice `topology` (a name in
+    TOPOLOGIES), or, with `devices` (e.g. `jax.devices()`), for the devices present.
 
     Raises PlanInputError for bad input (unknown topology, hf_path not a directory, a mesh that
     does not divide the slice or the model).
     """
-    topo = get_topology(topology)
+    if devices is None:
+        topo = get_topology(str(topology))
+        devices = abstract_devices(topo)
+    else:  # the devices present (a launch-time check)
+        topo = topology if isinstance(topology, Topology) else local_topology(list(devices))
     cfg = model_config(config)
-    devices = abstract_devices(topo)
     m = config.mesh
     try:
         mesh = shd.make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
@@ -810,7 +833,9 @@ def format_plan(plan: Plan) -> str:
                 + (f"MFU {p.mfu:.1%}" if p.name == "train_step" else f"MBU {p.mbu:.1%}"),
             ]
     lines.append("")
-    if plan.fits:
+    if plan.fits and not chip.hbm_bytes:
+        lines.append("compiled; the devices report no memory limit to check against")
+    elif plan.fits:
         worst = max(p.total_bytes for p in plan.programs)
         lines.append(
             f"fits: largest program {worst / GiB:.1f} GiB of {chip.hbm_bytes / GiB:.0f} GiB per "

@@ -160,3 +160,15 @@ def test_unknown_topology_exits_2():
     r = _tool("--config=configs/qwen3vl_grpo.py:8b", "--topology=v9-8")
     assert r.returncode == 2, r.stderr[-2000:]
     assert _last_line(r.stderr).startswith("tools/plan.py: error: unknown topology 'v9-8'")
+
+
+def test_plan_for_the_devices_present(hf_dir):
+    # the launch-time check: the same programs compiled for the local (CPU) device
+    c = _config(hf_dir)
+    c.mesh.fsdp = c.mesh.tensor = 1
+    devices = jax.devices()[:1]
+    p = plan_lib.make_plan(c, "", devices=devices, rows=1, row_len=128)
+    assert p.topology.name == f"1 x {devices[0].device_kind}"
+    assert p.fits, plan_lib.format_plan(p)
+    assert all(prog.compile_error is None and prog.temp_bytes > 0 for prog in p.programs)
+    assert "reference kernel" in plan_lib.format_plan(p)  # CPU: the jnp attention
