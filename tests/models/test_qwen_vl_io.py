@@ -177,7 +177,9 @@ def _hf_dict(family="qwen3_vl"):
 @pytest.mark.parametrize(
     "mutate,match",
     [
-        (lambda d: d.update(model_type="qwen3_vl_moe"), "model_type='qwen3_vl_moe'"),
+        (lambda d: d.update(model_type="qwen3_moe"), "model_type='qwen3_moe'"),
+        # a MoE model_type on a dense text config
+        (lambda d: d.update(model_type="qwen3_vl_moe"), r"text_config\.num_experts is missing"),
         (lambda d: d.update(architectures=["Qwen3VLForSomething"]), "architectures"),
         (lambda d: d["text_config"].update(num_experts=8), r"text_config\.num_experts"),
         (lambda d: d["text_config"].pop("hidden_size"), r"text_config\.hidden_size is missing"),

@@ -1,9 +1,15 @@
-"""Typed configuration for Qwen2.5-VL and Qwen3-VL (dense), read from and written to HF config.json.
+"""Typed configuration for Qwen2.5-VL and Qwen3-VL (dense and MoE), read from and written to HF
+config.json.
 
 `QwenVLConfig` is a frozen dataclass with a text and a vision sub-config whose field names equal
 the Hugging Face names, so `from_hf_dict(json.load(...))` and `to_hf_dict()` stay a thin layer.
 Run-time options that are not HF fields (parameter dtype, compute dtype, remat policy) live in
 the same object but are never exported.
+
+`family` names the vision tower, rotary layout, chat template and processor ("qwen2_5_vl" |
+"qwen3_vl"). Qwen3-VL-MoE (HF model_type "qwen3_vl_moe", e.g. Qwen3-VL-30B-A3B) shares all of
+those with Qwen3-VL and differs only in its decoder MLPs, so it is family "qwen3_vl" with
+`text.num_experts > 0`; `QwenVLConfig.model_type` gives the HF name.
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "qwen3_vl")
 ARCHITECTURES = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
 }
+# HF model_type -> family (the MoE variant shares Qwen3-VL's vision, rotary and template).
+MODEL_TYPES = {"qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl"}
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots")
 _DEFAULT_MROPE = {"qwen2_5_vl": (16, 24, 24), "qwen3_vl": (24, 20, 20)}
@@ -45,6 +54,28 @@ class TextConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # --- Mixture of experts (Qwen3-VL-MoE); num_experts == 0 means a dense decoder ---
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    # transformers' Qwen3-VL-MoE router always renormalises the top-k probabilities (it has no
+    # norm_topk_prob switch); False keeps the raw softmax probabilities (Qwen2-MoE style).
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.001  # HF field; the learner's coefficient is its own option
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_sparse_layer(self, i: int) -> bool:
+        """Whether decoder layer i has the sparse MoE block (transformers' rule)."""
+        return (
+            self.is_moe
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +122,11 @@ class QwenVLConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype of activations; logits are always f32
     remat: str = "none"  # "none" | "full" | "dots" (per decoder layer)
+
+    @property
+    def model_type(self) -> str:
+        """The HF model_type: the family, or "qwen3_vl_moe" for a Qwen3-VL MoE decoder."""
+        return "qwen3_vl_moe" if self.text.is_moe else self.family
 
     @property
     def vision_placeholder_ids(self) -> tuple[int, int, int, int]:
@@ -140,6 +176,27 @@ class QwenVLConfig:
         for idx in (*v.fullatt_block_indexes, *v.deepstack_visual_indexes):
             if not 0 <= idx < v.depth:
                 raise ValueError(f"vision block index {idx} out of range for depth={v.depth}")
+        if t.is_moe:
+            self._check_moe()
+
+    def _check_moe(self) -> None:
+        t = self.text
+        if self.family != "qwen3_vl":
+            raise ValueError(f"num_experts={t.num_experts}: MoE decoders exist for qwen3_vl only")
+        if not 1 <= t.num_experts_per_tok <= t.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={t.num_experts_per_tok} must be in [1, num_experts="
+                f"{t.num_experts}]"
+            )
+        if t.moe_intermediate_size <= 0:
+            raise ValueError(f"moe_intermediate_size={t.moe_intermediate_size} must be > 0")
+        if t.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step={t.decoder_sparse_step} must be >= 1")
+        for i in t.mlp_only_layers:
+            if not 0 <= i < t.num_hidden_layers:
+                raise ValueError(
+                    f"mlp_only_layers has {i}, out of range for {t.num_hidden_layers} layers"
+                )
 
     def replace(self, **kw: Any) -> QwenVLConfig:
         """A copy with top-level fields replaced (e.g. `cfg.replace(dtype="bfloat16")`)."""
@@ -154,18 +211,19 @@ class QwenVLConfig:
         rope type, or a missing required field. `options` sets run-time fields (dtype, ...).
         """
         model_type = d.get("model_type")
-        if model_type not in FAMILIES:
+        if model_type not in MODEL_TYPES:
             raise ValueError(
-                f"config.json model_type={model_type!r} is not supported; cua_jax supports the "
-                f"dense families {FAMILIES} (MoE variants such as qwen3_vl_moe are not)"
+                f"config.json model_type={model_type!r} is not supported; cua_jax supports "
+                f"{tuple(MODEL_TYPES)}"
             )
-        family: Family = model_type  # type: ignore[assignment]
-        archs = d.get("architectures") or [ARCHITECTURES[family]]
+        family: Family = MODEL_TYPES[model_type]  # type: ignore[assignment]
+        moe = model_type == "qwen3_vl_moe"
+        archs = d.get("architectures") or [ARCHITECTURES[model_type]]
         for arch in archs:
-            if arch != ARCHITECTURES[family]:
+            if arch != ARCHITECTURES[model_type]:
                 raise ValueError(
-                    f"config.json architectures={archs!r}: only {ARCHITECTURES[family]!r} is "
-                    f"supported for model_type={family!r}"
+                    f"config.json architectures={archs!r}: only {ARCHITECTURES[model_type]!r} is "
+                    f"supported for model_type={model_type!r}"
                 )
         td = dict(d.get("text_config") or {})
         if not td:  # old Qwen2.5-VL layout: text fields at the top level
@@ -173,9 +231,13 @@ class QwenVLConfig:
         vd = dict(d.get("vision_config") or {})
         if not vd:
             raise ValueError("config.json has no vision_config")
-        for moe_key in ("num_experts", "moe_intermediate_size", "num_experts_per_tok"):
-            if td.get(moe_key):
-                raise ValueError(f"text_config.{moe_key} is set: MoE models are not supported")
+        if not moe:
+            for moe_key in ("num_experts", "moe_intermediate_size", "num_experts_per_tok"):
+                if td.get(moe_key):
+                    raise ValueError(
+                        f"text_config.{moe_key} is set but model_type={model_type!r} is dense; "
+                        "a Qwen3-VL MoE checkpoint has model_type 'qwen3_vl_moe'"
+                    )
         if td.get("use_sliding_window"):
             raise ValueError("text_config.use_sliding_window=true is not supported")
 
@@ -218,6 +280,7 @@ class QwenVLConfig:
             bos_token_id=td.get("bos_token_id", d.get("bos_token_id")),
             eos_token_id=td.get("eos_token_id", d.get("eos_token_id")),
             pad_token_id=td.get("pad_token_id", d.get("pad_token_id")),
+            **(_moe_fields(td) if moe else {}),
         )
         if text.hidden_act != "silu":
             raise ValueError(f"text_config.hidden_act={text.hidden_act!r}: only 'silu' supported")
@@ -320,9 +383,20 @@ class QwenVLConfig:
                 num_position_embeddings=v.num_position_embeddings,
                 deepstack_visual_indexes=list(v.deepstack_visual_indexes),
             )
+        if t.is_moe:
+            text.update(
+                model_type="qwen3_vl_moe_text",
+                num_experts=t.num_experts,
+                num_experts_per_tok=t.num_experts_per_tok,
+                moe_intermediate_size=t.moe_intermediate_size,
+                decoder_sparse_step=t.decoder_sparse_step,
+                mlp_only_layers=list(t.mlp_only_layers),
+                router_aux_loss_coef=t.router_aux_loss_coef,
+            )
+            vision["model_type"] = "qwen3_vl_moe_vision"
         return {
-            "architectures": [ARCHITECTURES[self.family]],
-            "model_type": self.family,
+            "architectures": [ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
             "text_config": text,
             "vision_config": vision,
             "image_token_id": self.image_token_id,
@@ -334,7 +408,35 @@ class QwenVLConfig:
         }
 
 
-def tiny(family: Family = "qwen3_vl", vocab_size: int = 512, **overrides: Any) -> QwenVLConfig:
+def _moe_fields(td: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of a qwen3_vl_moe `text_config` (transformers 5 writes num_experts as
+    num_local_experts)."""
+    td = dict(td, num_experts=td.get("num_experts", td.get("num_local_experts")))
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        if not td.get(key):
+            raise ValueError(f"config.json text_config.{key} is missing (required for MoE)")
+    return dict(
+        num_experts=int(td["num_experts"]),
+        num_experts_per_tok=int(td["num_experts_per_tok"]),
+        moe_intermediate_size=int(td["moe_intermediate_size"]),
+        decoder_sparse_step=int(td.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(int(i) for i in td.get("mlp_only_layers") or ()),
+        norm_topk_prob=True,  # transformers' Qwen3-VL-MoE router always renormalises
+        router_aux_loss_coef=float(td.get("router_aux_loss_coef", 0.001)),
+    )
+
+
+# tiny(moe=True): 8 experts, top-2, every layer sparse.
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+
+
+def tiny(
+    family: Family = "qwen3_vl",
+    vocab_size: int = 512,
+    *,
+    moe: bool | dict[str, Any] = False,
+    **overrides: Any,
+) -> QwenVLConfig:
     """A tiny random-init config for tests and the CPU smoke run.
 
     2 vision blocks, 2 decoder layers, hidden 128, GQA (4 q heads / 2 kv heads). Qwen2.5-VL gets
@@ -343,6 +445,9 @@ def tiny(family: Family = "qwen3_vl", vocab_size: int = 512, **overrides: Any) -
     Special token ids default to the top of the vocabulary; `overrides` replaces any top-level
     field (token ids, tie_word_embeddings, dtype, remat ...) and the text config's
     bos/eos/pad_token_id (written to generation_config.json on export).
+    `moe=True` (qwen3_vl only) makes every decoder layer a sparse MoE block (`TINY_MOE`: 8
+    experts, top-2, expert width 64); a dict overrides those text fields, e.g.
+    `moe=dict(num_experts=4, mlp_only_layers=(1,))`.
     """
     if family not in FAMILIES:
         raise ValueError(f"family={family!r}: use one of {FAMILIES}")
@@ -388,6 +493,8 @@ def tiny(family: Family = "qwen3_vl", vocab_size: int = 512, **overrides: Any) -
     text_ids = {k: overrides.pop(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                 if k in overrides}  # fmt: skip
     text = dataclasses.replace(text, **text_ids)
+    if moe:
+        text = dataclasses.replace(text, **{**TINY_MOE, **(moe if isinstance(moe, dict) else {})})
     ids.update(overrides)
     return QwenVLConfig(family=family, text=text, vision=vision, **ids)
 
