@@ -23,10 +23,36 @@ VOCAB = 512
 VISION_START, VISION_END, IMAGE_TOKEN, VIDEO_TOKEN = VOCAB - 6, VOCAB - 5, VOCAB - 4, VOCAB - 3
 
 
+# The tiny Qwen3-VL-MoE text config (hidden 64, 2 layers, 8 experts, top-2); `text_kw` of
+# `hf_config("qwen3_vl_moe", ...)` overrides any field, e.g. mlp_only_layers=[1].
+MOE_TEXT = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=4096,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 5000000.0,
+        "mrope_section": [3, 3, 2],
+        "mrope_interleaved": True,
+    },
+)
+
+
 def hf_config(
     family: str, *, tie_word_embeddings: bool = False, vocab_size: int = VOCAB, **text_kw: Any
 ):
-    """A transformers config object for a tiny model of `family` ("qwen2_5_vl" | "qwen3_vl")."""
+    """A transformers config object for a tiny model of `family` ("qwen2_5_vl" | "qwen3_vl" |
+    "qwen3_vl_moe")."""
     ids = dict(
         image_token_id=vocab_size - 4,
         video_token_id=vocab_size - 3,
@@ -73,17 +99,41 @@ def hf_config(
             spatial_merge_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0, 1],
         )  # fmt: skip
         return Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
+    if family == "qwen3_vl_moe":
+        from transformers import Qwen3VLMoeConfig
+
+        text = dict(MOE_TEXT, vocab_size=vocab_size, tie_word_embeddings=tie_word_embeddings)
+        text.update(text_kw)
+        vision = dict(
+            depth=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=4,
+            out_hidden_size=text["hidden_size"],
+            hidden_act="gelu_pytorch_tanh",
+            patch_size=16,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0, 1],
+        )
+        return Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids)
     raise ValueError(f"unknown family {family!r}")
 
 
 def make_hf_model(family: str, seed: int = 0, **config_kw: Any):
     """A random-weight transformers ForConditionalGeneration model in f32 eval mode."""
     import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
+    from transformers import (
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeForConditionalGeneration,
+    )
 
     cls = {
         "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
         "qwen3_vl": Qwen3VLForConditionalGeneration,
+        "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
     }[family]
     torch.manual_seed(seed)
     cfg = hf_config(family, **config_kw)
@@ -97,7 +147,8 @@ def make_hf_model(family: str, seed: int = 0, **config_kw: Any):
             elif p.ndim == 1:  # biases
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
             else:
-                fan_in = int(np.prod(p.shape[1:]))
+                # HF stores expert weights [E, out, in]: the fan-in is the last dim
+                fan_in = p.shape[-1] if "experts" in name else int(np.prod(p.shape[1:]))
                 std = 0.5 if "embed_tokens" in name or "pos_embed" in name else fan_in**-0.5
                 p.copy_(std * torch.randn(p.shape, generator=g))
     return model
@@ -119,7 +170,7 @@ def image_inputs(family: str, sizes: list[tuple[int, int]], seed: int = 0):
     from transformers import Qwen2VLImageProcessor
 
     rng = np.random.default_rng(seed)
-    patch = 14 if family == "qwen2_5_vl" else 16
+    patch = 14 if family == "qwen2_5_vl" else 16  # qwen3_vl and qwen3_vl_moe: 16
     proc = Qwen2VLImageProcessor(
         patch_size=patch, temporal_patch_size=2, merge_size=2,
         min_pixels=(patch * 2) ** 2, max_pixels=(patch * 2) ** 2 * 64,

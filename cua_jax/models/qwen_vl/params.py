@@ -7,7 +7,15 @@ HF tensor names are first brought to the transformers-5 layout (`model.visual.*`
 do). Then `TABLE` maps each name to a module path and the array transform:
   * "conv":  Conv3d weight [E, c, t, p, p] <-> patch matmul kernel [c*t*p*p, E]
   * "T":     Linear weight [out, in]       <-> kernel [in, out]
+  * "experts_gate_up": MoE `mlp.experts.gate_up_proj` [E, 2F, D] (gate rows, then up rows)
+             <-> [E, D, 2, F];  "experts_down": `mlp.experts.down_proj` [E, D, F] <-> [E, F, D]
   * None:    same array (biases, norm weights, embeddings, pos_embed)
+
+MoE expert tensors are written as transformers 5 saves them ([E, 2F, D], [E, D, F]: its
+module layout). The published Qwen3-VL-MoE checkpoints store them transposed ([E, D, 2F],
+[E, F, D]); both load, told apart by shape as transformers' own conversion does (when D == 2F,
+resp. D == F, the shapes coincide and the transformers-5 layout is assumed, as transformers
+assumes).
 
 `from_pretrained` streams tensor by tensor and places each one directly with its target
 NamedSharding (each device reads only its own slice through safetensors' lazy slices), so a
@@ -37,11 +45,12 @@ from safetensors.numpy import save_file
 from cua_jax import sharding as shd
 from cua_jax.models.qwen_vl.config import QwenVLConfig
 from cua_jax.models.qwen_vl.model import QwenVL
+from cua_jax.models.qwen_vl.moe import set_expert_mesh
 
 # Modules that are torch nn.Linear in transformers (their `weight` is transposed to `kernel`).
 _LINEAR = "|".join(
     ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv", "proj",
-     "linear_fc1", "linear_fc2", r"mlp\.0", r"mlp\.2")
+     "linear_fc1", "linear_fc2", r"mlp\.0", r"mlp\.2", r"mlp\.gate")
 )  # fmt: skip
 
 
@@ -61,6 +70,14 @@ TABLE: tuple[Rule, ...] = (
     ),
     Rule(rf"^(.*\.(?:{_LINEAR}))\.weight$", r"\1.kernel", r"^(.*)\.kernel$", r"\1.weight", "T"),
     Rule(r"^lm_head\.weight$", "lm_head.kernel", r"^lm_head\.kernel$", "lm_head.weight", "T"),
+    Rule(
+        r"^(.*\.mlp\.experts\.gate_up_proj)$", r"\1",
+        r"^(.*\.mlp\.experts\.gate_up_proj)$", r"\1", "experts_gate_up",
+    ),
+    Rule(
+        r"^(.*\.mlp\.experts\.down_proj)$", r"\1",
+        r"^(.*\.mlp\.experts\.down_proj)$", r"\1", "experts_down",
+    ),
     Rule(r"^(.*)$", r"\1", r"^(.*)$", r"\1", None),
 )  # fmt: skip
 
@@ -114,11 +131,29 @@ def _hf_shape(ours_shape: tuple[int, ...], kind: str | None, cfg: QwenVLConfig) 
     if kind == "conv":
         v = cfg.vision
         return (ours_shape[1], v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+    if kind == "experts_gate_up":
+        E, D, two, F = ours_shape
+        return (E, two * F, D)
+    if kind == "experts_down":
+        E, F, D = ours_shape
+        return (E, D, F)
     return ours_shape
 
 
+def _published_expert_shape(ours_shape: tuple[int, ...], kind: str | None) -> tuple | None:
+    """The shape of an expert tensor in the published checkpoints' layout (None: not one)."""
+    if kind == "experts_gate_up":
+        E, D, two, F = ours_shape
+        return (E, D, two * F)
+    if kind == "experts_down":
+        return ours_shape
+    return None
+
+
 def _reader(sl, kind: str | None) -> Callable[[tuple[slice, ...]], np.ndarray]:
-    """Read the `index` slice of OUR array from a lazy safetensors slice of the HF tensor."""
+    """Read the `index` slice of OUR array from a lazy safetensors slice of the HF tensor.
+
+    Kinds ending in "_published" read an expert tensor stored in the published layout."""
 
     def read(index: tuple[slice, ...]) -> np.ndarray:
         if kind == "T":
@@ -128,9 +163,38 @@ def _reader(sl, kind: str | None) -> Callable[[tuple[slice, ...]], np.ndarray]:
             k, e = index
             w = np.asarray(sl[e])
             return w.reshape(w.shape[0], -1)[:, k].T
+        if kind == "experts_gate_up":  # [E, 2F, D] -> [E, D, 2, F]
+            e, d, two, f = index
+            w = np.asarray(sl[e, :, d])
+            w = w.reshape(w.shape[0], 2, -1, w.shape[2]).transpose(0, 3, 1, 2)
+            return w[:, :, two, f]
+        if kind == "experts_gate_up_published":  # [E, D, 2F] -> [E, D, 2, F]
+            e, d, two, f = index
+            w = np.asarray(sl[e, d, :])
+            return w.reshape(*w.shape[:2], 2, -1)[:, :, two, f]
+        if kind == "experts_down":  # [E, D, F] -> [E, F, D]
+            e, f, d = index
+            return np.asarray(sl[e, d, f]).transpose(0, 2, 1)
         return np.asarray(sl[tuple(index)] if index else sl[:])
 
     return read
+
+
+def hf_array(ours: np.ndarray, kind: str | None, cfg: QwenVLConfig) -> np.ndarray:
+    """Our array -> the HF tensor (export direction of `_reader`)."""
+    if kind == "T":
+        return ours.T
+    if kind == "conv":
+        v = cfg.vision
+        return ours.T.reshape(
+            ours.shape[1], v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size
+        )
+    if kind == "experts_gate_up":
+        E, D, two, F = ours.shape
+        return ours.transpose(0, 2, 3, 1).reshape(E, two * F, D)
+    if kind == "experts_down":
+        return ours.transpose(0, 2, 1)
+    return ours
 
 
 def _np_dtype(name: str):
@@ -195,7 +259,9 @@ def from_pretrained(
                 sl = f.get_slice(name)
                 want = _hf_shape(shape, kind, cfg)
                 got = tuple(sl.get_shape())
-                if got != want:
+                if got != want and got == _published_expert_shape(shape, kind):
+                    kind = f"{kind}_published"
+                elif got != want:
                     raise ValueError(
                         f"tensor {name!r} has shape {got} but the config expects {want}; "
                         "check config.json matches the weights"
@@ -219,7 +285,10 @@ def from_pretrained(
         )
     for p, var in targets.items():
         var.set_value(loaded[p])
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    if mesh is not None:
+        set_expert_mesh(model, mesh, rules)
+    return model
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
@@ -256,18 +325,10 @@ def save_pretrained(
     """Write `model` as a transformers-loadable HF directory (process 0 writes on multi-host)."""
     cfg = model.config
     tensors: dict[str, np.ndarray] = {}
-    v = cfg.vision
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         ours = ".".join(map(str, path))
         name, kind = export_hf_name(ours, cfg.family)
-        a = _to_host(var.get_value())
-        if kind == "T":
-            a = a.T
-        elif kind == "conv":
-            a = a.T.reshape(
-                a.shape[1], v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size
-            )
-        tensors[name] = np.ascontiguousarray(a)
+        tensors[name] = np.ascontiguousarray(hf_array(_to_host(var.get_value()), kind, cfg))
     if jax.process_index() != 0:
         return
     os.makedirs(out_dir, exist_ok=True)

@@ -218,11 +218,17 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: QwenVLConfig, *, rngs: nnx.Rngs):
+    """Pre-norm attention + MLP. Layer `layer_idx` of a MoE config whose `is_sparse_layer` holds
+    gets the sparse block (`moe.SparseMoeBlock`) as its `mlp`, the others the dense SwiGLU."""
+
+    def __init__(self, cfg: QwenVLConfig, layer_idx: int = 0, *, rngs: nnx.Rngs):
+        from cua_jax.models.qwen_vl.moe import SparseMoeBlock  # moe.py builds on this module
+
         t = cfg.text
         pd = jdtype(cfg.param_dtype)
         self.self_attn = Attention(cfg, rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+        sparse = t.is_sparse_layer(layer_idx)
+        self.mlp = SparseMoeBlock(cfg, rngs=rngs) if sparse else MLP(cfg, rngs=rngs)
         self.input_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps, param_dtype=pd)
         self.post_attention_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps, param_dtype=pd)
 
@@ -239,7 +245,9 @@ class TextModel(nnx.Module):
         pd = jdtype(cfg.param_dtype)
         self.cfg = cfg
         self.embed_tokens = Embed(t.vocab_size, t.hidden_size, rngs=rngs, param_dtype=pd)
-        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(t.num_hidden_layers)])
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, i, rngs=rngs) for i in range(t.num_hidden_layers)]
+        )
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps, param_dtype=pd)
 
     def run_layer(self, i: int, h_BTD, cos, sin, attn_fn: AttnFn) -> jax.Array:

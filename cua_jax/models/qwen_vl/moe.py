@@ -1,0 +1,237 @@
+"""Qwen3-VL-MoE sparse MLP block (HF `Qwen3VLMoeTextSparseMoeBlock`): a top-k softmax router
+and per-expert SwiGLU MLPs, dropless, with grouped matmuls over tokens sorted by expert.
+
+Letters: B batch, T q-len, N = B*T tokens, D model, E experts (El: on this device), K top-k,
+F expert mlp width (Fl: on this device), M = N*K routed rows, R LoRA rank.
+
+    logits_NE = x @ gate.kernel                (f32)
+    probs = softmax(logits); w_NK, e_NK = top_k(probs, K); w /= sum_k w   (norm_topk_prob)
+    y_N = sum_k w_Nk * down_e(silu(gate_e(x)) * up_e(x)),   e = e_Nk
+
+Dispatch: the M = N*K (token, expert) pairs are sorted by expert, so each expert's rows are one
+contiguous group, and both expert matmuls are `jax.lax.ragged_dot` (a grouped matmul: every row
+is multiplied by its own expert's weights only; no capacity, no dropped tokens, no dense
+all-experts einsum). Combine: rows are unsorted and the K weighted outputs of a token summed.
+
+Expert parallelism: when the block has a mesh (`set_expert_mesh`, called by
+`cua_jax.sharding.shard_model` and `from_pretrained(mesh=...)`), the block runs under
+`jax.shard_map`: expert weights are split over the mesh axes of the logical "expert" axis (each
+device holds El = E / ep experts) and over those of "mlp" (tensor parallel, Fl = F / tp);
+tokens are split over the remaining batch axes and all-gathered over the expert/tensor axes by
+the in-specs, so every device routes its tokens, runs ragged_dot on the rows that chose one of
+its local experts, and a psum over the expert and tensor axes combines the partial outputs.
+FSDP-sharded expert weights are gathered on entry (the in-specs keep only expert/tensor axes).
+
+Weights (HF names; the expert tensors keep HF's fused gate/up layout, transposed to [in, out]):
+    mlp.gate.kernel               f[D, E]          ("embed", None): the router, replicated over
+                                                   experts (top-k needs every logit)
+    mlp.experts.gate_up_proj      f[E, D, 2, F]    ("expert", "embed", None, "mlp"); [:, :, 0] gate
+    mlp.experts.down_proj         f[E, F, D]       ("expert", "mlp", "embed")
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
+
+from cua_jax import sharding as shd
+from cua_jax.models.qwen_vl.config import QwenVLConfig
+from cua_jax.models.qwen_vl.text import _INIT_STD, jdtype, param
+
+GATE_UP_AXES = ("expert", "embed", None, "mlp")
+DOWN_AXES = ("expert", "mlp", "embed")
+
+
+class Router(nnx.Module):
+    """HF `mlp.gate` (a bias-free Linear [E, D]); logits are computed in f32 so the routing
+    choice does not depend on the activation dtype."""
+
+    def __init__(self, dim: int, num_experts: int, *, rngs: nnx.Rngs, param_dtype: jnp.dtype):
+        w = jax.random.normal(rngs.params(), (dim, num_experts), jnp.float32) * _INIT_STD
+        self.kernel = param(w.astype(param_dtype), ("embed", None))
+
+    def __call__(self, x_ND: jax.Array) -> jax.Array:
+        return jnp.einsum(
+            "nd,de->ne", x_ND.astype(jnp.float32), self.kernel[...].astype(jnp.float32)
+        )
+
+
+class Experts(nnx.Module):
+    """HF `mlp.experts`: the stacked expert weights (see the module docstring for layouts)."""
+
+    def __init__(self, cfg: QwenVLConfig, *, rngs: nnx.Rngs):
+        t = cfg.text
+        E, D, F = t.num_experts, t.hidden_size, t.moe_intermediate_size
+        pd = jdtype(cfg.param_dtype)
+        gu = jax.random.normal(rngs.params(), (E, D, 2, F), jnp.float32) * _INIT_STD
+        dn = jax.random.normal(rngs.params(), (E, F, D), jnp.float32) * _INIT_STD
+        self.gate_up_proj = param(gu.astype(pd), GATE_UP_AXES)
+        self.down_proj = param(dn.astype(pd), DOWN_AXES)
+
+    def arrays(self) -> tuple[dict[str, tuple[jax.Array, tuple]], float]:
+        """({name: (array, logical axes)}, LoRA scale) for `expert_mlp` (no LoRA: scale 0)."""
+        return {
+            "gate_up": (self.gate_up_proj[...], GATE_UP_AXES),
+            "down": (self.down_proj[...], DOWN_AXES),
+        }, 0.0
+
+
+def route(
+    logits_NE: jax.Array, top_k: int, norm_topk_prob: bool = True
+) -> tuple[jax.Array, jax.Array]:
+    """(weights f32[N, K], expert ids i32[N, K]) as transformers' Qwen3-VL-MoE router: softmax
+    in f32, top-k of the probabilities, renormalised to sum 1 over the k chosen."""
+    probs = jax.nn.softmax(logits_NE.astype(jnp.float32), axis=-1)
+    w_NK, e_NK = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        w_NK = w_NK / jnp.sum(w_NK, axis=-1, keepdims=True)
+    return w_NK, e_NK.astype(jnp.int32)
+
+
+def _lora(x: jax.Array, a: jax.Array, b: jax.Array, gs: jax.Array, scale: float) -> jax.Array:
+    """scale * (x A_e) B_e per row's expert e; A f[E, I, R], B f[E, R, O]."""
+    h = jax.lax.ragged_dot(x, a.astype(x.dtype), gs)
+    return jax.lax.ragged_dot(h, b.astype(x.dtype), gs) * jnp.asarray(scale, x.dtype)
+
+
+def expert_mlp(
+    x_ND: jax.Array,
+    w_NK: jax.Array,
+    e_NK: jax.Array,
+    p: dict[str, jax.Array],
+    first_expert: jax.Array | int,
+    lora_scale: float = 0.0,
+) -> jax.Array:
+    """sum_k w_Nk * expert_{e_Nk}(x_N) over the experts held in `p`, f32[N, D].
+
+    `p["gate_up"]` f[El, D, 2, Fl], `p["down"]` f[El, Fl, D] hold experts first_expert ..
+    first_expert + El - 1 (and a slice Fl of their width); rows routed elsewhere contribute 0.
+    Optional LoRA arrays: gate_up_a f[El, D, R], gate_up_b f[El, R, 2, Fl], down_a f[El, Fl, R],
+    down_b f[El, R, D].
+    """
+    N, K = e_NK.shape
+    gate_up, down = p["gate_up"], p["down"]
+    El, D, _, Fl = gate_up.shape
+    dt = x_ND.dtype
+    local_NK = e_NK - first_expert
+    is_local_NK = (local_NK >= 0) & (local_NK < El)
+    key_M = jnp.where(is_local_NK, local_NK, El).reshape(N * K)  # El: "not here", sorted last
+    order_M = jnp.argsort(key_M, stable=True)
+    tok_M = order_M // K
+    gs_E = jnp.bincount(key_M, length=El + 1)[:El].astype(jnp.int32)
+    xs_MD = jnp.take(x_ND, tok_M, axis=0)
+    h = jax.lax.ragged_dot(xs_MD, gate_up.reshape(El, D, 2 * Fl).astype(dt), gs_E)
+    if "gate_up_a" in p:
+        b = p["gate_up_b"]
+        h = h + _lora(xs_MD, p["gate_up_a"], b.reshape(*b.shape[:2], 2 * Fl), gs_E, lora_scale)
+    act = jax.nn.silu(h[:, :Fl]) * h[:, Fl:]
+    y_MD = jax.lax.ragged_dot(act, down.astype(dt), gs_E)
+    if "down_a" in p:
+        y_MD = y_MD + _lora(act, p["down_a"], p["down_b"], gs_E, lora_scale)
+    # The reference casts the routing weights to the activation dtype before scaling.
+    w_M = jnp.take(w_NK.astype(dt).reshape(N * K), order_M)
+    here_M = jnp.take(is_local_NK.reshape(N * K), order_M)
+    y_MD = jnp.where(here_M[:, None], y_MD * w_M[:, None], jnp.zeros((), dt))
+    out_NKD = jnp.zeros((N * K, D), dt).at[order_M].set(y_MD).reshape(N, K, D)
+    return jnp.sum(out_NKD.astype(jnp.float32), axis=1)
+
+
+def _mesh_axes(rules: shd.Rules, logical: str) -> tuple[str, ...]:
+    target = dict(rules).get(logical)
+    return (target,) if isinstance(target, str) else tuple(target or ())
+
+
+def _in_spec(axes: tuple, rules: shd.Rules, keep: tuple[str, ...]) -> PartitionSpec:
+    """The weight's PartitionSpec restricted to the `keep` mesh axes (others gathered)."""
+    out = []
+    for dim in shd.logical_to_spec(axes, rules):
+        names = (dim,) if isinstance(dim, str) else tuple(dim or ())
+        names = tuple(a for a in names if a in keep)
+        out.append(None if not names else names[0] if len(names) == 1 else names)
+    return PartitionSpec(*out)
+
+
+class SparseMoeBlock(nnx.Module):
+    """HF `mlp` of a sparse layer: `gate` (router) + `experts`. See the module docstring."""
+
+    def __init__(self, cfg: QwenVLConfig, *, rngs: nnx.Rngs):
+        t = cfg.text
+        pd = jdtype(cfg.param_dtype)
+        self.gate = Router(t.hidden_size, t.num_experts, rngs=rngs, param_dtype=pd)
+        self.experts = Experts(cfg, rngs=rngs)
+        self.top_k = t.num_experts_per_tok
+        self.norm_topk_prob = t.norm_topk_prob
+        self.num_experts = t.num_experts
+        self.mesh: Mesh | None = None
+        self.rules: shd.Rules = shd.DEFAULT_RULES
+
+    def route(self, x_ND: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(router logits f32[N, E], weights f32[N, K], expert ids i32[N, K])."""
+        logits = self.gate(x_ND)
+        w, e = route(logits, self.top_k, self.norm_topk_prob)
+        return logits, w, e
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        B, T, D = x_BTD.shape
+        arrays, scale = self.experts.arrays()
+        names = tuple(arrays)
+        router = self.gate.kernel[...]
+        mesh = self.mesh
+
+        def local(x_BTD, router_DE, *ws, first_expert=0):
+            x_ND = x_BTD.reshape(-1, D)
+            logits = jnp.einsum(
+                "nd,de->ne", x_ND.astype(jnp.float32), router_DE.astype(jnp.float32)
+            )
+            w, e = route(logits, self.top_k, self.norm_topk_prob)
+            p = dict(zip(names, ws, strict=True))
+            y = expert_mlp(x_ND, w, e, p, first_expert, scale)
+            return y.reshape(x_BTD.shape)
+
+        ws = [a for a, _ in arrays.values()]
+        if mesh is None or mesh.size == 1:
+            return local(x_BTD, router, *ws).astype(x_BTD.dtype)
+
+        ep = tuple(a for a in _mesh_axes(self.rules, "expert") if a in mesh.axis_names)
+        tp = tuple(a for a in _mesh_axes(self.rules, "mlp") if a in mesh.axis_names)
+        reduce_axes = ep + tp
+        dp = tuple(
+            a
+            for a in _mesh_axes(self.rules, "batch")
+            if a in mesh.axis_names and a not in reduce_axes and mesh.shape[a] > 1
+        )
+        n_dp = 1
+        for a in dp:
+            n_dp *= mesh.shape[a]
+        x_spec = PartitionSpec(dp if dp and B % n_dp == 0 else None, None, None)
+        w_specs = [_in_spec(ax, self.rules, reduce_axes) for _, ax in arrays.values()]
+        n_local = self.num_experts
+        for a in ep:
+            n_local //= mesh.shape[a]
+
+        def sharded(x_BTD, router_DE, *ws):
+            first = jax.lax.axis_index(ep[0] if len(ep) == 1 else ep) * n_local if ep else 0
+            y = local(x_BTD, router_DE, *ws, first_expert=first)
+            return jax.lax.psum(y, reduce_axes) if reduce_axes else y
+
+        y = jax.shard_map(
+            sharded,
+            mesh=mesh,
+            in_specs=(x_spec, PartitionSpec(), *w_specs),
+            out_specs=x_spec,
+        )(x_BTD, router, *ws)
+        return y.astype(x_BTD.dtype)
+
+
+def set_expert_mesh(model: nnx.Module, mesh: Mesh | None, rules: shd.Rules | None = None) -> int:
+    """Run every MoE block of `model` expert-parallel on `mesh` under `rules` (None: on one
+    device, no shard_map). Returns the number of MoE blocks set."""
+    n = 0
+    for _, m in nnx.iter_modules(model):
+        if isinstance(m, SparseMoeBlock):
+            m.mesh = mesh
+            m.rules = shd.DEFAULT_RULES if rules is None else rules
+            n += 1
+    return n
