@@ -1,7 +1,8 @@
 """Mesh, logical-axis rules and placement helpers.
 
 Model code names logical axes only (every nnx.Param carries `out_sharding=(logical names)`);
-a rules table maps logical names to mesh axes of the one mesh `("data", "fsdp", "tensor")`.
+a rules table maps logical names to mesh axes of the one mesh `("data", "fsdp", "expert",
+"tensor")` (`expert`: expert parallelism for MoE models; size 1 for dense ones).
 Rules are a tuple of `(logical_name, mesh_axis | tuple of mesh axes | None)` pairs so a config
 can override them. Helpers never silently do nothing: an unknown logical name, an unknown mesh
 axis, or a dimension the mesh cannot divide raises an error that names it.
@@ -17,12 +18,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 Rules = tuple[tuple[str, Any], ...]
 
 # FSDP shards the model dimension of every matrix; tensor parallelism shards heads / mlp /
-# vocab. Norm scales, head_dim and the small vision tables stay replicated.
+# vocab; expert parallelism splits the MoE expert stacks over `expert`. Norm scales, head_dim,
+# the MoE router and the small vision tables stay replicated.
 DEFAULT_RULES: Rules = (
     ("batch", ("data", "fsdp")),
     ("vocab", "tensor"),
@@ -30,6 +32,7 @@ DEFAULT_RULES: Rules = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
+    ("expert", "expert"),
     ("head_dim", None),
     ("norm", None),
     ("vision_patch", None),
@@ -42,25 +45,31 @@ DEFAULT_RULES: Rules = (
 
 
 def make_mesh(
-    data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[jax.Device] | None = None
+    data: int = 1,
+    fsdp: int = -1,
+    tensor: int = 1,
+    devices: Sequence[jax.Device] | None = None,
+    *,
+    expert: int = 1,
 ) -> Mesh:
-    """Mesh with axes ("data", "fsdp", "tensor"); one size may be -1 (= the remaining devices)."""
+    """Mesh with axes ("data", "fsdp", "expert", "tensor"); one size may be -1 (= the
+    remaining devices). `expert` > 1 splits MoE experts over that many devices (expert
+    parallelism); it combines with fsdp and tensor."""
     devs = list(jax.devices() if devices is None else devices)
-    sizes = [data, fsdp, tensor]
+    named = {"data": data, "fsdp": fsdp, "expert": expert, "tensor": tensor}
+    sizes = [named[a] for a in MESH_AXES]
+    desc = " ".join(f"{a}={n}" for a, n in named.items())
     if sizes.count(-1) > 1:
-        raise ValueError(
-            f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} tensor={tensor}"
-        )
+        raise ValueError(f"at most one mesh axis may be -1, got {desc}")
     known = int(np.prod([s for s in sizes if s != -1]))
     if -1 in sizes:
         if len(devs) % known:
-            raise ValueError(f"{len(devs)} devices are not divisible by data*tensor={known}")
+            others = "*".join(a for a, n in named.items() if n != -1)
+            raise ValueError(f"{len(devs)} devices are not divisible by {others}={known}")
         sizes[sizes.index(-1)] = len(devs) // known
     if int(np.prod(sizes)) != len(devs):
-        raise ValueError(
-            f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} needs "
-            f"{int(np.prod(sizes))} devices, have {len(devs)}"
-        )
+        shape = " x ".join(f"{a}={n}" for a, n in zip(MESH_AXES, sizes, strict=True))
+        raise ValueError(f"mesh {shape} needs {int(np.prod(sizes))} devices, have {len(devs)}")
     return Mesh(np.asarray(devs).reshape(sizes), MESH_AXES)
 
 
@@ -165,4 +174,8 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> 
         )
         var.set_value(jax.device_put(var.get_value(), sharding))
     nnx.update(model, state)
+    # Modules that run their own shard_map (the MoE expert dispatch) learn the mesh here.
+    for _, m in nnx.iter_modules(model):
+        if callable(getattr(m, "use_mesh", None)):
+            m.use_mesh(mesh, rules)
     return model

@@ -108,9 +108,15 @@ def test_golden_partition_specs(family):
 
 def test_make_mesh_axes_and_errors():
     mesh = shd.make_mesh(fsdp=4, tensor=2)
-    assert mesh.axis_names == ("data", "fsdp", "tensor")
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 2}
-    assert dict(shd.make_mesh().shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert mesh.axis_names == ("data", "fsdp", "expert", "tensor")
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 2}
+    assert dict(shd.make_mesh().shape) == {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
+    assert dict(shd.make_mesh(fsdp=-1, expert=4).shape) == {
+        "data": 1,
+        "fsdp": 2,
+        "expert": 4,
+        "tensor": 1,
+    }
     with pytest.raises(ValueError, match="needs 6 devices"):
         shd.make_mesh(data=1, fsdp=3, tensor=2)
     with pytest.raises(ValueError, match="at most one"):

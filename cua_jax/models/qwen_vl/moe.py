@@ -167,6 +167,11 @@ class SparseMoeBlock(nnx.Module):
         self.mesh: Mesh | None = None
         self.rules: shd.Rules = shd.DEFAULT_RULES
 
+    def use_mesh(self, mesh: Mesh | None, rules: shd.Rules | None = None) -> None:
+        """Run expert-parallel on `mesh` under `rules` (None: one device, no shard_map)."""
+        self.mesh = mesh
+        self.rules = shd.DEFAULT_RULES if rules is None else rules
+
     def route(self, x_ND: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(router logits f32[N, E], weights f32[N, K], expert ids i32[N, K])."""
         logits = self.gate(x_ND)
@@ -231,7 +236,6 @@ def set_expert_mesh(model: nnx.Module, mesh: Mesh | None, rules: shd.Rules | Non
     n = 0
     for _, m in nnx.iter_modules(model):
         if isinstance(m, SparseMoeBlock):
-            m.mesh = mesh
-            m.rules = shd.DEFAULT_RULES if rules is None else rules
+            m.use_mesh(mesh, rules)
             n += 1
     return n
