@@ -25,17 +25,18 @@ from configs import common
 PRESETS = ("smoke", "3b", "7b", "32b", "72b")
 
 TOPOLOGY = {"3b": "v5p-8", "7b": "v5p-8", "32b": "v5p-8", "72b": "v5p-16"}
-# (remat, rl.num_substeps, sampler.num_pages) that fit TOPOLOGY (tools/plan.py)
+# Overrides of configs/common.py's apply_real that make each preset fit TOPOLOGY (tools/plan.py)
 FIT = {
-    "3b": ("full", 2, 4096),
-    "7b": ("full", 4, 4096),
-    "32b": ("full", 8, 4096),
-    "72b": ("full", 8, 4096),
+    "3b": {"model.remat": "full", "rl.num_substeps": 2, "sampler.num_pages": 4096},
+    "7b": {"model.remat": "full", "rl.num_substeps": 4, "sampler.num_pages": 4096},
+    "32b": {"model.remat": "full", "rl.num_substeps": 8, "sampler.num_pages": 4096},
+    "72b": {"model.remat": "full", "rl.num_substeps": 8, "sampler.num_pages": 4096},
 }
 
 
 def get_config(arg=None):
     c = common.build("qwen2_5_vl", arg, PRESETS)
-    if c.preset in FIT:
-        c.model.remat, c.rl.num_substeps, c.sampler.num_pages = FIT[c.preset]
+    for key, value in FIT.get(c.preset, {}).items():
+        section, name = key.split(".")
+        c[section][name] = value
     return c

@@ -13,7 +13,7 @@ Presets:
 Smallest TPU slice each real preset is meant for (TOPOLOGY; `tools/plan.py` compiles the train
 step and the sampler's decode step for it and they fit with 10% of HBM to spare):
   2b  v5p-8    full fine-tuning, fsdp=4; remat=full, 2 micro-batches, 4096 KV pages
-  4b  v5p-8    full fine-tuning, fsdp=4; remat=full, 2 micro-batches, 4096 KV pages
+  4b  v5p-8    full fine-tuning, fsdp=2 x tensor=2; remat=full, 4 micro-batches, 4096 KV pages
   8b  v5p-8    full fine-tuning, fsdp=2 x tensor=2; remat=full, 4 micro-batches, 3072 KV pages
   32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4; remat=full, 8 micro-batches, 4096 pages
 The KV pool stays resident next to the learner (colocated sampler): its pages are sharded over
@@ -25,17 +25,21 @@ from configs import common
 PRESETS = ("smoke", "2b", "4b", "8b", "32b")
 
 TOPOLOGY = {"2b": "v5p-8", "4b": "v5p-8", "8b": "v5p-8", "32b": "v5p-8"}
-# (remat, rl.num_substeps, sampler.num_pages) that fit TOPOLOGY (tools/plan.py)
+# Overrides of configs/common.py's apply_real that make each preset fit TOPOLOGY (tools/plan.py)
 FIT = {
-    "2b": ("full", 2, 4096),
-    "4b": ("full", 2, 4096),
-    "8b": ("full", 4, 3072),
-    "32b": ("full", 8, 4096),
-}
+    "2b": {"model.remat": "full", "rl.num_substeps": 2, "sampler.num_pages": 4096},
+    # 32 heads: the learner's dense attention holds f32 [heads, L, L] scores per row (34 GB at
+    # L=16384 on one device), so the heads are split over tensor=2
+    "4b": {"model.remat": "full", "rl.num_substeps": 4, "sampler.num_pages": 4096,
+           "mesh.tensor": 2},
+    "8b": {"model.remat": "full", "rl.num_substeps": 4, "sampler.num_pages": 3072},
+    "32b": {"model.remat": "full", "rl.num_substeps": 8, "sampler.num_pages": 4096},
+}  # fmt: skip
 
 
 def get_config(arg=None):
     c = common.build("qwen3_vl", arg, PRESETS)
-    if c.preset in FIT:
-        c.model.remat, c.rl.num_substeps, c.sampler.num_pages = FIT[c.preset]
+    for key, value in FIT.get(c.preset, {}).items():
+        section, name = key.split(".")
+        c[section][name] = value
     return c
