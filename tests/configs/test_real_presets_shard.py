@@ -35,7 +35,8 @@ def test_every_real_preset_is_listed():
 def test_preset_mesh_divides_the_real_model(family, size, fsdp):
     config = MODULES[family].get_config(size)
     rules = tuple(shd.DEFAULT_RULES) + tuple(tuple(r) for r in config.mesh.rules)
-    mesh = AbstractMesh((config.mesh.data, fsdp, config.mesh.tensor), shd.MESH_AXES)
+    sizes = {"data": config.mesh.data, "fsdp": fsdp, "tensor": config.mesh.tensor}
+    mesh = AbstractMesh(tuple(sizes.get(a, 1) for a in shd.MESH_AXES), shd.MESH_AXES)
     cfg = real_config(family, size)
     model = nnx.eval_shape(lambda: qwen_vl.QwenVL(cfg, rngs=nnx.Rngs(0)))
     state = nnx.state(model, nnx.Param)
