@@ -101,7 +101,13 @@ def _check_placement(engine, model, mesh):
 def test_colocated_mesh_equals_one_device(reference, family, axes):
     mesh = shd.make_mesh(*axes)
     model = _model(family, mesh)
-    engine = Engine(model, mesh=mesh, **KW)
+    if family == "qwen3_vl":
+        # Without mesh= the parameters' own mesh is used (before, the K/V pool went to device 0
+        # and every call failed with "incompatible devices").
+        engine = Engine(model, **KW)
+        assert engine.mesh == mesh
+    else:
+        engine = Engine(model, mesh=mesh, **KW)
     # The learner's arrays themselves: no gather, no copy.
     theirs = jax.tree.leaves(nnx.state(model, nnx.Param))
     for mine, their in zip(jax.tree.leaves(engine._state), theirs, strict=True):
@@ -161,3 +167,39 @@ def test_stress_workload_on_a_4_device_mesh():
     on_mesh, alone = logs
     assert on_mesh.keys() == alone.keys() and len(alone) > 8
     _assert_same([on_mesh[k] for k in alone], list(alone.values()))
+
+
+def test_step_functions_lower_from_abstract_shapes_on_a_mesh():
+    """The AOT recipe of /tmp/coord/engine_api.md (tools/plan.py's use): every step function
+    lowers from ShapeDtypeStructs alone, with the params' and pages' shardings in the program."""
+    from cua_jax.sampler import placement, steps
+
+    cfg = qwen_vl.tiny("qwen3_vl")
+    mesh = shd.make_mesh(1, 4, 2)
+    abstract_model = nnx.eval_shape(lambda: qwen_vl.QwenVL(cfg, rngs=nnx.Rngs(0)))
+    model_def, params = steps.ModelDef.of(abstract_model)
+    param_sh = placement.target_shardings(params, mesh, shd.DEFAULT_RULES)
+    params = jax.tree.map(
+        lambda sh, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), param_sh, params
+    )
+    step_cfg = steps.StepConfig(page_size=16, decode_chunk=4, head_dim=cfg.text.head_dim, mesh=mesh)
+    sh = steps.StepShardings(
+        jax.tree.map(lambda x: x.sharding, params),
+        placement.kv_sharding(mesh),
+        placement.replicated(mesh),
+    )
+    t = cfg.text
+    fns = steps.build_step_fns(model_def, step_cfg, sh, t.num_hidden_layers)
+    cache = steps.abstract_cache(
+        t.num_hidden_layers, t.num_key_value_heads, 64, 16, t.head_dim, cfg.dtype, sh.cache
+    )
+    for fn, args in [
+        (fns.decode_paged, steps.decode_arg_shapes(8, 4)),
+        (fns.decode_contiguous, steps.decode_arg_shapes(8, 4)),
+        (fns.prefill(()), steps.prefill_arg_shapes(4, 32, 4)),
+    ]:
+        text = fn.lower(params, cache, *args).as_text()  # Shardy's dialect
+        assert '<@mesh, [{"tensor"}, {}, {}, {}]>' in text  # pages: kv heads over tensor
+        assert '[{"fsdp"}, {"tensor"}]' in text  # the params' own shardings
+        # K/V write + attention of each layer under shard_map (a manual computation).
+        assert text.count("sdy.manual_computation") == t.num_hidden_layers
