@@ -95,6 +95,13 @@ _CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 _MAX_GATHERED_BYTES = 256 << 20
 
 
+def _to_host(x: jax.Array) -> np.ndarray:
+    """A replicated output as numpy; on a multi-host mesh from this process's own copy."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(x.addressable_data(0))
+    return np.asarray(x)
+
+
 class Engine:
     """Continuous-batching sampler over a paged KV cache. See the module docstring.
 
@@ -507,7 +514,7 @@ class Engine:
             [a.req.params for a in fresh] + [None] * (n - len(fresh))
         )
         tok, lp, mlp = map(
-            np.asarray, self._fns.sample_first(logits_XV, idx, sampling, np.zeros((n,), np.int32))
+            _to_host, self._fns.sample_first(logits_XV, idx, sampling, np.zeros((n,), np.int32))
         )
         for j, a in enumerate(fresh):
             self.sched.next_tok[a.slot] = int(tok[j])
@@ -600,7 +607,7 @@ class Engine:
             plan.stops,
             SlotSampling.from_params(plan.params),
         )
-        out_tok, out_lp, out_mlp = map(np.asarray, (out_tok, out_lp, out_mlp))
+        out_tok, out_lp, out_mlp = map(_to_host, (out_tok, out_lp, out_mlp))
         self.stats["decode_calls"] += 1
         self.stats["slot_steps"] += self.max_slots * self.decode_chunk
         self.sched.apply_decode(out_tok, out_lp, out_mlp, self.version)
