@@ -1,0 +1,199 @@
+"""The monitor's Starlette app: pages (Jinja2 templates) and the JSON the live pages poll.
+
+    app = make_app(engine, token=..., hosts=...)   # tools/monitor.py serves it with uvicorn
+
+Pages (stable URLs): /  ·  /runs/<run id>  ·  /runs/<run id>/steps/<step>  ·
+/rollouts/<rollout id>  ·  /runs/<run id>/evals/<step>[?tag=&vs=<step>|vs_run=<id>&vs_step=<n>]
+JSON: /api/runs  ·  /api/runs/<run id>/steps?after=<step>   Screenshots: /screens/<run id>/<sha>.png
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from tools.monitor_app import queries
+from tools.monitor_app.security import Guard
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+POLL_MS = 3000
+_SHOT = re.compile(r"^[0-9a-f]{64}\.png$")
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if isinstance(v, bool) or v is None:
+        return "" if v is None else str(v)
+    if isinstance(v, int | float):
+        return f"{v:.{digits}g}" if isinstance(v, float) else str(v)
+    return str(v)
+
+
+def make_app(
+    engine: Engine,
+    *,
+    token: str | None = None,
+    hosts: set[str] | None = None,
+    poll_ms: int = POLL_MS,
+) -> Starlette:
+    """The monitor on `engine` (a migrated cua_jax database). `hosts`/`token`: see security.py;
+    hosts=None accepts any Host (tests with Starlette's TestClient)."""
+    templates = Jinja2Templates(directory=os.path.join(HERE, "templates"))
+    templates.env.filters["fmt"] = _fmt
+    templates.env.globals["poll_ms"] = poll_ms
+
+    def page(request: Request, name: str, status_code: int = 200, **ctx: Any) -> Response:
+        return templates.TemplateResponse(request, name, ctx, status_code=status_code)
+
+    def db() -> Session:
+        return Session(engine)
+
+    def run_or_404(s: Session, request: Request) -> Any:
+        try:
+            return queries.get_run(s, int(request.path_params["run_id"]))
+        except queries.NotFound as e:
+            raise HTTPException(404, str(e)) from None
+
+    def index(request: Request) -> Response:
+        with db() as s:
+            return page(request, "runs.html", runs=queries.runs(s))
+
+    def run_page(request: Request) -> Response:
+        with db() as s:
+            run = run_or_404(s, request)
+            last = queries.steps(s, run.id)[-20:][::-1]
+            return page(
+                request,
+                "run.html",
+                run=queries.run_dict(run),
+                config=run.config,
+                evals=queries.evals(s, run.id),
+                sft=queries.sft(s, run.id),
+                recent=last,
+            )
+
+    def step_page(request: Request) -> Response:
+        with db() as s:
+            run = run_or_404(s, request)
+            try:
+                data = queries.step_page(s, run.id, int(request.path_params["step"]))
+            except queries.NotFound as e:
+                raise HTTPException(404, str(e)) from None
+            return page(request, "step.html", run=queries.run_dict(run), **data)
+
+    def rollout_page(request: Request) -> Response:
+        with db() as s:
+            try:
+                ro = queries.rollout(s, int(request.path_params["rollout_id"]))
+            except queries.NotFound as e:
+                raise HTTPException(404, str(e)) from None
+            run = queries.get_run(s, ro.run_id)
+            return page(request, "rollout.html", run=queries.run_dict(run), r=ro, turns=ro.turns)
+
+    def eval_page(request: Request) -> Response:
+        q = request.query_params
+        with db() as s:
+            run = run_or_404(s, request)
+            try:
+                ev = queries.eval_at(s, run.id, int(request.path_params["step"]), q.get("tag"))
+                cur = queries.eval_table(s, ev)
+                other = None
+                if q.get("vs_run") or q.get("vs"):
+                    vs_run = int(q.get("vs_run") or run.id)
+                    vs_step = int(q.get("vs_step") or q.get("vs"))
+                    queries.get_run(s, vs_run)
+                    other = queries.eval_table(
+                        s, queries.eval_at(s, vs_run, vs_step, q.get("vs_tag"))
+                    )
+            except queries.NotFound as e:
+                raise HTTPException(404, str(e)) from None
+            except ValueError:
+                raise HTTPException(400, "vs, vs_run and vs_step must be integers") from None
+            return page(
+                request,
+                "eval.html",
+                run=queries.run_dict(run),
+                ev=cur,
+                other=other,
+                evals=queries.evals(s, run.id),
+                all_runs=queries.runs(s),
+                categories=sorted(
+                    set(cur["categories"]) | set((other or {}).get("categories", {}))
+                ),
+                task_ids=sorted(set(cur["tasks"]) | set((other or {}).get("tasks", {}))),
+            )
+
+    def api_runs(request: Request) -> Response:
+        with db() as s:
+            return JSONResponse(queries.runs(s))
+
+    def api_steps(request: Request) -> Response:
+        try:
+            after = int(request.query_params.get("after", -1))
+        except ValueError:
+            raise HTTPException(400, "after must be an integer step") from None
+        with db() as s:
+            run = run_or_404(s, request)
+            return JSONResponse(
+                {
+                    "run": queries.run_dict(run),
+                    "steps": queries.steps(s, run.id, after),
+                    "evals": queries.evals(s, run.id),
+                }
+            )
+
+    def screenshot(request: Request) -> Response:
+        name = request.path_params["name"]
+        if not _SHOT.match(name):
+            raise HTTPException(404, f"no screenshot {name}")
+        with db() as s:
+            run = run_or_404(s, request)
+            path = os.path.join(run.workdir, "screens", name)
+        if not os.path.exists(path):
+            raise HTTPException(404, f"screenshot {name} is not in {run.workdir}/screens")
+        return FileResponse(
+            path, media_type="image/png", headers={"Cache-Control": "max-age=86400"}
+        )
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        code = getattr(exc, "status_code", 500)
+        detail = getattr(exc, "detail", "internal error")
+        if request.url.path.startswith("/api/"):
+            return JSONResponse({"error": detail}, status_code=code)
+        return page(request, "error.html", status_code=code, code=code, detail=detail)
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        return page(
+            request, "error.html", status_code=500, code=500, detail=f"{type(exc).__name__}: {exc}"
+        )
+
+    routes = [
+        Route("/", index),
+        Route("/runs/{run_id:int}", run_page),
+        Route("/runs/{run_id:int}/steps/{step:int}", step_page),
+        Route("/runs/{run_id:int}/evals/{step:int}", eval_page),
+        Route("/rollouts/{rollout_id:int}", rollout_page),
+        Route("/api/runs", api_runs),
+        Route("/api/runs/{run_id:int}/steps", api_steps),
+        Route("/screens/{run_id:int}/{name}", screenshot),
+        Mount("/static", StaticFiles(directory=os.path.join(HERE, "static")), name="static"),
+    ]
+    middleware = []
+    if hosts is not None or token is not None:
+        middleware.append(Middleware(Guard, hosts=hosts, token=token))
+    return Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={HTTPException: http_error, 500: server_error},
+    )
