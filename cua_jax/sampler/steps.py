@@ -48,8 +48,8 @@ from cua_jax.sampler.kernels.paged_attention import (
     paged_attention,
 )
 from cua_jax.sampler.sampling import MAX_BANNED, SlotSampling, sample_tokens
+from cua_jax.sampler.scheduler import MAX_STOP_IDS
 
-MAX_STOP_IDS = 8
 KV_AXIS = "tensor"  # mesh axis the kv heads (and q heads) are split over
 
 
