@@ -205,12 +205,13 @@ class TrajectoryDB:
             "status": status,
             "attach": self._attach,
         }
-        self._submit("close", lambda: rec)
         self._closed = True
-        try:
+        try:  # the end of the run may wait for the queue (never the steps)
+            self._q.put(("make", "close", lambda: rec), timeout=self.close_timeout_s)
             self._q.put(_STOP, timeout=self.close_timeout_s)
         except queue.Full:
-            pass
+            with self._lock:
+                self.lost.append("close")
         self._thread.join(self.close_timeout_s)
         if self._thread.is_alive():
             logging.error(
