@@ -1,0 +1,332 @@
+"""tools/serve.py: the OpenAI-compatible server against the Engine it wraps.
+
+A tiny random Qwen3-VL behind the server answers greedy requests with exactly the tokens
+`Engine.generate_batch` gives for the trainer's rendering of the same conversation (one turn, and
+a second turn that quotes the first reply), concurrent requests with images give the same outputs
+as sequential ones, and malformed or foreign requests get OpenAI-style errors.
+"""
+
+import asyncio
+
+import httpx
+import numpy as np
+import pytest
+
+from cua_jax.data.processor import QwenVLProcessor
+from cua_jax.evaluation.openai_chat import encode_image
+from cua_jax.models import qwen_vl
+from cua_jax.rl.rollout import _TurnRecord, render_transcript
+from cua_jax.sampler import Engine, SamplingParams
+from tools.serve import create_app, resolve_token
+
+TOKEN = "secret-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+SYSTEM = "You click things."
+
+
+@pytest.fixture(scope="module")
+def proc():
+    return QwenVLProcessor.default("qwen3_vl", max_pixels=64 * 64, min_pixels=32 * 32)
+
+
+@pytest.fixture(scope="module")
+def model(proc):
+    tok = proc.tokenizer
+    cfg = qwen_vl.tiny("qwen3_vl", vocab_size=tok.vocab_size, **tok.vision_token_ids())
+    return qwen_vl.init_random(cfg, seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(model, proc):
+    return Engine(
+        model,
+        max_slots=8,
+        page_size=16,
+        num_pages=512,
+        max_seq_len=512,
+        decode_chunk=8,
+        detokenize=proc.tokenizer.decode,
+    )
+
+
+@pytest.fixture(scope="module")
+def app(engine, proc, model):
+    return create_app(
+        engine,
+        proc,
+        token=TOKEN,
+        model_name="tiny",
+        max_tokens=8,
+        banned_token_ids=model.config.vision_placeholder_ids,
+    )
+
+
+def _screen(i):
+    rng = np.random.default_rng(i)
+    return rng.integers(0, 255, (48 + 16 * (i % 2), 64, 3), dtype=np.uint8)
+
+
+def _params(proc, model, n=8):
+    return SamplingParams(
+        temperature=0.0,
+        max_new_tokens=n,
+        stop_token_ids=proc.tokenizer.stop_ids,
+        banned_token_ids=model.config.vision_placeholder_ids,
+    )
+
+
+def _first_turn(img, text="click the red square"):
+    return [
+        {"role": "system", "content": SYSTEM},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": encode_image(img)}},
+                {"type": "text", "text": text},
+            ],
+        },
+    ]
+
+
+def _reference(engine, proc, model, records):
+    """The trainer's prompt for these turns and the engine's greedy tokens for it."""
+    rendered, pv, grid = render_transcript(proc.chat, "click the red square", SYSTEM, records, 2)
+    (out,) = engine.generate_batch(
+        [
+            {
+                "prompt_ids": rendered.input_ids,
+                "pixel_values": pv,
+                "image_grid_thw": grid,
+                "params": _params(proc, model),
+            }
+        ]
+    )
+    return rendered.input_ids, [int(t) for t in out.tokens]
+
+
+def _record(proc, img, feedback=""):
+    v = proc.preprocess_images([img])
+    return _TurnRecord(feedback, v["pixel_values"], v["image_grid_thw"])
+
+
+def _client(app):
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8000", timeout=300
+    )
+
+
+async def _post(client, body, headers=AUTH, **kw):
+    return await client.post("/v1/chat/completions", json=body, headers=headers, **kw)
+
+
+def test_greedy_turns_equal_the_engine_on_the_trainers_rendering(app, engine, proc, model):
+    img0, img1, img2 = _screen(0), _screen(1), _screen(2)
+
+    async def run():
+        async with _client(app) as c:
+            msgs = _first_turn(img0)
+            r1 = await _post(c, {"messages": msgs, "temperature": 0, "max_tokens": 8})
+            assert r1.status_code == 200, r1.text
+            msgs2 = [
+                *msgs,
+                {"role": "assistant", "content": r1.json()["choices"][0]["message"]["content"]},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "Here is the screen after your action."},
+                        {"type": "image_url", "image_url": {"url": encode_image(img1)}},
+                    ],
+                },
+            ]
+            r2 = await _post(c, {"messages": msgs2, "temperature": 0, "max_tokens": 8})
+            a2 = r2.json()["choices"][0]["message"]["content"]
+            # Third turn: the history window (2 images) drops the first screenshot.
+            msgs3 = [
+                msgs2[0],
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "(an earlier screenshot, omitted)"},
+                        {"type": "text", "text": "click the red square"},
+                    ],
+                },
+                *msgs2[2:],
+                {"role": "assistant", "content": a2},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "Your last action was invalid."},
+                        {"type": "image_url", "image_url": {"url": encode_image(img2)}},
+                    ],
+                },
+            ]
+            r3 = await _post(c, {"messages": msgs3, "temperature": 0, "max_tokens": 8})
+            return r1.json(), r2.json(), r3.json()
+
+    j1, j2, j3 = asyncio.run(run())
+    recs = [_record(proc, img0)]
+    ids1, want1 = _reference(engine, proc, model, recs)
+    assert j1["choices"][0]["token_ids"] == want1
+    assert j1["usage"]["prompt_tokens"] == len(ids1)
+    assert j1["policy_version"] == 0 and j1["system_fingerprint"] == "cua_jax-v0"
+    recs[0].generated = want1
+    recs.append(_record(proc, img1, "Here is the screen after your action."))
+    ids2, want2 = _reference(engine, proc, model, recs)
+    assert j2["usage"]["prompt_tokens"] == len(ids2)
+    assert j2["choices"][0]["token_ids"] == want2
+    # the second turn extends the first: its K/V came from the session cache
+    assert j2["usage"]["prompt_tokens_details"]["cached_tokens"] > len(ids1) // 2
+    recs[1].generated = want2
+    recs.append(_record(proc, img2, "Your last action was invalid."))
+    ids3, want3 = _reference(engine, proc, model, recs)
+    assert j3["usage"]["prompt_tokens"] == len(ids3)
+    assert j3["choices"][0]["token_ids"] == want3
+
+
+def test_concurrent_requests_with_images_equal_sequential_ones(app):
+    bodies = [
+        {
+            "messages": _first_turn(_screen(10 + i), f"task {i}"),
+            "temperature": 0 if i % 2 else 0.8,
+            "seed": i,
+            "max_tokens": 6,
+            "logprobs": True,
+        }
+        for i in range(24)
+    ]
+
+    async def run(concurrent):
+        async with _client(app) as c:
+            if concurrent:
+                rs = await asyncio.gather(*(_post(c, b) for b in bodies))
+            else:
+                rs = [await _post(c, b) for b in bodies]
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
+        return [r.json()["choices"][0] for r in rs]
+
+    seq = asyncio.run(run(False))
+    conc = asyncio.run(run(True))
+    assert [c["token_ids"] for c in conc] == [c["token_ids"] for c in seq]
+    assert [c["message"]["content"] for c in conc] == [c["message"]["content"] for c in seq]
+    for c in conc:
+        assert len(c["logprobs"]["content"]) == len(c["token_ids"])
+        assert all(
+            np.isfinite(e["logprob"]) and e["logprob"] <= 0 for e in c["logprobs"]["content"]
+        )
+
+
+def _err(r, status, code=None, param=None):
+    assert r.status_code == status, r.text
+    e = r.json()["error"]
+    assert set(e) == {"message", "type", "param", "code"} and e["message"]
+    if code is not None:
+        assert e["code"] == code, e
+    if param is not None:
+        assert e["param"] == param, e
+    return e
+
+
+def test_malformed_and_foreign_requests_get_openai_errors(app):
+    good = _first_turn(_screen(0))
+
+    def with_image(url):
+        return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+
+    async def run():
+        async with _client(app) as c:
+            _err(
+                await _post(c, {"messages": good, "frobnicate": 1}),
+                400,
+                "unknown_field",
+                "frobnicate",
+            )
+            _err(
+                await _post(c, {"messages": with_image("data:image/png;base64,@@@")}),
+                400,
+                "invalid_image",
+            )
+            e = _err(
+                await _post(c, {"messages": with_image("data:image/png;base64,aGVsbG8=")}),
+                400,
+                "invalid_image",
+            )
+            assert e["param"] == "messages[0].content[0].image_url.url"
+            _err(
+                await _post(c, {"messages": with_image("http://example.com/a.png")}),
+                400,
+                "invalid_image_url",
+            )
+            long = [{"role": "user", "content": "word " * 2000}]
+            _err(await _post(c, {"messages": long}), 400, "context_length_exceeded", "messages")
+            _err(await _post(c, {"messages": []}), 400, "invalid_value", "messages")
+            _err(
+                await _post(c, {"messages": [{"role": "robot", "content": "x"}]}),
+                400,
+                None,
+                "messages[0].role",
+            )
+            _err(
+                await _post(c, {"messages": good, "temperature": -1}),
+                400,
+                "invalid_value",
+                "temperature",
+            )
+            _err(await _post(c, {"messages": good, "model": "gpt-9"}), 400, "model_not_found")
+            _err(await _post(c, {"messages": good, "stream": True}), 400, None, "stream")
+            r = await c.post(
+                "/v1/chat/completions",
+                content=b"{not json",
+                headers={**AUTH, "Content-Type": "application/json"},
+            )
+            _err(r, 400, "invalid_json")
+            r = await c.post(
+                "/v1/chat/completions",
+                content=b"{}",
+                headers={**AUTH, "Content-Type": "text/plain"},
+            )
+            _err(r, 415)
+            big = {"messages": [{"role": "user", "content": "x" * (33 * 1024 * 1024)}]}
+            _err(await _post(c, big), 413)
+            _err(await _post(c, {"messages": good}, headers={}), 401)
+            _err(await _post(c, {"messages": good}, headers={"Authorization": "Bearer nope"}), 401)
+            _err(
+                await _post(
+                    c, {"messages": good}, headers={**AUTH, "Origin": "http://evil.example"}
+                ),
+                403,
+            )
+            _err(
+                await _post(c, {"messages": good}, headers={**AUTH, "Host": "evil.example:8000"}),
+                403,
+            )
+            _err(
+                await _post(
+                    c, {"messages": good}, headers={**AUTH, "Sec-Fetch-Site": "cross-site"}
+                ),
+                403,
+            )
+            _err(await c.get("/v1/nothing", headers=AUTH), 404)
+            # the server's own origin is fine
+            r = await _post(
+                c,
+                {"messages": good, "max_tokens": 2},
+                headers={**AUTH, "Origin": "http://127.0.0.1:8000"},
+            )
+            assert r.status_code == 200, r.text
+            r = await c.get("/v1/models", headers=AUTH)
+            assert r.json()["data"][0]["id"] == "tiny"
+
+    asyncio.run(run())
+
+
+def test_token_rules():
+    tok, made = resolve_token("127.0.0.1", None, False)
+    assert made and len(tok) >= 32
+    assert resolve_token("127.0.0.1", None, True) == (None, False)
+    assert resolve_token("0.0.0.0", "t", False) == ("t", False)
+    with pytest.raises(ValueError, match="non-loopback"):
+        resolve_token("0.0.0.0", None, False)
+    with pytest.raises(ValueError, match="no-token"):
+        resolve_token("10.0.0.1", None, True)
+    with pytest.raises(ValueError, match="contradict"):
+        resolve_token("127.0.0.1", "t", True)
