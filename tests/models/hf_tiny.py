@@ -36,7 +36,7 @@ MOE_TEXT = dict(
     max_position_embeddings=4096,
     num_experts=8,
     num_experts_per_tok=2,
-    moe_intermediate_size=32,
+    moe_intermediate_size=48,  # 2F != D and F != D: the two expert layouts differ in shape
     decoder_sparse_step=1,
     mlp_only_layers=[],
     rope_parameters={

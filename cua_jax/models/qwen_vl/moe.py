@@ -217,6 +217,10 @@ class SparseMoeBlock(nnx.Module):
             n_local //= mesh.shape[a]
 
         def sharded(x_BTD, router_DE, *ws):
+            # Tokens and router are the same on every expert/tensor device; marking them as
+            # varying makes their cotangents an explicit psum over those axes (the gathers
+            # below use per-device expert offsets).
+            x_BTD, router_DE = jax.lax.pcast((x_BTD, router_DE), reduce_axes, to="varying")
             first = jax.lax.axis_index(ep[0] if len(ep) == 1 else ep) * n_local if ep else 0
             y = local(x_BTD, router_DE, *ws, first_expert=first)
             return jax.lax.psum(y, reduce_axes) if reduce_axes else y
