@@ -15,7 +15,9 @@ const CuaMonitor = (() => {
   const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"];
 
   function num(v) { return typeof v === "number" && isFinite(v) ? v : null; }
-  function fmt(v) { return typeof v === "number" ? (Number.isInteger(v) ? String(v) : v.toPrecision(3)) : ""; }
+  function fmt(v) { return typeof v === "number" ? String(Number(v.toPrecision(3))) : ""; }
+  function esc(s) { return String(s).replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`); }
+  const STEP_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000];
 
   function derived(m) {
     const tok = num(m["rollout/generated_tokens"]), t = num(m["time/step"]);
@@ -51,7 +53,7 @@ const CuaMonitor = (() => {
         const opts = {
           width: width(), height: 200,
           scales: { x: { time: false } },
-          axes: [{ label: "step" }, {}],
+          axes: [{ label: "step", incrs: STEP_INCRS }, {}],
           series: [{ label: "step" }, ...keys.map((k, i) => ({
             label: k, stroke: COLORS[i % COLORS.length], width: 2, spanGaps: true,
             points: { show: steps.length < 60 },
@@ -77,9 +79,18 @@ const CuaMonitor = (() => {
         body.insertBefore(tr, body.firstChild);
       }
     }
+    let nEvals = document.querySelectorAll("#evals tbody a").length;
+    function showEvals(evals) {
+      if (evals.length === nEvals) return;
+      nEvals = evals.length;
+      document.querySelector("#evals tbody").innerHTML = evals.map((e) =>
+        `<tr><td><a href="/runs/${runId}/evals/${e.step}?tag=${encodeURIComponent(e.tag)}">${e.step}</a></td>` +
+        `<td>${esc(e.tag)}</td><td>${fmt(e.success)}</td><td>${e.num_tasks}</td></tr>`).join("");
+    }
     async function poll() {
       try {
         const data = await getJSON(`/api/runs/${runId}/steps?after=${last}`);
+        showEvals(data.evals);
         const fresh = data.steps.map((s) => ({ ...s, metrics: derived(s.metrics) }));
         for (const s of fresh) {
           const i = steps.findIndex((o) => o.step === s.step);
