@@ -21,6 +21,7 @@ in `runs.status` ("finished; lost 2 records: step 7, step 8").
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import queue
@@ -32,6 +33,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import sqlalchemy as sa
 from absl import logging
 from sqlalchemy.orm import Session
@@ -58,6 +60,22 @@ def _git_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+_NO_IDS = np.zeros(0, np.int32)
+
+
+def _light(traj: Any) -> Any:
+    """A shallow copy of a Trajectory without what the database never stores (prompt ids,
+    pixel values), so a queued step does not keep the batch's images alive."""
+    light = copy.copy(traj)
+    turns = []
+    for turn in traj.turns:
+        t = copy.copy(turn)
+        t.prompt_ids, t.pixel_values, t.image_grid_thw = _NO_IDS, None, None
+        turns.append(t)
+    light.turns = turns
+    return light
 
 
 def run_uid(workdir: str, *, create: bool = True) -> tuple[str, bool]:
@@ -125,7 +143,7 @@ class TrajectoryDB:
         in group order, the screenshots u8[H, W, 3] of its turns. `version`: the learner
         version the groups were trained against (staleness = version - policy_version)."""
         t = records.now()
-        groups = None if groups is None else [list(g) for g in groups]
+        groups = None if groups is None else [[_light(tr) for tr in g] for g in groups]
         self._submit(
             f"step {step}",
             lambda: records.step_record(
@@ -156,7 +174,7 @@ class TrajectoryDB:
         """An eval's episodes (one per task, tasks give the categories) at `step`, tagged
         (step0, after_sft, step25, ...); `metrics`: `train.success_by_category`'s dict."""
         t = records.now()
-        trajs, tasks = list(trajs), None if tasks is None else list(tasks)
+        trajs, tasks = [_light(tr) for tr in trajs], None if tasks is None else list(tasks)
         metrics = dict(metrics or {})
         self._submit(
             f"eval {tag}@{step}",

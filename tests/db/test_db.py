@@ -309,3 +309,27 @@ def test_null_db_when_disabled(tmp_path):
     db.log_step(1, {}, [])
     db.close()
     assert not os.listdir(tmp_path)
+
+
+def test_log_step_keeps_no_images_and_leaves_the_trajectories_alone(tmp_path):
+    import gc
+    import weakref
+
+    groups, screens = synth.step_groups(1, 1, 2, 0)
+    turn = groups[0][0].turns[0]
+    prompt = turn.prompt_ids.copy()
+    pixels = np.ones((4, 8), np.float32)
+    turn.pixel_values, turn.image_grid_thw = pixels, np.array([[1, 2, 2]])
+    ref = weakref.ref(pixels)
+    db = _open(tmp_path / "run", str(tmp_path / "t.sqlite"))
+    gate = threading.Event()
+    db.decode = lambda ids: gate.wait(30) and "x"  # hold the step in the queue
+    db.log_step(1, {}, groups, screens=screens, version=1)
+    del pixels
+    turn.pixel_values = turn.image_grid_thw = None
+    gc.collect()
+    assert ref() is None  # the queued step does not hold the batch's images
+    np.testing.assert_array_equal(turn.prompt_ids, prompt)
+    gate.set()
+    db.close()
+    assert _count(str(tmp_path / "t.sqlite"), "turns") == sum(len(t.turns) for t in groups[0])
