@@ -72,7 +72,7 @@ def make_app(
     def run_page(request: Request) -> Response:
         with db() as s:
             run = run_or_404(s, request)
-            last = queries.steps(s, run.id)[-20:][::-1]
+            last = queries.steps(s, run.id, newest=20)[::-1]
             return page(
                 request,
                 "run.html",

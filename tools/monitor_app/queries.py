@@ -56,8 +56,20 @@ def get_run(session: Session, run_id: int) -> Run:
     return run
 
 
-def steps(session: Session, run_id: int, after: int = -1) -> list[dict[str, Any]]:
-    """Steps of a run after `after`: step, metrics, group/rollout counts (the curves' data)."""
+def steps(
+    session: Session, run_id: int, after: int = -1, newest: int | None = None
+) -> list[dict[str, Any]]:
+    """Steps of a run after `after` (or its `newest` ones): step, metrics, group count (the
+    curves' data), oldest first."""
+    if newest is not None:
+        cut = session.scalar(
+            sa.select(Step.step)
+            .where(Step.run_id == run_id)
+            .order_by(Step.step.desc())
+            .offset(newest)
+            .limit(1)
+        )
+        after = -1 if cut is None else cut
     counts = dict(
         session.execute(
             sa.select(Group.step, sa.func.count())
