@@ -9,6 +9,11 @@ so ``nnx.LoRAParam`` selects exactly the trainable adapters and the base weights
 are. They carry logical axis names (A: (in axis, None), B: (None, out axis)) so
 `cua_jax.sharding` places them like the kernel they adapt.
 
+MoE expert stacks (`mlp.experts` of a Qwen3-VL-MoE layer) are wrapped in a `LoRAExperts`: one
+adapter pair per expert and projection (gate_up: A f32[E, D, r], B f32[E, r, 2, F]; down:
+A f32[E, F, r], B f32[E, r, D]), applied inside the grouped matmuls of the expert dispatch (so
+they shard over the expert and tensor axes like the experts).
+
 `adapters_off` gives the adapter state with B = 0, which computes the base model's policy
 without copying the base weights. (The learner's KL reference is not the base model but the
 adapters as the learner started, e.g. after an SFT warm-up: see `cua_jax.rl.learner`.)
@@ -24,12 +29,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from cua_jax.models.qwen_vl.moe import Experts
 from cua_jax.models.qwen_vl.text import Linear
 
-# The decoder's attention and MLP projections (the usual LoRA targets for an LLM policy).
+# The decoder's attention and MLP projections (the usual LoRA targets for an LLM policy), and
+# the expert projections of MoE layers (the router is not adapted).
 DEFAULT_TARGETS: tuple[str, ...] = (
     r"language_model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj$",
     r"language_model\.layers\.\d+\.mlp\.(gate|up|down)_proj$",
+    r"language_model\.layers\.\d+\.mlp\.experts$",
 )
 
 
@@ -60,6 +68,53 @@ class LoRALinear(nnx.LoRA):
         return y + (x.astype(y.dtype) @ a @ b) * jnp.asarray(self.scale, y.dtype)
 
 
+class ExpertAdapter(nnx.Module):
+    """One projection's adapters for every expert: lora_a f32[E, in, r], lora_b f32[E, r, *out]
+    (zeros). Logical axes follow the expert weight they adapt."""
+
+    def __init__(self, a_shape, b_shape, a_axes, b_axes, *, rngs: nnx.Rngs):
+        a = jax.random.normal(rngs.params(), a_shape, jnp.float32) * a_shape[1] ** -0.5
+        meta = {"eager_sharding": False}
+        self.lora_a = nnx.LoRAParam(a, out_sharding=tuple(a_axes), **meta)
+        self.lora_b = nnx.LoRAParam(jnp.zeros(b_shape, jnp.float32), out_sharding=b_axes, **meta)
+
+
+class LoRAExperts(nnx.Module):
+    """An `Experts` stack with LoRA on gate_up_proj and down_proj (per expert)."""
+
+    def __init__(self, base: Experts, rank: int, alpha: float, *, rngs: nnx.Rngs):
+        E, D, two, F = base.gate_up_proj.shape
+        r = rank
+        self.base_module = base
+        # A keeps the base weight's input axes, B its output axes (see moe.GATE_UP/DOWN_AXES).
+        gu_a, gu_b = ("expert", "embed", None), ("expert", None, None, "mlp")
+        dn_a, dn_b = ("expert", "mlp", None), ("expert", None, "embed")
+        self.gate_up_lora = ExpertAdapter((E, D, r), (E, r, two, F), gu_a, gu_b, rngs=rngs)
+        self.down_lora = ExpertAdapter((E, F, r), (E, r, D), dn_a, dn_b, rngs=rngs)
+        self.rank = rank
+        self.scale = float(alpha) / rank
+
+    def arrays(self) -> tuple[dict[str, tuple[jax.Array, tuple]], float]:
+        """The base expert arrays plus the adapters, for `moe.expert_mlp`."""
+        out, _ = self.base_module.arrays()
+        for proj, ad in (("gate_up", self.gate_up_lora), ("down", self.down_lora)):
+            for ab in ("a", "b"):
+                var = getattr(ad, f"lora_{ab}")
+                out[f"{proj}_{ab}"] = (var[...], tuple(var.get_metadata()["out_sharding"]))
+        return out, self.scale
+
+    def merge(self) -> Experts:
+        """Fold the adapters into the base stacks (W_e += scale A_e B_e); returns the base."""
+        base = self.base_module
+        for w, ad, eq in (
+            (base.gate_up_proj, self.gate_up_lora, "edr,erxf->edxf"),
+            (base.down_proj, self.down_lora, "efr,erd->efd"),
+        ):
+            delta = jnp.einsum(eq, ad.lora_a[...], ad.lora_b[...]) * self.scale
+            w[...] = (w[...].astype(jnp.float32) + delta).astype(w[...].dtype)
+        return base
+
+
 def _path_str(path: Sequence) -> str:
     return ".".join(str(p) for p in path)
 
@@ -83,11 +138,12 @@ def apply_lora(
     *,
     rngs: nnx.Rngs | None = None,
 ) -> list[str]:
-    """Wrap matching Linear layers in place; returns the dotted paths that were wrapped.
+    """Wrap matching Linear layers (and MoE expert stacks) in place; returns the dotted paths
+    that were wrapped.
 
     ``target_modules`` are regular expressions searched in each Linear's dotted path (e.g.
-    ``model.language_model.layers.0.self_attn.q_proj``). Raises when nothing matches, so a typo
-    in a pattern cannot silently train nothing.
+    ``model.language_model.layers.0.self_attn.q_proj``, ``...layers.0.mlp.experts``).
+    Raises when nothing matches, so a typo in a pattern cannot silently train nothing.
     """
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
@@ -96,7 +152,7 @@ def apply_lora(
     found = [
         (path, m)
         for path, m in nnx.iter_modules(model)
-        if isinstance(m, Linear) and any(p.search(_path_str(path)) for p in pats)
+        if isinstance(m, Linear | Experts) and any(p.search(_path_str(path)) for p in pats)
     ]
     if not found:
         raise ValueError(
@@ -104,12 +160,15 @@ def apply_lora(
             "regexes over dotted paths such as 'model.language_model.layers.0.self_attn.q_proj'"
         )
     for path, m in found:
-        _set_child(model, path, LoRALinear(m, rank, alpha, rngs=rngs))
+        wrap = LoRAExperts if isinstance(m, Experts) else LoRALinear
+        _set_child(model, path, wrap(m, rank, alpha, rngs=rngs))
     return [_path_str(p) for p, _ in found]
 
 
-def lora_modules(model: nnx.Module) -> list[tuple[tuple, LoRALinear]]:
-    return [(tuple(p), m) for p, m in nnx.iter_modules(model) if isinstance(m, LoRALinear)]
+def lora_modules(model: nnx.Module) -> list[tuple[tuple, LoRALinear | LoRAExperts]]:
+    return [
+        (tuple(p), m) for p, m in nnx.iter_modules(model) if isinstance(m, LoRALinear | LoRAExperts)
+    ]
 
 
 def has_lora(model: nnx.Module) -> bool:
@@ -134,6 +193,9 @@ def adapters_off(lora_state: nnx.State) -> nnx.State:
 def merge_lora(model: nnx.Module) -> nnx.Module:
     """Fold each adapter into its base kernel (W += scale · A B) and unwrap it, in place."""
     for path, m in lora_modules(model):
+        if isinstance(m, LoRAExperts):
+            _set_child(model, path, m.merge())
+            continue
         base: Linear = m.base_module
         w = base.kernel[...]
         delta = (m.lora_a[...].astype(jnp.float32) @ m.lora_b[...].astype(jnp.float32)) * m.scale

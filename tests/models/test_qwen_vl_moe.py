@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from cua_jax import sharding as shd  # noqa: E402
-from cua_jax.models import qwen_vl  # noqa: E402
+from cua_jax.models import lora, qwen_vl  # noqa: E402
 from cua_jax.models.qwen_vl import moe  # noqa: E402
 from cua_jax.models.qwen_vl.config import QwenVLConfig  # noqa: E402
 from tests.models.hf_tiny import (  # noqa: E402
@@ -227,14 +227,15 @@ def test_expert_weight_partition_specs_golden():
     assert not any(k.startswith(dense + "experts") for k in specs)
 
 
+@jax.jit
+def _jit_forward(graphdef, state, ids):
+    return nnx.merge(graphdef, state)(ids)
+
+
 def _forward(model, ids):
+    """Jitted logits; models with the same structure (and mesh) share one compile."""
     graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def f(state, ids):
-        return nnx.merge(graphdef, state)(ids)
-
-    return np.asarray(f(state, ids))
+    return np.asarray(_jit_forward(graphdef, state, ids))
 
 
 @pytest.fixture(scope="module")
@@ -297,3 +298,39 @@ def test_expert_parallel_gradients_equal_one_device():
     assert _rel(got_x, ref_x) <= 1e-5
     for k in ref:
         assert _rel(got[k], ref[k]) <= 1e-5, k
+
+
+# ------------------------------------------------------------------------------------ LoRA
+def _randomize_adapters(model, seed):
+    rng = np.random.default_rng(seed)
+    for _, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
+        var.set_value(jnp.asarray(0.05 * rng.normal(size=var.get_value().shape), jnp.float32))
+
+
+def test_lora_on_experts_merge_and_expert_parallel(ep_reference):
+    """LoRA wraps attention, dense MLP and expert projections (not the router); B = 0 is the
+    base model; merged weights give the adapted logits; the adapted forward under expert x
+    tensor parallelism equals one device."""
+    ids, base, ref = ep_reference
+    model = nnx.clone(base)
+    paths = lora.apply_lora(model, 4, 8.0, rngs=nnx.Rngs(2))
+    assert "model.language_model.layers.0.mlp.experts" in paths
+    assert not any(p.endswith("mlp.gate") for p in paths)
+    assert len(paths) == 4 + 1 + 4 + 3  # layer 0: attention + experts; layer 1: + dense MLP
+    ad = model.model.language_model.layers[0].mlp.experts.gate_up_lora
+    assert ad.lora_a.get_metadata()["out_sharding"] == ("expert", "embed", None)
+    assert ad.lora_b.get_metadata()["out_sharding"] == ("expert", None, None, "mlp")
+    assert _rel(_forward(model, ids), ref) <= 1e-6  # B = 0
+    _randomize_adapters(model, 3)
+    adapted = _forward(model, ids)
+    assert _rel(adapted, ref) > 1e-2
+    off = nnx.clone(model)
+    nnx.update(off, lora.adapters_off(nnx.state(off, nnx.LoRAParam)))
+    assert _rel(_forward(off, ids), ref) <= 1e-6
+    sharded = nnx.clone(model)
+    shd.shard_model(sharded, shd.make_mesh(data=1, fsdp=1, tensor=2, expert=4))
+    assert _rel(_forward(sharded, ids), adapted) <= 1e-5
+    merged = lora.merge_lora(nnx.clone(model))
+    assert not lora.has_lora(merged)
+    assert isinstance(merged.model.language_model.layers[0].mlp.experts, moe.Experts)
+    assert _rel(_forward(merged, ids), adapted) <= 1e-5
