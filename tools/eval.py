@@ -13,9 +13,20 @@ the same run on the same tasks gives the success rate its training-time eval log
 `model.hf_path`, or random init for the tiny presets. --tasks is a task-source dict or a list of
 them, as JSON (default: the config's `eval_tasks`).
 
-Writes OUT/eval.json (success overall and per category, per-task results) and
-OUT/episodes.html (screenshots with the clicks drawn on them, model outputs, feedback). OUT
-defaults to WORKDIR/eval/step_N.
+Agents (`tools/agents.py`): --agent=checkpoint (default) plays the policy above with the
+project's sampler; --agent=openai plays any OpenAI-compatible endpoint instead (tools/serve.py,
+vLLM serving Qwen-VL or OpenCUA, ...) with the config's prompt, action format and env:
+
+    python tools/eval.py --config=configs/qwen3vl_grpo.py:8b --agent=openai \
+        --base_url=http://127.0.0.1:8000/v1 --model=qwen3-vl-8b --out=DIR
+    # (the key: --api_key, else $OPENAI_API_KEY; the model's weights are not loaded here, only
+    # its processor: model.hf_path's, or the shipped tokenizer for the tiny presets)
+
+Writes OUT/eval.json (success overall and per category with a 95% Wilson interval, per-task
+results), OUT/episodes.html (screenshots with the clicks drawn on them, model outputs,
+feedback) and OSWorld-style per-episode folders under --result_dir (default OUT/results:
+`tools/show_results.py OUT/results` summarizes them, `--compare=OTHER` puts two agents side by
+side). OUT defaults to WORKDIR/eval/step_N.
 """
 
 from __future__ import annotations
@@ -41,6 +52,19 @@ _TASKS = flags.DEFINE_string(
 _OUT = flags.DEFINE_string("out", None, "Output directory (default: WORKDIR/eval/step_N).")
 _CONCURRENCY = flags.DEFINE_integer("concurrency", None, "Environments at once (default: config).")
 _LOG_EPISODES = flags.DEFINE_integer("log_episodes", 32, "Episodes written to episodes.html.")
+_AGENT = flags.DEFINE_enum(
+    "agent", "checkpoint", ["checkpoint", "openai"], "Who plays: the policy or an endpoint."
+)
+_BASE_URL = flags.DEFINE_string(
+    "base_url", None, "--agent=openai: the endpoint, e.g. http://127.0.0.1:8000/v1"
+)
+_MODEL = flags.DEFINE_string("model", None, "--agent=openai: the model id to ask for.")
+_API_KEY = flags.DEFINE_string(
+    "api_key", None, "--agent=openai: bearer token (default $OPENAI_API_KEY)."
+)
+_RESULT_DIR = flags.DEFINE_string(
+    "result_dir", None, "OSWorld-style per-episode folders (default OUT/results)."
+)
 
 
 class EvalError(SystemExit):
@@ -113,22 +137,43 @@ def main(argv: list[str]) -> None:
     if not tasks:
         raise EvalError(f"the task source(s) {task_sources} hold no task")
 
-    mesh, rules = builders.mesh_and_rules(config)
+    openai = _AGENT.value == "openai"
+    if openai != (_BASE_URL.value is not None):
+        raise EvalError("--base_url goes with --agent=openai (and --agent=openai needs it)")
     step = None
-    if _WORKDIR.value is not None:
+    if openai:  # the endpoint plays: only the processor (coordinates, the recorded ids)
+        from types import SimpleNamespace
+
+        from cua_jax.evaluation.loading import build_processor
+
+        processor = build_processor(config)
+        no_model = SimpleNamespace(config=SimpleNamespace(vision_placeholder_ids=()))
+        settings = builders.build_rollout_settings(config, no_model)
+        step = _STEP.value
+    else:
+        from cua_jax.evaluation.loading import load_policy
+
         try:
-            model, processor, step = builders.restore_run_model(
-                config, _WORKDIR.value, mesh, rules, _STEP.value
-            )
+            model, processor, step, mesh, rules = load_policy(config, _WORKDIR.value, _STEP.value)
         except CheckpointError as e:
             raise EvalError(str(e)) from None
-    else:  # a local HF checkpoint or a preset's random init (+ ckpt.init_params_from, if set)
-        model, processor = builders.build_model_and_processor(config, mesh, rules)
-        builders.init_model_weights(model, config)
+        settings = builders.build_rollout_settings(config, model)
     out_dir = _OUT.value or os.path.join(_WORKDIR.value, "eval", f"step_{step}")
     os.makedirs(out_dir, exist_ok=True)
-    engine = builders.build_engine(model, config, processor.tokenizer, mesh=mesh, rules=rules)
-    agent = AgentLoop(engine, processor, builders.build_rollout_settings(config, model))
+    if openai:
+        from tools.agents import AgentEvalLoop, OpenAIAgent
+
+        remote = OpenAIAgent(
+            _BASE_URL.value,
+            _MODEL.value,
+            _API_KEY.value or os.environ.get("OPENAI_API_KEY"),
+        )
+        agent = AgentEvalLoop(processor, settings)
+        agent_name = remote.name
+    else:
+        engine = builders.build_engine(model, config, processor.tokenizer, mesh=mesh, rules=rules)
+        agent = AgentLoop(engine, processor, settings)
+        agent_name = f"checkpoint:{_WORKDIR.value or config.model.get('hf_path') or 'init'}"
 
     bar = metrics_lib.Progress(len(tasks), desc="eval")
     done: list[float] = []
@@ -140,16 +185,53 @@ def main(argv: list[str]) -> None:
     async def run():
         screens: list = []
         async with env_factory() as pool:
-            trajs = await agent.evaluate(
-                pool, tasks, seed=config.seed, screens=screens, on_episode=on_episode
-            )
-        return trajs, screens
+            if openai:
+                try:
+                    trajs, texts = await agent.evaluate_agent(
+                        pool,
+                        tasks,
+                        remote,
+                        seed=config.seed,
+                        screens=screens,
+                        on_episode=on_episode,
+                    )
+                finally:
+                    await remote.close()
+            else:
+                trajs = await agent.evaluate(
+                    pool, tasks, seed=config.seed, screens=screens, on_episode=on_episode
+                )
+                stop = set(processor.tokenizer.stop_ids)
+                texts = [
+                    [
+                        processor.tokenizer.decode(
+                            [int(i) for i in t.generated_ids if i not in stop]
+                        )
+                        for t in traj.turns
+                    ]
+                    for traj in trajs
+                ]
+        return trajs, screens, texts
 
     t0 = time.perf_counter()
-    trajs, screens = asyncio.run(run())
+    trajs, screens, texts = asyncio.run(run())
     bar.close()
+    from cua_jax.evaluation import results as results_lib
+    from cua_jax.evaluation.stats import wilson_interval
+
+    result_dir = _RESULT_DIR.value or os.path.join(out_dir, "results")
+    for traj, task, shots, tx in zip(trajs, tasks, screens, texts, strict=True):
+        results_lib.write_episode(result_dir, task, traj, shots, tx, agent=agent_name)
+    ran = [t for t in trajs if not t.infra_fault]
     result = {
-        "source": _WORKDIR.value or config.model.get("hf_path") or f"{config.preset} (random init)",
+        "source": (
+            agent_name
+            if openai
+            else _WORKDIR.value or config.model.get("hf_path") or f"{config.preset} (random init)"
+        ),
+        "agent": agent_name,
+        "result_dir": result_dir,
+        "success_ci95": list(wilson_interval(sum(t.success for t in ran), len(ran))),
         "step": step,
         "tasks": task_sources,
         "num_tasks": len(tasks),
@@ -184,7 +266,8 @@ def main(argv: list[str]) -> None:
     )
     print(
         f"eval success {result['eval/success']:.3f} over {len(tasks)} tasks ({cats}); "
-        f"wrote {out_dir}/eval.json and episodes.html"
+        f"wrote {out_dir}/eval.json and episodes.html; per-episode folders in {result_dir} "
+        f"(tools/show_results.py {result_dir})"
     )
 
 

@@ -21,3 +21,15 @@ def load_policy(config: Any, workdir: str | None, step: int | None = None):
         builders.init_model_weights(model, config)
         step = None
     return model, processor, step, mesh, rules
+
+
+def build_processor(config: Any):
+    """The policy's processor alone (no weights): `model.hf_path`'s, or the shipped tokenizer
+    with the tiny presets' image settings (what `builders.build_model_and_processor` gives)."""
+    from cua_jax.data.processor import QwenVLProcessor
+
+    mc = config.model
+    if mc.hf_path is not None:
+        return QwenVLProcessor.from_pretrained(mc.hf_path)
+    w, h = config.env.viewport_width, config.env.viewport_height
+    return QwenVLProcessor.default(mc.family, max_pixels=w * h, min_pixels=32 * 32)
