@@ -32,7 +32,7 @@ def report(result_dir: str) -> str:
     out = [R.format_summary(s)]
     if s.ran:
         rates = {d: S.rate(r.successes, r.ran) for d, r in s.domains.items()}
-        rates["all"] = S.rate(s.successes, s.ran)
+        rates["overall"] = S.rate(s.successes, s.ran)
         out += ["", S.format_table(rates)]
     return "\n".join(out)
 

@@ -284,7 +284,7 @@ def side_by_side_html(
         ".row{display:flex;gap:12px;align-items:flex-start}",
         ".col{flex:1;min-width:0;border:1px solid #ccc;padding:8px}",
         ".ok{color:#080;font-weight:bold} .bad{color:#b00;font-weight:bold}",
-        "img{max-width:100%;border:1px solid #888}",
+        "img{width:100%;max-width:960px;border:1px solid #888}",
         "pre{white-space:pre-wrap;overflow-wrap:anywhere;background:#f4f4f4;padding:4px;",
         "font-size:12px} .step{margin-bottom:10px}</style></head><body>",
         f"<h1>{len(task_ids)} task(s): {' vs '.join(esc(x) for x in labels)}</h1>",

@@ -87,16 +87,17 @@ def rate(successes: int, n: int, confidence: float = 0.95) -> Rate:
 def by_category(
     outcomes: Sequence[bool], categories: Sequence[str], confidence: float = 0.95
 ) -> dict[str, Rate]:
-    """Success with its interval per category, plus "all" (in first-seen category order)."""
+    """Success with its interval per category (an empty one is "all", as in eval.json), plus
+    "overall" (in first-seen category order)."""
     if len(outcomes) != len(categories):
         raise ValueError(f"{len(outcomes)} outcomes for {len(categories)} categories")
     table: dict[str, list[int]] = {}
     for ok, cat in zip(outcomes, categories, strict=True):
-        s = table.setdefault(cat or "default", [0, 0])
+        s = table.setdefault(cat or "all", [0, 0])
         s[0] += bool(ok)
         s[1] += 1
     out = {cat: rate(s, n, confidence) for cat, (s, n) in table.items()}
-    out["all"] = rate(sum(bool(o) for o in outcomes), len(outcomes), confidence)
+    out["overall"] = rate(sum(bool(o) for o in outcomes), len(outcomes), confidence)
     return out
 
 
