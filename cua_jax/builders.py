@@ -19,6 +19,7 @@ import os
 from typing import Any
 
 from absl import logging
+from etils import epath
 
 from cua_jax.checkpoint.orbax_io import Checkpointer, CheckpointError, init_params
 from cua_jax.rl.rollout import RolloutSettings
@@ -70,7 +71,7 @@ def init_model_weights(model: Any, config: Any) -> int:
     src = config.ckpt.get("init_params_from")
     if not src:
         return 0
-    if os.path.isdir(os.path.join(src, "checkpoints")):  # a run's workdir: its checkpoints
+    if epath.Path(src, "checkpoints").is_dir():  # a run's workdir: its checkpoints
         src = os.path.join(src, "checkpoints")
     step = config.ckpt.get("init_params_step", -1)
     source = Checkpointer(src, keep=10**6)
@@ -147,10 +148,15 @@ def build_learner(model: Any, config: Any, mesh: Any, rules: Any, *, sft: bool):
 def build_engine(model: Any, config: Any, tokenizer: Any, *, mesh: Any, rules: Any):
     """The paged sampler over `model` (a learner's `learner.model` when one trains it) on the
     run's `mesh`: parameters already sharded there (the learner's) are decoded in place, K/V
-    pages are sharded over `tensor`."""
+    pages are sharded over `tensor`.
+
+    Multi-host: each process rolls out its own episodes, so its sampler runs on its own devices
+    only (`sampler_mesh`) with a local copy of the parameters (`sampler_params`); give it
+    `sampler_params(learner)` at every `update_params`."""
     from cua_jax.sampler import Engine
 
     sc = config.sampler
+    model, mesh = _sampler_model(model, mesh)
     return Engine(
         model,
         mesh=mesh,
@@ -164,6 +170,42 @@ def build_engine(model: Any, config: Any, tokenizer: Any, *, mesh: Any, rules: A
         attn_options=sc.gpu_kernel,
         detokenize=tokenizer.decode,
     )
+
+
+def sampler_mesh(mesh: Any) -> Any:
+    """The sampler's mesh: the run's mesh with one process, else this process's devices (its
+    own rollouts), with the run's `tensor` size where they divide by it."""
+    import jax
+
+    from cua_jax import sharding as shd
+
+    if jax.process_count() == 1:
+        return mesh
+    local = jax.local_devices()
+    tensor = mesh.shape["tensor"] if len(local) % mesh.shape["tensor"] == 0 else 1
+    return shd.make_mesh(1, -1, tensor, devices=local)
+
+
+def sampler_params(learner: Any) -> Any:
+    """What `engine.update_params` takes: the learner's live parameters (one process), or this
+    process's full copy of them (multi-host, see `build_engine`)."""
+    from cua_jax import multihost
+
+    return multihost.local_copy(learner.params_for_sampler())
+
+
+def _sampler_model(model: Any, mesh: Any) -> tuple[Any, Any]:
+    """(model, mesh) the engine decodes: `model` itself on the run's mesh with one process; a
+    copy holding this process's replica of its arrays on `sampler_mesh` with several."""
+    import jax
+    from flax import nnx
+
+    from cua_jax import multihost
+
+    if jax.process_count() == 1:
+        return model, mesh
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, multihost.local_copy(state)), sampler_mesh(mesh)
 
 
 def build_rollout_settings(config: Any, model: Any) -> RolloutSettings:
@@ -197,6 +239,33 @@ def build_rollout_source(config: Any, agent: Any, pool: Any, tasks: Any, version
     )
     cursor = sources.TaskCursor(tasks, config.seed)
     return sources.make_source(rl.mode, agent, pool, cursor, settings, version)
+
+
+def build_rollout_source_share(config: Any, agent: Any, pool: Any, tasks: Any, version: int):
+    """`build_rollout_source` for this process's share of a multi-host job: its own tasks
+    (`multihost.task_share`: every process_count-th task from its index, the same after a
+    restart) and `groups_per_batch / process_count` whole groups per step (a group never
+    straddles processes). With one process, exactly `build_rollout_source`."""
+    import jax
+
+    from cua_jax import multihost
+    from cua_jax.config_checks import ConfigError
+
+    n = jax.process_count()
+    if n == 1:
+        return build_rollout_source(config, agent, pool, tasks, version)
+    rl = config.rl
+    if rl.groups_per_batch % n:
+        raise ConfigError(
+            f"config.rl.groups_per_batch={rl.groups_per_batch} must be a multiple of the "
+            f"{n} processes: each process rolls out whole groups of its own tasks"
+        )
+    share = multihost.task_share(tasks)
+    if not share:
+        raise ConfigError(f"{len(tasks)} training tasks leave process {jax.process_index()} none")
+    per_host = config.copy_and_resolve_references()
+    per_host.rl.groups_per_batch = rl.groups_per_batch // n
+    return build_rollout_source(per_host, agent, pool, share, version)
 
 
 def build_checkpointer(config: Any, workdir: str) -> Checkpointer:
@@ -240,7 +309,10 @@ __all__ = [
     "build_model_and_processor",
     "build_rollout_settings",
     "build_rollout_source",
+    "build_rollout_source_share",
     "init_model_weights",
     "mesh_and_rules",
     "restore_run_model",
+    "sampler_mesh",
+    "sampler_params",
 ]

@@ -28,8 +28,9 @@ from typing import Any
 import jax
 import numpy as np
 from absl import logging
+from etils import epath
 
-from cua_jax import builders
+from cua_jax import builders, multihost
 from cua_jax import metrics as metrics_lib
 from cua_jax.builders import init_model_weights
 from cua_jax.checkpoint.orbax_io import Checkpointer
@@ -38,6 +39,7 @@ from cua_jax.env_api import Task
 from cua_jax.rl import sft_data
 from cua_jax.rl.learner import check_finite
 from cua_jax.rl.rollout import AgentLoop, count_infra_faults
+from cua_jax.rl.sources import RolloutError
 from cua_jax.rl.trajectory import Trajectory
 
 
@@ -53,7 +55,7 @@ def main(
     tasks = load_tasks([dict(t) for t in config.tasks])
     eval_tasks = load_tasks([dict(t) for t in config.eval_tasks])
     _warn_if_turns_cut(tasks + eval_tasks, config.env.max_turns)
-    os.makedirs(workdir, exist_ok=True)
+    epath.Path(workdir).mkdir(parents=True, exist_ok=True)  # a local path or gs://...
     return asyncio.run(run(config, workdir, env_factory, tasks, eval_tasks))
 
 
@@ -73,8 +75,7 @@ async def run(
     model, processor = builders.build_model_and_processor(config, mesh, rules)
     decode = processor.tokenizer.decode
     if is_main:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
+        (epath.Path(workdir) / "config.json").write_text(config.to_json_best_effort(indent=2))
     # A run may start from another run's weights (not its optimizer or step); applied on resume
     # too, since parameters this run keeps frozen are not in its own checkpoints.
     init_model_weights(model, config)
@@ -111,7 +112,7 @@ async def run(
     engine = builders.build_engine(
         learner.model, config, processor.tokenizer, mesh=mesh, rules=rules
     )
-    engine.update_params(learner.params_for_sampler(), learner.version)
+    engine.update_params(builders.sampler_params(learner), learner.version)
     agent = AgentLoop(engine, processor, builders.build_rollout_settings(config, learner.model))
     progress = metrics_lib.Progress(
         config.total_steps, initial=step, desc="grpo", enabled=is_main and config.log.progress
@@ -121,9 +122,10 @@ async def run(
     last_eval: dict[str, float] = {}
 
     async with env_factory() as pool:
-        source = builders.build_rollout_source(config, agent, pool, tasks, learner.version)
+        # multi-host: this process's share of the tasks, and of each step's groups
+        source = builders.build_rollout_source_share(config, agent, pool, tasks, learner.version)
         if meta is not None:
-            source.load_state_dict(meta)
+            source.load_state_dict(_process_meta(meta))
 
         async def evaluate(tag: str) -> dict[str, float]:
             out = await evaluate_policy(
@@ -147,11 +149,14 @@ async def run(
 
             # ---- SFT warm-up -------------------------------------------------------------------
             if run_sft:
-                sft_metrics = await _sft_warmup(config, learner, agent, pool, tasks, workdir)
+                sft_metrics = await _sft_warmup(
+                    config, learner, agent, pool, multihost.task_share(tasks), workdir
+                )
+                sft_metrics = _job_metrics(sft_metrics)
                 policy = learner.model
                 del learner  # its optimizer state goes before the RL learner makes its own
                 learner = builders.build_learner(policy, config, mesh, rules, sft=False)
-                engine.update_params(learner.params_for_sampler(), learner.version)
+                engine.update_params(builders.sampler_params(learner), learner.version)
                 last_eval = await evaluate("after_sft")
                 writer.write(0, {**sft_metrics, **last_eval, "phase_sft": 1.0})
                 save_checkpoint(ckpt, step, learner, source.state_dict(), force=True)
@@ -159,7 +164,7 @@ async def run(
             # ---- GRPO steps -------------------------------------------------------------------
             while step < config.total_steps:
                 t_step = time.perf_counter()
-                rollouts = await source.next_groups(step)
+                rollouts = await _next_groups(source, step)
                 t0 = time.perf_counter()
                 batch, info = learner.prepare_batch(rollouts.groups)
                 if batch is not None:
@@ -174,7 +179,7 @@ async def run(
                     train_metrics = {"skipped_no_signal": 1.0}
                 t_train = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                engine.update_params(learner.params_for_sampler(), learner.version)
+                engine.update_params(builders.sampler_params(learner), learner.version)
                 source.trained(rollouts.groups, learner.version)
                 timers = {**rollouts.timings, "train": t_train, "sync": time.perf_counter() - t0}
                 step += 1
@@ -194,6 +199,7 @@ async def run(
                         decode,
                         f"train step {step}",
                     )
+                row = _job_metrics(row)  # multi-host: one row for the job (process 0 writes it)
                 if step % config.log.eval_every == 0 or step == config.total_steps:
                     last_eval = await evaluate(f"step{step}")
                     row.update(last_eval)
@@ -231,8 +237,7 @@ async def run(
             "steps": step,
             "wall_s": time.perf_counter() - t_job,
         }
-        with open(os.path.join(workdir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        (epath.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2))
         progress.write(f"summary: {json.dumps(summary)}")
     progress.close()
     return last_eval
@@ -264,8 +269,58 @@ def save_checkpoint(
     ckpt: Checkpointer, step: int, learner: Any, source_state: dict, *, force: bool = False
 ) -> None:
     """The learner's state at `step` with the rollout source's cursor, replay and store
-    counters (`ckpt.save_every` decides unless `force`)."""
-    ckpt.save(step, learner.state_dict(), {**source_state, "sft_done": True}, force=force)
+    counters (`ckpt.save_every` decides unless `force`). Every process calls it: orbax saves
+    each process's shards; multi-host, the metadata holds every process's source state
+    (`processes`, in process order) so that it is the same on all of them."""
+    meta = {**source_state, "sft_done": True}
+    if jax.process_count() > 1:
+        meta = {**meta, "processes": multihost.allgather_json(source_state)}
+    ckpt.save(step, learner.state_dict(), meta, force=force)
+
+
+def _process_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """This process's rollout-source state in a checkpoint's metadata (`save_checkpoint`);
+    raises `ConfigError` when the checkpoint was written by a job of another process count (its
+    task shares would not be this job's)."""
+    saved = meta.get("processes")
+    n, i = jax.process_count(), jax.process_index()
+    if saved is None and n == 1:
+        return meta
+    if saved is None or len(saved) != n:
+        raise ConfigError(
+            f"the checkpoint at step {meta.get('step')} was written by a job of "
+            f"{1 if saved is None else len(saved)} processes, this one has {n}: each process "
+            "resumes its own share of the tasks, so resume with the same number of processes"
+        )
+    return saved[i]
+
+
+async def _next_groups(source: Any, step: int) -> Any:
+    """`source.next_groups(step)`; multi-host, a systematic rollout failure on any process
+    stops every process (each would otherwise wait for the others in the next collective)."""
+    if jax.process_count() == 1:
+        return await source.next_groups(step)
+    error, rollouts = None, None
+    try:
+        rollouts = await source.next_groups(step)
+    except RolloutError as e:
+        error = e
+    failures = multihost.allgather_json(None if error is None else str(error))
+    if error is not None:
+        raise error
+    failed = [(i, f) for i, f in enumerate(failures) if f is not None]
+    if failed:
+        i, message = failed[0]
+        raise RolloutError(f"process {i}: {message}")
+    return rollouts
+
+
+def _job_metrics(row: dict[str, Any]) -> dict[str, float]:
+    """One metrics row for the whole job from every process's own (`multihost.reduce_metrics`:
+    counts add up, times take the slowest process, means are averaged over equal shares)."""
+    if jax.process_count() == 1:
+        return row
+    return multihost.reduce_metrics(multihost.allgather_json(row))
 
 
 def _last_checkpoint(ckpt: Checkpointer) -> str | None:
@@ -322,7 +377,10 @@ def _keep_demos(demos: list[Trajectory], workdir: str) -> None:
     from cua_jax.rl.store import TrajectoryWriter
 
     out = os.path.join(workdir, "sft_demos")
-    if jax.process_index() != 0 or os.path.exists(out):
+    if jax.process_index() != 0 or epath.Path(out).exists():
+        return
+    if not metrics_lib.is_local(out):  # the trajectory store writes local files only
+        logging.warning("oracle demonstrations are not kept under %s (not a local path)", out)
         return
     writer = TrajectoryWriter(out)
     for d in demos:
@@ -342,11 +400,20 @@ async def evaluate_policy(
     decode: Callable,
 ) -> dict[str, float]:
     """Greedy episodes of `tasks`: `success_by_category` + time/eval; the first `num_logged`
-    episodes go to EPISODES_DIR/eval_TAG.html when `episodes_dir` is given."""
+    episodes go to EPISODES_DIR/eval_TAG.html when `episodes_dir` is given.
+
+    Multi-host: each process plays its share of the tasks (`multihost.task_share`) and the
+    results of all are counted together (the same metrics on every process); greedy episodes
+    do not depend on the seed, so they are those one process would play. The page shows this
+    process's episodes."""
     screens: list = []
     t0 = time.perf_counter()
-    trajs = await agent.evaluate(pool, tasks, seed=seed, screens=screens)
-    out = success_by_category(trajs, tasks)
+    share = multihost.task_share(tasks)
+    trajs = await agent.evaluate(pool, share, seed=seed, screens=screens)
+    if jax.process_count() == 1:
+        out = success_by_category(trajs, tasks)
+    else:
+        out = success_by_category(_gather_outcomes(trajs, len(tasks)), tasks)
     out["time/eval"] = time.perf_counter() - t0
     if episodes_dir is not None:
         write_episodes(
@@ -373,13 +440,29 @@ def success_by_category(trajs: Sequence[Trajectory], tasks: Sequence[Task]) -> d
     return out
 
 
+def _gather_outcomes(trajs: Sequence[Trajectory], num_tasks: int) -> list[Any]:
+    """Every process's eval outcomes (success, reward, infra fault) in task order, from each
+    process's episodes of its `task_share` (multi-host)."""
+    from types import SimpleNamespace
+
+    mine = [[bool(t.success), float(t.reward), bool(t.infra_fault)] for t in trajs]
+    shares = multihost.allgather_json(mine)
+    out: list[Any] = [None] * num_tasks
+    for p, share in enumerate(shares):
+        for k, (success, reward, fault) in enumerate(share):
+            out[p + k * len(shares)] = SimpleNamespace(
+                success=success, reward=reward, infra_fault=fault
+            )
+    return out
+
+
 def write_episodes(path: str, episodes, decode: Callable, title: str) -> None:
     """The episode viewer page (`cua_jax.viz`) of (trajectory, screenshots) pairs."""
     from cua_jax.viz import episodes_html
 
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(episodes_html(episodes, decode, title))
+    page = epath.Path(path)
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text(episodes_html(episodes, decode, title))
 
 
 def _warn_if_turns_cut(tasks: Sequence[Task], max_turns: int) -> None:

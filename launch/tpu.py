@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 # `python launch/tpu.py` puts launch/ on sys.path, not the repo root that holds configs/ and envs/.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,16 +78,43 @@ def parse_flags(argv: list[str]) -> list[str]:
         raise LaunchError(f"bad --config: {e}") from None
 
 
-def maybe_initialize_distributed() -> None:
-    """Joins a multi-host job when the environment describes one (TPU pod, SLURM, explicit)."""
+def maybe_initialize_distributed(environ: Mapping[str, str] | None = None) -> bool:
+    """Joins a multi-host job when the environment describes one; returns whether it did.
+
+    - explicit (any machine, CPU processes included): JAX_COORDINATOR_ADDRESS=host:port,
+      JAX_NUM_PROCESSES=n, JAX_PROCESS_ID=i on every process (i = 0 .. n-1; process 0's host
+      serves the coordinator at that port);
+    - a TPU pod slice (TPU_WORKER_HOSTNAMES lists the workers): JAX reads the TPU metadata;
+    - SLURM (SLURM_NTASKS > 1, one task per host or per GPU): JAX reads SLURM's variables.
+
+    CPU devices talk over gloo (`jax_cpu_collectives_implementation`); set before the backend
+    starts, so a job of CPU processes (the tests) runs the same collectives as a TPU/GPU job.
+    """
     import jax
 
-    explicit = os.environ.get("JAX_COORDINATOR_ADDRESS")
-    tpu_pod = int(os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",")) > 0
-    slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1
-    if explicit or tpu_pod or slurm:
-        jax.distributed.initialize()
-        logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
+    env = os.environ if environ is None else environ
+    explicit = env.get("JAX_COORDINATOR_ADDRESS")
+    tpu_pod = env.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0
+    slurm = int(env.get("SLURM_NTASKS", "1") or 1) > 1
+    if not (explicit or tpu_pod or slurm):
+        return False
+    kwargs: dict[str, Any] = {}
+    if explicit:
+        missing = [k for k in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID") if not env.get(k)]
+        if missing:
+            raise LaunchError(
+                f"JAX_COORDINATOR_ADDRESS={explicit} is set but {' and '.join(missing)} not: "
+                "set JAX_NUM_PROCESSES=<processes> and JAX_PROCESS_ID=<0..n-1> on every process"
+            )
+        kwargs = dict(
+            coordinator_address=explicit,
+            num_processes=int(env["JAX_NUM_PROCESSES"]),
+            process_id=int(env["JAX_PROCESS_ID"]),
+        )
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**kwargs)
+    logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
+    return True
 
 
 def main(argv: list[str]) -> None:

@@ -27,6 +27,7 @@ reference; the copy is part of `state_dict`, so a resumed run keeps it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -38,13 +39,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from cua_jax import multihost
 from cua_jax import sharding as shd
 from cua_jax.models import lora as lora_lib
 from cua_jax.models.qwen_vl.text import make_dense_attn_fn
 from cua_jax.models.qwen_vl.vision import vision_metadata
 from cua_jax.rl import losses
 from cua_jax.rl.advantages import group_advantages
-from cua_jax.rl.packing import DEFAULT_BUCKETS, PackedBatch, pack
+from cua_jax.rl.packing import DEFAULT_BUCKETS, PackedBatch, pack, pick_bucket
 from cua_jax.rl.trajectory import (
     MIN_LIVE_EPISODES,
     PositionFn,
@@ -315,6 +317,15 @@ class Learner:
             self._ref = jax.tree.map(jnp.copy, trainable)
         batch_axes = tuple(a for a in ("data", "fsdp") if self.mesh.shape[a] > 1) or None
         self._batch_parallel = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        # Multi-host: each process packs its own rows (`pack`), and they become its devices'
+        # blocks of the global batch, so every process must own whole row blocks.
+        self._processes = jax.process_count()
+        if self._batch_parallel % self._processes:
+            raise ValueError(
+                f"mesh data x fsdp = {self._batch_parallel} must be a multiple of the "
+                f"{self._processes} processes (each process contributes its own batch rows); "
+                "shard the batch over more devices (mesh.fsdp or mesh.data)"
+            )
         # Rows shard over data x fsdp. Micro-batch s holds rows i * S + s, so splitting
         # [R] -> [mb, S] -> [S, mb] keeps each device's rows on that device.
         self._row_sh = NamedSharding(self.mesh, P(batch_axes, None))
@@ -338,7 +349,12 @@ class Learner:
 
     def pack(self, samples, num_rows: int | None = None) -> PackedBatch:
         """`packing.pack` with this learner's buckets, row multiple and aggregation mode; without
-        `num_rows`, the row count is rounded up to a shape bucket (see `bucket_shapes`)."""
+        `num_rows`, the row count is rounded up to a shape bucket (see `bucket_shapes`).
+
+        Multi-host (more than one process): `samples` are this process's, and the batch is its
+        share of the global one (`_pack_share`); every process must call `pack` together."""
+        if self._processes > 1:
+            return self._pack_share(samples, num_rows)
         kw = dict(
             seq_len_buckets=self.seq_len_buckets,
             row_multiple=self.row_multiple,
@@ -398,7 +414,10 @@ class Learner:
             "groups_dropped_infra_fault": float(too_few),
             "samples": float(len(samples)),
         }
-        if not samples:
+        if self._processes > 1:  # every process packs (with empty rows) if any has samples
+            if not multihost.allgather_ints([len(samples)]).sum():
+                return None, info
+        elif not samples:
             return None, info
         batch = self.pack(samples, num_rows)
         info["padding_share"] = batch.padding_share
@@ -457,7 +476,9 @@ class Learner:
         out = {
             "params": self._trainable.to_pure_dict(),
             "opt_state": self._opt_state,
-            "version": jnp.asarray(self.version, jnp.int32),
+            # a replicated array of the mesh (not a host-local scalar: multi-host saves need
+            # every array to be global)
+            "version": jax.device_put(np.asarray(self.version, np.int32), self._repl),
         }
         if self._ref is not None:
             out["reference"] = self._ref.to_pure_dict()
@@ -495,17 +516,87 @@ class Learner:
             return self._ref
         raise ValueError("no reference policy: build the learner with LossConfig(kl_coef > 0)")
 
+    def _pack_share(self, samples, num_rows: int | None) -> PackedBatch:
+        """This process's rows of the global batch (multi-host): every process packs its own
+        samples into rows of one agreed length and count (the longest sample's bucket, the
+        largest row count), its loss weights scaled so the global batch's add up as one
+        batch's would, and the images of every process gathered (the vision tower runs on all
+        of them, replicated, in process order: the order of the rows)."""
+        n = self._processes
+        lc = self.loss_config
+        pad_id = int(self.config.text.pad_token_id or 0)
+        n_tok = sum(int(np.sum(s.loss_mask)) for s in samples)
+        n_seq = len(
+            {
+                s.episode if s.episode >= 0 else -1 - i
+                for i, s in enumerate(samples)
+                if s.loss_mask.any()
+            }
+        )
+        longest = max((s.length for s in samples), default=0)
+        agreed = multihost.allgather_ints([longest, n_tok, n_seq])
+        seq_len = pick_bucket(int(agreed[:, 0].max()), self.seq_len_buckets)
+        multiple = self.row_multiple // math.gcd(self.row_multiple, n)
+        kw = dict(
+            seq_len_buckets=(seq_len,),
+            row_multiple=multiple,
+            agg_mode=lc.agg_mode,
+            loss_norm=lc.loss_norm,
+            pad_id=pad_id,
+        )
+        local = pack(samples, **kw) if samples else None
+        rows = int(multihost.allgather_ints([multiple if local is None else local.shape[0]]).max())
+        if num_rows is not None:
+            if num_rows % n:
+                raise ValueError(f"num_rows={num_rows} is not a multiple of {n} processes")
+            rows = num_rows // n
+        elif self._bucket_shapes:
+            rows = shape_bucket(-(-rows // multiple)) * multiple
+        if local is None:
+            batch = PackedBatch(
+                input_ids=np.full((rows, seq_len), pad_id, np.int32),
+                segment_ids=np.zeros((rows, seq_len), np.int32),
+                position_ids=np.zeros((3, rows, seq_len), np.int32),
+                loss_mask=np.zeros((rows, seq_len), bool),
+                behaviour_logprobs=np.zeros((rows, seq_len), np.float32),
+                advantages=np.zeros((rows, seq_len), np.float32),
+                loss_weights=np.zeros((rows, seq_len), np.float32),
+            )
+        elif local.shape[0] != rows:
+            batch = pack(samples, num_rows=rows, **kw)
+        else:
+            batch = local
+        units = agreed[:, 1] if lc.agg_mode == "token-mean" else agreed[:, 2]
+        if units.sum() > 0:  # the weights of each share sum as its part of the whole batch
+            share = float(units[multihost.process_index()]) / float(units.sum())
+            batch.loss_weights = (batch.loss_weights * np.float32(share)).astype(np.float32)
+        batch.pixel_values, batch.image_grid_thw = _gather_images(
+            batch.pixel_values, batch.image_grid_thw
+        )
+        return batch
+
     def _device_batch(self, batch: PackedBatch, substeps: int):
         rows, length = batch.shape
-        if rows % (substeps * self._batch_parallel):
+        shares = self._processes  # multi-host: `batch` is this process's rows (`_pack_share`)
+        if rows * shares % (substeps * self._batch_parallel):
             raise ValueError(
-                f"batch has {rows} rows, not a multiple of num_substeps x data x fsdp = "
+                f"batch has {rows * shares} rows, not a multiple of num_substeps x data x fsdp = "
                 f"{substeps * self._batch_parallel}; pack with row_multiple=learner.row_multiple"
             )
-        del length
         arrs = batch.arrays()
-        xs = {k: jax.device_put(arrs[k], self._row_sh) for k in _TEXT_KEYS}
-        xs["position_ids"] = jax.device_put(batch.position_ids, self._pos_sh)
+        if shares == 1:
+            xs = {k: jax.device_put(arrs[k], self._row_sh) for k in _TEXT_KEYS}
+            xs["position_ids"] = jax.device_put(batch.position_ids, self._pos_sh)
+        else:
+            xs = {
+                k: jax.make_array_from_process_local_data(
+                    self._row_sh, arrs[k], (rows * shares, length)
+                )
+                for k in _TEXT_KEYS
+            }
+            xs["position_ids"] = jax.make_array_from_process_local_data(
+                self._pos_sh, batch.position_ids, (3, rows * shares, length)
+            )
         images = None
         if batch.pixel_values is not None:
             pv, grid = batch.pixel_values, batch.image_grid_thw
@@ -704,3 +795,19 @@ class Learner:
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         out["version"] = float(self.version)
         return out
+
+
+def _gather_images(
+    pixel_values: np.ndarray | None, grid: np.ndarray | None
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Every process's patches and image grids, concatenated in process order (multi-host)."""
+    dim = int(
+        multihost.allgather_ints([0 if pixel_values is None else pixel_values.shape[1]]).max()
+    )
+    if dim == 0:
+        return None, None
+    pv = np.zeros((0, dim), np.float32) if pixel_values is None else pixel_values
+    g = np.zeros((0, 3), np.int32) if grid is None else np.asarray(grid, np.int32)
+    pvs = multihost.allgather_arrays(np.asarray(pv, np.float32))
+    grids = multihost.allgather_arrays(g)
+    return np.concatenate(pvs), np.concatenate(grids)
