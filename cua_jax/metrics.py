@@ -1,5 +1,9 @@
 """Metrics: one `MetricsWriter` fans each step's scalars out to JSONL, TensorBoard and wandb.
 
+Files go through `etils.epath`: a workdir may be a local path or on object storage
+(`gs://bucket/run`); object stores cannot append, so there the JSONL file is rewritten whole at
+each step (a run logs a few thousand rows at most).
+
 JSONL (`metrics.jsonl` in the workdir) is the source of truth: resume tests compare it line by
 line, and `plot_curves` draws the learning curves people look at from it. TensorBoard event files
 are written with tensorboardX; wandb is used only when a project is configured (and must then be
@@ -17,6 +21,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from etils import epath
+
+
+def is_local(path: str) -> bool:
+    """Whether `path` is on the local file system (not `gs://...` or another URI)."""
+    return "://" not in os.fspath(path)
 
 
 def _to_float(value: Any) -> float | None:
@@ -48,11 +58,16 @@ class MetricsWriter:
         self.workdir = workdir
         self.enabled = enabled
         self.path = os.path.join(workdir, filename)
+        self._local = is_local(self.path)
+        self._lines: list[str] | None = None  # object storage: the file's lines, rewritten whole
         self._tb = None
         self._wandb = None
         if not enabled:
             return
-        os.makedirs(workdir, exist_ok=True)
+        epath.Path(workdir).mkdir(parents=True, exist_ok=True)
+        if not self._local:
+            path = epath.Path(self.path)
+            self._lines = path.read_text().splitlines(keepends=True) if path.exists() else []
         if tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -71,12 +86,14 @@ class MetricsWriter:
 
     def truncate_after(self, step: int) -> None:
         """Drops lines with step > `step`: a resumed run rewrites the steps after its checkpoint."""
-        if not self.enabled or not os.path.exists(self.path):
+        path = epath.Path(self.path)
+        if not self.enabled or not path.exists():
             return
-        with open(self.path) as f:
-            kept = [ln for ln in f if ln.strip() and json.loads(ln).get("step", -1) <= step]
-        with open(self.path, "w") as f:
-            f.writelines(kept)
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", -1) <= step]
+        path.write_text("".join(kept))
+        if self._lines is not None:
+            self._lines = kept
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         if not self.enabled:
@@ -89,8 +106,13 @@ class MetricsWriter:
             row[k] = f if math.isfinite(f) else str(f)
             if self._tb is not None and math.isfinite(f):
                 self._tb.add_scalar(k, f, step)
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(row) + "\n")
+        line = json.dumps(row) + "\n"
+        if self._lines is None:
+            with open(self.path, "a") as fh:
+                fh.write(line)
+        else:
+            self._lines.append(line)
+            epath.Path(self.path).write_text("".join(self._lines))
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in row.items() if k != "time"}, step=step)
 
@@ -102,9 +124,8 @@ class MetricsWriter:
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
-    """Reads a metrics.jsonl file written by `MetricsWriter`."""
-    with open(path) as f:
-        return [json.loads(ln) for ln in f if ln.strip()]
+    """Reads a metrics.jsonl file written by `MetricsWriter` (a local path or gs://...)."""
+    return [json.loads(ln) for ln in epath.Path(path).read_text().splitlines() if ln.strip()]
 
 
 def plot_curves(
@@ -130,7 +151,8 @@ def plot_curves(
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
+    with epath.Path(out_png).open("wb") as f:
+        fig.savefig(f, dpi=110, format="png")
     plt.close(fig)
     return out_png
 

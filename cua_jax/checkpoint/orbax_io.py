@@ -13,6 +13,8 @@ Faults stop the run instead of losing it: an async save that failed (a full disk
 a latest checkpoint that cannot be read is reported as damaged, naming the newest intact step;
 a checkpoint of another model or optimizer names the first key that differs. A `Checkpointer`
 on one step's directory (`.../checkpoints/N`) sees that step only (resume or export from it).
+Directories may be local or on object storage (`gs://bucket/run/checkpoints`: orbax and
+tensorstore write there directly).
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ class Checkpointer:
     def __init__(
         self, directory: str, *, keep: int = 3, save_every: int = 1, async_save: bool = True
     ):
-        directory = os.path.abspath(directory)
+        directory = checkpoint_dir(directory)
         self._only_step: int | None = None
         if _is_step_dir(directory):
             self._only_step = int(os.path.basename(directory))
@@ -315,10 +317,17 @@ class Checkpointer:
                 self._mngr.close()
 
 
+def checkpoint_dir(directory: str) -> str:
+    """A local directory as an absolute path; `gs://...` (any URI) as it is: orbax and
+    tensorstore write there directly (never into a local `./gs:` folder)."""
+    directory = os.fspath(directory)
+    return directory if "://" in directory else os.path.abspath(directory)
+
+
 def _is_step_dir(path: str) -> bool:
     """`.../N` holding a checkpoint's `state` and `meta` items."""
     return os.path.basename(path).isdigit() and all(
-        os.path.isdir(os.path.join(path, item)) for item in ("state", "meta")
+        (epath.Path(path) / item).is_dir() for item in ("state", "meta")
     )
 
 
