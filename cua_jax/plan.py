@@ -422,7 +422,7 @@ def _build_learner_fn() -> Callable[..., Any]:
 @dataclasses.dataclass
 class _Abstract:
     learner: Any
-    graphdef: Any  # the whole model (adapters included): decode merges params into it
+    decode_model: Any  # steps.ModelDef of the whole model (adapters included), remat off
     trainable: Any
     opt_state: Any
     frozen: Any
@@ -460,7 +460,15 @@ def build_abstract(
         model = qwen_vl.QwenVL(cfg, rngs=nnx.Rngs(0))
         learner = build_learner(model, config, mesh, rules, sft=False)
         held["learner"] = learner
-        held["graphdef"] = nnx.graphdef(model)
+        # The sampler's view of the same model: no backward pass, so no remat (inside
+        # jax.checkpoint the attention callback's K/V writes would leak out of the trace).
+        from cua_jax.sampler.steps import ModelDef
+
+        lm = model.model.language_model
+        saved = (lm.cfg, model.config)
+        lm.cfg, model.config = lm.cfg.replace(remat="none"), model.config.replace(remat="none")
+        held["decode_model"], _ = ModelDef.of(model)
+        lm.cfg, model.config = saved
         # Learner internals (no public abstract constructor yet): the step's argument trees.
         return learner._trainable, learner._opt_state, learner._frozen, learner._rest, learner._ref
 
@@ -476,7 +484,7 @@ def build_abstract(
     opt_state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt_state, opt_sh
     )
-    return _Abstract(learner, held["graphdef"], trainable, opt_state, frozen, rest, ref)
+    return _Abstract(learner, held["decode_model"], trainable, opt_state, frozen, rest, ref)
 
 
 def _param_count(tree: Any) -> int:
@@ -586,56 +594,6 @@ def plan_train_step(
 
 
 # ------------------------------------------------------------------------------- decode step
-def _decode_step_fn(graphdef: Any, mesh: Any, page_size: int, scale: float, backend: str):
-    """One decode step of every slot: write each new token's K/V into its page, paged attention
-    over the pool (the TPU kernel under shard_map over the kv heads), greedy next token."""
-    from cua_jax.sampler import kv_cache
-    from cua_jax.sampler.kernels.paged_attention import paged_attention
-
-    def attention(q_BNH, k_pages, v_pages, table_SP, lengths_S):
-        return paged_attention(
-            q_BNH, k_pages, v_pages, table_SP, lengths_S, scale=scale, backend=backend
-        )
-
-    new_kv_sh = NamedSharding(mesh, P(None, None, "tensor", None))
-    sharded_attention = jax.shard_map(
-        attention,
-        mesh=mesh,
-        in_specs=(P(None, "tensor", None), P("tensor"), P("tensor"), P(), P()),
-        out_specs=P(None, "tensor", None),
-        check_vma=False,
-    )
-
-    def step(params, cache, table_SP, lengths_S, tok_S, delta_S):
-        model = nnx.merge(graphdef, params)
-        # No backward pass here, so no remat: under jax.checkpoint the attention callback's
-        # K/V writes would be traced inside the checkpoint and never reach the returned pool.
-        model.model.language_model.cfg = model.config.replace(remat="none")
-        S = tok_S.shape[0]
-        pos = jnp.broadcast_to((lengths_S + delta_S)[None, :, None], (3, S, 1))
-        page, off = kv_cache.token_slots(
-            table_SP, lengths_S[:, None], jnp.ones((S, 1), bool), page_size
-        )
-        ks, vs = list(cache.k), list(cache.v)
-
-        def attn_fn(li, q_BTNH, k_BTKH, v_BTKH):
-            # New K/V laid out as the pool (kv heads over tensor, whole over data / fsdp):
-            # otherwise the partitioner scatters into a resharded copy of the whole pool.
-            k_BTKH, v_BTKH = (
-                jax.lax.with_sharding_constraint(x, new_kv_sh) for x in (k_BTKH, v_BTKH)
-            )
-            ks[li], vs[li] = kv_cache.write_kv(ks[li], vs[li], k_BTKH, v_BTKH, page, off)
-            o = sharded_attention(q_BTNH[:, 0], ks[li], vs[li], table_SP, lengths_S + 1)
-            return o[:, None].astype(q_BTNH.dtype)
-
-        embeds, _, _ = model.embed(tok_S[:, None])
-        hidden = model.decode(embeds, pos, attn_fn)
-        logits = model.logits(hidden)[:, 0]
-        return kv_cache.KVCache(tuple(ks), tuple(vs)), jnp.argmax(logits, -1).astype(jnp.int32)
-
-    return step
-
-
 def plan_decode_step(
     config: Any, ab: _Abstract, mesh: Any, chip: Chip, num_pages: int, backend: str
 ) -> ProgramPlan:
@@ -656,13 +614,14 @@ def plan_decode_step(
     # Every slot live, the pool shared evenly: each slot's context is what the pool can hold.
     ctx = min(sc.max_seq_len, (num_pages - 1) * L // S)
     cache_dtype = jnp.dtype(cfg.dtype)
-    kv_sh = NamedSharding(mesh, P("tensor"))
+    from cua_jax.sampler.placement import kv_sharding
+
+    kv_sh = kv_sharding(mesh)  # as the engine lays out its pools
     pool = jax.ShapeDtypeStruct(
         (t.num_key_value_heads, num_pages, L, t.head_dim), cache_dtype, sharding=kv_sh
     )
     cache = kv_cache.KVCache((pool,) * t.num_hidden_layers, (pool,) * t.num_hidden_layers)
     repl = NamedSharding(mesh, P())
-    small = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=repl)  # noqa: E731
     params = nnx.merge_state(ab.trainable, ab.frozen, ab.rest)
     kv_bytes = tree_shard_bytes(cache)
     arguments = {"params": tree_shard_bytes(params), f"KV pool ({num_pages} pages)": kv_bytes}
@@ -689,20 +648,26 @@ def plan_decode_step(
     prog.min_bytes = tree_shard_bytes(_text_only(params)) + kv_read
     prog.notes.append(
         f"{S} slots x context {ctx} (pool {num_pages} x {L} tokens, max_seq_len "
-        f"{sc.max_seq_len}, {pages_per_seq} pages a sequence), one step of {sc.decode_chunk}; "
+        f"{sc.max_seq_len}, {pages_per_seq} pages a sequence); the engine's decode chunk "
+        f"(steps.decode_paged): XLA counts its loop body once, so FLOPs and bytes are one of "
+        f"its {sc.decode_chunk} steps; "
         f"paged attention: {backend} kernel, K/V {cache_dtype.name} sharded over tensor={tensor}"
     )
-    fn = jax.jit(
-        _decode_step_fn(ab.graphdef, mesh, L, 1.0 / math.sqrt(t.head_dim), backend),
-        in_shardings=(
-            jax.tree.map(lambda x: x.sharding, params),
-            jax.tree.map(lambda _: kv_sh, cache),
-            repl, repl, repl, repl,
-        ),
-        out_shardings=(jax.tree.map(lambda _: kv_sh, cache), repl),
-        donate_argnums=(1,),
+    from cua_jax.sampler import steps
+    from cua_jax.sampler.kernels.paged_attention import GpuKernelOptions
+
+    # The engine's own jitted decode chunk (cua_jax.sampler.steps), sharded as the engine
+    # shards it: params in place with the learner's shardings, pools over kv heads.
+    step_cfg = steps.StepConfig(
+        page_size=L, decode_chunk=sc.decode_chunk, head_dim=t.head_dim, attn_backend=backend,
+        attn_options=GpuKernelOptions(), mesh=mesh,
     )  # fmt: skip
-    args = (params, cache, small((S, pages_per_seq)), small((S,)), small((S,)), small((S,)))
+    shardings = steps.StepShardings(
+        params=jax.tree.map(lambda x: x.sharding, params), cache=kv_sh, small=repl
+    )
+    fns = steps.build_step_fns(ab.decode_model, step_cfg, shardings, t.num_hidden_layers)
+    fn = fns.decode_paged
+    args = (params, cache, *steps.decode_arg_shapes(S, pages_per_seq))
     _compile(fn, args, prog)
     return prog
 
