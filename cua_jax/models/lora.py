@@ -32,13 +32,15 @@ from flax import nnx
 from cua_jax.models.qwen_vl.moe import Experts
 from cua_jax.models.qwen_vl.text import Linear
 
-# The decoder's attention and MLP projections (the usual LoRA targets for an LLM policy), and
-# the expert projections of MoE layers (the router is not adapted).
+# The decoder's attention and MLP projections (the usual LoRA targets for an LLM policy).
 DEFAULT_TARGETS: tuple[str, ...] = (
     r"language_model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj$",
     r"language_model\.layers\.\d+\.mlp\.(gate|up|down)_proj$",
-    r"language_model\.layers\.\d+\.mlp\.experts$",
 )
+# The expert stacks of MoE layers (gate_up and down of every expert; the router is not adapted).
+EXPERT_TARGET = r"language_model\.layers\.\d+\.mlp\.experts$"
+# Attention, dense MLPs and experts: the Qwen3-VL-MoE recipe's LoRA (matches dense models too).
+MOE_TARGETS: tuple[str, ...] = (*DEFAULT_TARGETS, EXPERT_TARGET)
 
 
 class LoRALinear(nnx.LoRA):

@@ -313,7 +313,7 @@ def test_lora_on_experts_merge_and_expert_parallel(ep_reference):
     tensor parallelism equals one device."""
     ids, base, ref = ep_reference
     model = nnx.clone(base)
-    paths = lora.apply_lora(model, 4, 8.0, rngs=nnx.Rngs(2))
+    paths = lora.apply_lora(model, 4, 8.0, lora.MOE_TARGETS, rngs=nnx.Rngs(2))
     assert "model.language_model.layers.0.mlp.experts" in paths
     assert not any(p.endswith("mlp.gate") for p in paths)
     assert len(paths) == 4 + 1 + 4 + 3  # layer 0: attention + experts; layer 1: + dense MLP
