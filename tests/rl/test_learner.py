@@ -195,6 +195,7 @@ def test_bad_batches_are_refused(learner, samples):
         learner.prepare_batch([make_groups()[0], make_groups()[0][:2]])
     big = Learner.__new__(Learner)  # only the row check is exercised
     big._batch_parallel = 4
+    big._processes = 1
     with pytest.raises(ValueError, match="row_multiple"):
         Learner._device_batch(big, learner.pack(samples[:2], num_rows=6), 1)
 
