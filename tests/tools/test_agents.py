@@ -112,7 +112,7 @@ def model(proc):
 def engine(model, proc):
     return Engine(
         model,
-        max_slots=4,
+        max_slots=8,
         page_size=16,
         num_pages=512,
         max_seq_len=1024,

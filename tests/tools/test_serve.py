@@ -43,7 +43,7 @@ def engine(model, proc):
         max_slots=8,
         page_size=16,
         num_pages=512,
-        max_seq_len=512,
+        max_seq_len=1024,  # the same engine shapes as tests/tools/test_agents.py (one compile)
         decode_chunk=8,
         detokenize=proc.tokenizer.decode,
     )
