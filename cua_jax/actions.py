@@ -187,11 +187,214 @@ class InvalidAction:
     reason: str
 
 
+# ---- API actions (ComputerRL's API-GUI paradigm) -------------------------------------------
+# Typed calls the model may make instead of a run of GUI actions, each a tool of its own in the
+# Qwen tool schema. A task says which ones it allows (``Task.api_actions``); the system prompt
+# lists only those, and an env answers any other one as an invalid action.
+
+
+@dataclasses.dataclass(frozen=True)
+class RunShell:
+    """API (desktop): run ``cmd`` in a shell in the VM; its output is the step's api_result."""
+
+    cmd: str
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenApp:
+    """API (desktop): start the application ``name`` ("terminal", "text editor", "xterm", ...)."""
+
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteFile:
+    """API (desktop): write ``text`` to the file ``path`` (``~`` is the home dir), replacing it."""
+
+    path: str
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SetCell:
+    """API (desktop): set ``cell`` (A1 notation) of the spreadsheet ``file`` to ``value``."""
+
+    file: str
+    cell: str
+    value: str
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenUrl:
+    """API (browser): load ``url`` in the page."""
+
+    url: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Fill:
+    """API (browser): replace the text of the form field labelled ``label`` with ``text``."""
+
+    label: str
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectOption:
+    """API (browser): choose ``option`` in the select box / dropdown labelled ``label``."""
+
+    label: str
+    option: str
+
+
 Action = (
     Click | Move | Drag | TypeText | Key | Scroll | MouseDown | MouseUp | KeyDown | KeyUp
     | Wait | Done | Fail | Answer | InvalidAction
+    | RunShell | OpenApp | WriteFile | SetCell | OpenUrl | Fill | SelectOption
 )  # fmt: skip
 TERMINAL_ACTIONS = (Done, Fail, Answer)
+
+
+@dataclasses.dataclass(frozen=True)
+class ApiTool:
+    """One API action as a tool: its name, class, parameters (name, description) and use."""
+
+    name: str
+    cls: type
+    params: tuple[tuple[str, str], ...]
+    doc: str
+    env: Literal["vm", "browser"]
+
+
+API_TOOLS: dict[str, ApiTool] = {
+    t.name: t
+    for t in (
+        ApiTool(
+            "run_shell",
+            RunShell,
+            (("cmd", "The shell command line to run (bash)."),),
+            "Run a shell command on the computer and get its output.",
+            "vm",
+        ),
+        ApiTool(
+            "open_app",
+            OpenApp,
+            (("name", "The application, e.g. 'terminal', 'text editor', 'browser'."),),
+            "Open an application.",
+            "vm",
+        ),
+        ApiTool(
+            "write_file",
+            WriteFile,
+            (("path", "The file's path ('~/' is the home directory)."), ("text", "The content.")),
+            "Write text to a file, replacing what it held (creates it and its directories).",
+            "vm",
+        ),
+        ApiTool(
+            "set_cell",
+            SetCell,
+            (
+                ("file", "The spreadsheet file (.csv or .tsv)."),
+                ("cell", "The cell in A1 notation, e.g. 'B3'."),
+                ("value", "The new value."),
+            ),
+            "Set one cell of a spreadsheet file.",
+            "vm",
+        ),
+        ApiTool(
+            "open_url",
+            OpenUrl,
+            (("url", "The address to open."),),
+            "Open a web address in the browser page.",
+            "browser",
+        ),
+        ApiTool(
+            "fill",
+            Fill,
+            (("label", "The field's label as shown on the page."), ("text", "The text.")),
+            "Fill the form field with the given label with text (replacing its content).",
+            "browser",
+        ),
+        ApiTool(
+            "select_option",
+            SelectOption,
+            (("label", "The select box's or dropdown's label."), ("option", "The option's text.")),
+            "Choose an option of the select box or dropdown with the given label.",
+            "browser",
+        ),
+    )
+}
+API_ACTION_TYPES = tuple(t.cls for t in API_TOOLS.values())
+VM_API = tuple(n for n, t in API_TOOLS.items() if t.env == "vm")
+BROWSER_API = tuple(n for n, t in API_TOOLS.items() if t.env == "browser")
+_API_BY_CLASS = {t.cls: t for t in API_TOOLS.values()}
+MAX_API_TEXT = 100_000  # chars of one API argument (a file's text); longer is an invalid action
+
+
+def api_name(action: Any) -> str | None:
+    """The tool name of an API action (``"run_shell"``, ...), None for a GUI action."""
+    t = _API_BY_CLASS.get(type(action))
+    return t.name if t is not None else None
+
+
+def check_api_names(names: Sequence[str], where: str = "api_actions") -> tuple[str, ...]:
+    """``names`` as a tuple after checking each is an API tool (ValueError naming the bad one)."""
+    if isinstance(names, str):
+        names = (names,)
+    bad = [n for n in names if n not in API_TOOLS]
+    if bad:
+        raise ValueError(f"{where}: unknown API action(s) {bad}; valid: {', '.join(API_TOOLS)}")
+    return tuple(dict.fromkeys(names))
+
+
+def api_arguments(action: Any) -> dict[str, str]:
+    """The tool-call arguments of an API action (its fields by parameter name)."""
+    t = _API_BY_CLASS[type(action)]
+    return {p: getattr(action, p) for p, _ in t.params}
+
+
+def _api_action(name: str, args: Any, raw: str) -> Action:
+    """An API tool's arguments (a dict by parameter name) -> its action, or InvalidAction."""
+    t = API_TOOLS[name]
+    if not isinstance(args, dict):
+        return InvalidAction(raw, f"`{name}` arguments must be an object")
+    aliases = {"field_label": "label", "command": "cmd", "app": "name", "content": "text"}
+    args = {aliases.get(k, k) if aliases.get(k) not in args else k: v for k, v in args.items()}
+    vals = []
+    for p, _ in t.params:
+        v = args.get(p)
+        if isinstance(v, int | float) and not isinstance(v, bool) and p in ("value", "text"):
+            f = _num(v)
+            v = None if f is None else _fmt_num(f)
+        if not isinstance(v, str):
+            sig = ", ".join(q for q, _ in t.params)
+            return InvalidAction(raw, f"`{name}` needs `{p}`: a string ({name}({sig}))")
+        if len(v) > MAX_API_TEXT:
+            return InvalidAction(raw, f"`{name}`: `{p}` is longer than {MAX_API_TEXT} chars")
+        vals.append(v)
+    extra = [k for k in args if k not in dict(t.params) and k != "action"]
+    if extra:
+        return InvalidAction(raw, f"`{name}` got unexpected argument(s) {extra}")
+    return t.cls(*vals)
+
+
+def api_tool_schema(name: str) -> dict[str, Any]:
+    """The function schema of one API tool (the JSON a chat template renders in <tools>)."""
+    t = API_TOOLS[name]
+    props = {p: {"description": d, "type": "string"} for p, d in t.params}
+    return {
+        "type": "function",
+        "function": {
+            "name": t.name,
+            "description": t.doc,
+            "parameters": {
+                "properties": props,
+                "required": [p for p, _ in t.params],
+                "type": "object",
+            },
+        },
+    }
+
 
 # --------------------------------------------------------------------------------------------
 # Keys
@@ -431,8 +634,9 @@ class ActionFormat(Protocol):
 
     name: str
 
-    def system_prompt(self, space: CoordinateSpace) -> str:
-        """Text for the system prompt that tells the model the tool/action schema."""
+    def system_prompt(self, space: CoordinateSpace, api_actions: Sequence[str] = ()) -> str:
+        """Text for the system prompt that tells the model the tool/action schema; the API
+        actions named in ``api_actions`` (the task's ``Task.api_actions``) are listed too."""
         ...
 
     def parse(self, text: str, space: CoordinateSpace) -> list[Action]:
@@ -718,12 +922,16 @@ class QwenComputerUse:
             },
         }
 
-    def system_prompt(self, space: CoordinateSpace) -> str:
-        """The Qwen (Hermes-style) tools block, as the Qwen chat templates render tools."""
+    def system_prompt(self, space: CoordinateSpace, api_actions: Sequence[str] = ()) -> str:
+        """The Qwen (Hermes-style) tools block, as the Qwen chat templates render tools: the
+        ``computer_use`` tool, then one tool per allowed API action (one JSON per line)."""
+        tools = [self.tool_schema(space)] + [
+            api_tool_schema(n) for n in check_api_names(api_actions)
+        ]
         return (
             "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
             "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-            + json.dumps(self.tool_schema(space), ensure_ascii=False)
+            + "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
             + "\n</tools>\n\nFor each function call, return a json object with function name and "
             "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
             '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
@@ -775,18 +983,24 @@ class QwenComputerUse:
 
     def _call_to_action(self, call: dict, space: CoordinateSpace, raw: str) -> Action:
         name = call.get("name", "computer_use")
-        if name != "computer_use":
-            return InvalidAction(raw, f"unknown tool {name!r}; the only tool is computer_use")
+        if not isinstance(name, str) or (name != "computer_use" and name not in API_TOOLS):
+            return InvalidAction(
+                raw, f"unknown tool {name!r}; tools: computer_use, {', '.join(API_TOOLS)}"
+            )
         args = call.get("arguments", call)
         if isinstance(args, str):
             objs = _json_objects(args)
             args = objs[0] if objs else None
         if not isinstance(args, dict):
             return InvalidAction(raw, "`arguments` must be a JSON object")
+        if name in API_TOOLS:
+            return _api_action(name, args, raw)
         act = args.get("action")
         if not isinstance(act, str):
             return InvalidAction(raw, "missing `action`")
         act = act.strip().lower()
+        if act in API_TOOLS:  # {"action": "run_shell", "cmd": ...} inside computer_use
+            return _api_action(act, args, raw)
         if act in _CLICKS or act in ("mouse_move", "left_click_drag"):
             if "coordinate" not in args:
                 return InvalidAction(raw, f"`{act}` needs `coordinate`: [x, y]")
@@ -909,7 +1123,11 @@ class QwenComputerUse:
                 dataclasses.replace(action, dy=0.0),
             )
             return "\n".join(self.format(a, space) for a in parts)
-        call = {"name": "computer_use", "arguments": self.arguments(action, space)}
+        name = api_name(action)
+        if name is not None:
+            call = {"name": name, "arguments": api_arguments(action)}
+        else:
+            call = {"name": "computer_use", "arguments": self.arguments(action, space)}
         return "<tool_call>\n" + json.dumps(call, ensure_ascii=False) + "\n</tool_call>"
 
 
@@ -940,8 +1158,23 @@ class PyAutoGUI:
 
     name = "pyautogui"
 
-    def system_prompt(self, space: CoordinateSpace) -> str:
+    def system_prompt(self, space: CoordinateSpace, api_actions: Sequence[str] = ()) -> str:
         w, h = _fmt_num(space.model_w), _fmt_num(space.model_h)
+        api = check_api_names(api_actions)
+        extra = ""
+        if api:
+            extra = (
+                "\nThis task also allows these API calls (one per line, literal arguments):\n"
+                + (
+                    "\n".join(
+                        f"{n}({', '.join(p for p, _ in API_TOOLS[n].params)}): {API_TOOLS[n].doc}"
+                        for n in api
+                    )
+                )
+            )
+        return self._prompt(w, h) + extra
+
+    def _prompt(self, w: str, h: str) -> str:
         return (
             "You control the computer by writing Python code that uses `pyautogui`. The screen "
             f"is {w}x{h} pixels; (0, 0) is the top-left corner.\n"
@@ -1044,6 +1277,16 @@ class PyAutoGUI:
         if mod == "" and fn == "answer":
             t = args[0] if args else kwargs.get("text")
             return [Answer(t)] if isinstance(t, str) else InvalidAction(raw, "answer needs text")
+        if mod == "" and fn in API_TOOLS:
+            params = [p for p, _ in API_TOOLS[fn].params]
+            if len(args) > len(params):
+                return InvalidAction(raw, f"{fn}() takes {len(params)} arguments, got {len(args)}")
+            bound = dict(zip(params, args, strict=False))
+            dup = [k for k in kwargs if k in bound]
+            if dup:
+                return InvalidAction(raw, f"{fn}() got multiple values for {dup[0]!r}")
+            got = _api_action(fn, {**bound, **kwargs}, raw)
+            return got if isinstance(got, InvalidAction) else [got]
         if mod != "pyautogui":
             return InvalidAction(raw, f"unsupported call {mod + '.' if mod else ''}{fn}()")
         handler = _PYAUTOGUI.get(fn)
@@ -1116,6 +1359,9 @@ class PyAutoGUI:
                 return "FAIL"
             case Answer(text):
                 return f"answer({text!r})"
+        name = api_name(action)
+        if name is not None:
+            return f"{name}(" + ", ".join(repr(v) for v in api_arguments(action).values()) + ")"
         raise ValueError(f"cannot format {action!r} as pyautogui code")
 
 
@@ -1368,4 +1614,8 @@ def describe(action: Action) -> str:
             return f"{'hold' if isinstance(action, KeyDown) else 'release'} {key}"
         case InvalidAction(_, reason):
             return f"invalid action: {reason}"
+    name = api_name(action)
+    if name is not None:
+        args = ", ".join(_clip(repr(v), 80) for v in api_arguments(action).values())
+        return f"API {name}({args})"
     return repr(action)

@@ -42,6 +42,7 @@ INFO_DONE_REASON = (
 )
 INFO_TIMING = "timing"  # dict[str, float]: seconds spent in action / screenshot / total
 INFO_ANSWER = "answer"  # str: the text of an Answer action
+INFO_API_RESULT = "api_result"  # str: what an API action returned (a command's output, ...)
 
 SPLITS = ("train", "eval")
 DIFFICULTIES = ("easy", "medium", "hard")
@@ -75,6 +76,9 @@ class Task:
       oracle: an optional fixed action sequence (screen pixels) that solves the task. Envs whose
         oracle depends on the live page (the built-in browser suite) instead give the next
         oracle action for the current state with ``await env.oracle_next()`` after ``reset``.
+      api_actions: the API actions (``cua_jax.actions.API_TOOLS`` names: "run_shell", "fill",
+        ...) the policy may call in this task besides GUI actions; the system prompt lists them
+        and the oracle uses them. Empty: GUI only (an API action is an invalid action).
     """
 
     id: str
@@ -88,6 +92,13 @@ class Task:
     max_steps: int = 15
     has_checker: bool = True
     oracle: Sequence[Action] | None = None
+    api_actions: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.api_actions, str):  # one name, from JSON or a config
+            object.__setattr__(self, "api_actions", (self.api_actions,))
+        elif not isinstance(self.api_actions, tuple):
+            object.__setattr__(self, "api_actions", tuple(self.api_actions))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (the oracle is dropped: it holds Action objects)."""

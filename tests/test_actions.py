@@ -49,6 +49,16 @@ EVERY_ACTION = [
     Fail(),
     Answer("42 apples"),
 ]
+# One of every API action (ComputerRL's API-GUI paradigm), with quotes and newlines in strings.
+EVERY_API_ACTION = [
+    A.RunShell("mkdir -p ~/a && echo 'ok' \"q\""),
+    A.OpenApp("text editor"),
+    A.WriteFile("~/notes/todo.txt", "buy milk\nwalk dog\n"),
+    A.SetCell("~/data/sheet.csv", "B3", "42"),
+    A.OpenUrl("http://cua.local/builtin/task.html?t=nav-link&seed=3"),
+    A.Fill("Email", "ada@example.com"),
+    A.SelectOption("Size", "XL"),
+]
 SPACES = {
     "identity": CoordinateSpace.identity(*SCREEN),
     "qwen3_relative": CoordinateSpace.relative(*SCREEN),
@@ -88,6 +98,90 @@ def test_exact_round_trip_identity():
         space = SPACES["identity"]
         for a in EVERY_ACTION:
             assert A.parse_action(A.format_action(a, fmt, space), fmt, space) == [a]
+
+
+@pytest.mark.parametrize("fmt", A.FORMATS)
+@pytest.mark.parametrize("action", EVERY_API_ACTION, ids=repr)
+def test_api_action_round_trip(fmt, action):
+    space = SPACES["qwen25_resized"]
+    text = A.format_action(action, fmt, space)
+    assert A.parse_action(text, fmt, space) == [action], text
+    assert A.api_name(action) in A.API_TOOLS and A.api_name(Click(1.0, 2.0)) is None
+    assert A.describe(action).startswith("API " + A.api_name(action))
+
+
+def test_api_actions_as_models_write_them():
+    space = SPACES["qwen3_relative"]
+    q = '<tool_call>\n{"name": "run_shell", "arguments": {"cmd": "ls ~/"}}\n</tool_call>'
+    assert A.parse_action("Let me list it.\n" + q, "qwen3vl", space) == [A.RunShell("ls ~/")]
+    # two calls in one reply, one GUI and one API
+    two = (
+        '<tool_call>{"name": "fill", "arguments": {"field_label": "Name", "text": "Bob"}}'
+        '</tool_call><tool_call>{"name": "computer_use", "arguments": {"action": "left_click", '
+        '"coordinate": [500, 500]}}</tool_call>'
+    )
+    assert A.parse_action(two, "qwen3vl", space) == [A.Fill("Name", "Bob"), Click(640.0, 360.0)]
+    # the API name as a computer_use action, a number as a cell value
+    inner = '{"name": "computer_use", "arguments": {"action": "set_cell", "file": "a.csv", '
+    inner += '"cell": "A1", "value": 7}}'
+    assert A.parse_action(inner, "qwen3vl", space) == [A.SetCell("a.csv", "A1", "7")]
+    code = "select_option('Size', option='XL')\nopen_url(url='http://cua.local/')"
+    assert A.parse_action(code, "pyautogui", space) == [
+        A.SelectOption("Size", "XL"),
+        A.OpenUrl("http://cua.local/"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "fmt,text,reason_part",
+    [
+        ("qwen3vl", '<tool_call>{"name": "run_shell", "arguments": {}}</tool_call>', "needs `cmd`"),
+        (
+            "qwen3vl",
+            '<tool_call>{"name": "fill", "arguments": {"label": "a"}}</tool_call>',
+            "`text`",
+        ),
+        ("qwen3vl", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', "unknown tool"),
+        ("qwen3vl", '<tool_call>{"name": "open_app", "arguments": "x"}</tool_call>', "object"),
+        (
+            "qwen3vl",
+            '<tool_call>{"name": "open_url", "arguments": {"url": "a", "x": 1}}</tool_call>',
+            "unexpected",
+        ),
+        ("pyautogui", "run_shell('a', 'b')", "takes 1 arguments"),
+        ("pyautogui", "write_file('a', text=['x'])", "needs `text`"),
+        ("pyautogui", "fill('a', 'b', label='c')", "multiple values"),
+        ("pyautogui", "open_url(f'{x}')", "literals"),
+    ],
+)
+def test_api_invalid(fmt, text, reason_part):
+    (out,) = A.parse_action(text, fmt, SPACES["qwen3_relative"])
+    assert isinstance(out, InvalidAction) and reason_part in out.reason, out
+
+
+def test_api_text_cap():
+    long = "x" * (A.MAX_API_TEXT + 1)
+    call = {"name": "write_file", "arguments": {"path": "a", "text": long}}
+    (out,) = A.parse_action(json.dumps(call), "qwen3vl", SPACES["identity"])
+    assert isinstance(out, InvalidAction) and "longer than" in out.reason
+
+
+@pytest.mark.parametrize("fmt", A.FORMATS)
+def test_system_prompt_lists_only_the_allowed_api_tools(fmt):
+    f, space = A.get_format(fmt), SPACES["qwen25_resized"]
+    plain = f.system_prompt(space)
+    assert plain == f.system_prompt(space, ())
+    assert not any(n in plain for n in A.API_TOOLS)
+    vm = f.system_prompt(space, A.VM_API)
+    assert all(n in vm for n in A.VM_API) and not any(n in vm for n in A.BROWSER_API)
+    one = f.system_prompt(space, ["fill"])
+    assert "fill" in one and "select_option" not in one and "run_shell" not in one
+    if fmt != "pyautogui":  # each tool is one JSON per line inside <tools>
+        block = one.split("<tools>\n")[1].split("\n</tools>")[0].splitlines()
+        names = [json.loads(line)["function"]["name"] for line in block]
+        assert names == ["computer_use", "fill"]
+    with pytest.raises(ValueError, match="unknown API action"):
+        f.system_prompt(space, ["rm_rf"])
 
 
 @pytest.mark.parametrize("fmt", A.FORMATS)
@@ -309,6 +403,12 @@ _PREFIXES = st.sampled_from(
         "{",
         "pyautogui.click(",
         '{"action": "',
+        '<tool_call>{"name": "run_shell", "arguments": {"cmd": ',
+        '<tool_call>{"name": "fill", "arguments": ',
+        '{"name": "set_cell", "arguments": {"file": "a.csv", "cell": ',
+        "write_file(",
+        "select_option('Size', ",
+        "open_url(",
     ]
 )
 
@@ -346,6 +446,30 @@ def test_fuzz_structured_qwen(action, args):
     call = {"name": "computer_use", "arguments": {"action": action, **args}}
     text = "<tool_call>" + json.dumps(call) + "</tool_call>"
     out = A.parse_action(text, "qwen3vl", CoordinateSpace.relative(*SCREEN))
+    assert out and all(isinstance(a, A.Action) for a in out)
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    name=st.sampled_from(list(A.API_TOOLS)) | st.text(max_size=8),
+    args=st.dictionaries(
+        st.sampled_from(
+            ["cmd", "name", "path", "text", "file", "cell", "value", "url", "label", "option"]
+            + ["field_label", "command", "action"]
+        ),
+        _JSON,
+        max_size=4,
+    ),
+)
+def test_fuzz_structured_api_calls(name, args):
+    """API tool calls with arbitrary JSON arguments (both formats): never raise."""
+    call = {"name": name, "arguments": args}
+    out = A.parse_action(
+        "<tool_call>" + json.dumps(call) + "</tool_call>", "qwen3vl", SPACES["qwen3_relative"]
+    )
+    assert out and all(isinstance(a, A.Action) for a in out)
+    kw = ", ".join(f"{k}={v!r}" for k, v in args.items() if k.isidentifier())
+    out = A.parse_action(f"{name}({kw})", "pyautogui", SPACES["identity"])
     assert out and all(isinstance(a, A.Action) for a in out)
 
 
