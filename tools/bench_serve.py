@@ -1,0 +1,160 @@
+r"""Throughput of tools/serve.py against direct `Engine` use, side by side on one engine.
+
+    python tools/bench_serve.py [--config=configs/qwen3vl_grpo.py:smoke] [--requests=64] \
+        [--max_tokens=32] [--repeats=3]
+
+The same N chat requests (a system prompt, a screenshot, an instruction; greedy, `max_tokens`
+each, every token generated: no stop tokens) go
+  direct: rendered by the project's renderer (the server's, in-process) and sent to
+          `engine.generate` all at once (asyncio.gather), as the rollout workers do;
+  server: as JSON bodies (screenshots as PNG data URIs, encoded before the clock starts, as a
+          load generator holds them) POSTed all at once to tools/serve.py on a loopback port
+          (uvicorn, aiohttp client), which decodes, renders and calls the same engine.
+A warm-up pass of each compiles every shape first. Prints generated tokens/s of each (best of
+--repeats) and the ratio server/direct. Timing only here, never in a test.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(_ROOT, "configs", "qwen3vl_grpo.py") + ":smoke", "Config + preset."
+)
+_REQUESTS = flags.DEFINE_integer("requests", 64, "Concurrent requests per pass.")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 32, "Generated tokens per request.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed passes of each (best kept).")
+
+
+def main(argv: list[str]) -> None:
+    import asyncio
+    import contextlib
+    import socket
+    import threading
+    import time
+
+    import aiohttp
+    import jax
+    import numpy as np
+    import uvicorn
+
+    from cua_jax import builders
+    from cua_jax.evaluation.loading import load_policy
+    from cua_jax.evaluation.openai_chat import MessageRenderer, encode_image
+    from cua_jax.sampler import SamplingParams
+    from tools.serve import create_app
+
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    config = _CONFIG.value
+    model, processor, _, mesh, rules = load_policy(config, None)
+    engine = builders.build_engine(model, config, processor.tokenizer, mesh=mesh, rules=rules)
+    w, h = config.env.viewport_width, config.env.viewport_height
+    rng = np.random.default_rng(0)
+    shots = [rng.integers(0, 255, (h, w, 3), dtype=np.uint8) for _ in range(_REQUESTS.value)]
+    system = "You operate a computer. Reply with one tool call."
+    n_tok = _MAX_TOKENS.value
+
+    def renderer_messages(i):
+        return [
+            {"role": "system", "content": system},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"task {i}"}]},
+        ]
+
+    def body(i):
+        url = encode_image(shots[i])
+        return {
+            "messages": [
+                {"role": "system", "content": system},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": url}},
+                        {"type": "text", "text": f"task {i}"},
+                    ],
+                },
+            ],
+            "temperature": 0,
+            "max_tokens": n_tok,
+        }
+
+    bodies = [body(i) for i in range(len(shots))]
+    # No stop tokens: every request generates exactly max_tokens in both paths.
+    params = SamplingParams(temperature=0.0, max_new_tokens=n_tok)
+    renderer = MessageRenderer(processor)
+
+    async def direct_pass():
+        async def one(i):
+            p = await asyncio.to_thread(renderer.render, renderer_messages(i), [shots[i]])
+            out = await engine.generate(p.ids, p.pixel_values, p.grid, params=params)
+            return len(out.tokens)
+
+        return sum(await asyncio.gather(*(one(i) for i in range(len(shots)))))
+
+    app_ = create_app(engine, processor, token=None, model_name="bench", max_tokens=n_tok)
+    app_.state.chat.stop_ids = ()  # as the direct pass: no stop tokens
+
+    @contextlib.contextmanager
+    def serving():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = uvicorn.Server(
+            uvicorn.Config(app_, host="127.0.0.1", port=port, log_level="warning")
+        )
+        th = threading.Thread(target=server.run, daemon=True)
+        th.start()
+        while not server.started:
+            time.sleep(0.05)
+        try:
+            yield f"http://127.0.0.1:{port}/v1/chat/completions"
+        finally:
+            server.should_exit = True
+            th.join(30)
+
+    async def server_pass(url):
+        limits = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=limits) as s:
+
+            async def one(b):
+                async with s.post(url, json=b) as r:
+                    data = await r.json()
+                    assert r.status == 200, data
+                    return data["usage"]["completion_tokens"]
+
+            return sum(await asyncio.gather(*(one(b) for b in bodies)))
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        toks = fn()
+        return toks, time.perf_counter() - t0
+
+    asyncio.run(direct_pass())  # warm-up: compiles every shape
+    best_direct = min(timed(lambda: asyncio.run(direct_pass()))[1] for _ in range(_REPEATS.value))
+    with serving() as url:
+        asyncio.run(server_pass(url))  # warm-up of the server path
+        runs = [timed(lambda: asyncio.run(server_pass(url))) for _ in range(_REPEATS.value)]
+    toks = runs[0][0]
+    best_server = min(t for _, t in runs)
+    expect = len(shots) * n_tok
+    assert toks == expect, (toks, expect)
+    d, s = expect / best_direct, expect / best_server
+    print(
+        f"{config.preset} on {jax.devices()[0].device_kind}: {len(shots)} concurrent requests "
+        f"x {n_tok} tokens, one {w}x{h} screenshot each (max_slots={config.sampler.max_slots})\n"
+        f"  direct Engine: {d:9.1f} tokens/s ({best_direct:.3f} s)\n"
+        f"  tools/serve.py: {s:8.1f} tokens/s ({best_server:.3f} s)\n"
+        f"  ratio server/direct: {s / d:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)
