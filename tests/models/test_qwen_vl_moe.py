@@ -275,7 +275,7 @@ def _block_grads(block, x):
     @jax.jit
     def f(state, x):
         def loss(state, x):
-            return jnp.sum(jnp.sin(nnx.merge(graphdef, state)(x)))
+            return jnp.sum(jnp.sin(nnx.merge(graphdef, state)(x)[0]))
 
         return jax.grad(loss, argnums=(0, 1))(state, x)
 
@@ -334,3 +334,55 @@ def test_lora_on_experts_merge_and_expert_parallel(ep_reference):
     assert not lora.has_lora(merged)
     assert isinstance(merged.model.language_model.layers[0].mlp.experts, moe.Experts)
     assert _rel(_forward(merged, ids), adapted) <= 1e-5
+
+
+# --------------------------------------------------------------- routing record, replay, aux
+def test_routing_record_and_aux_loss_match_transformers(pair):
+    hf, ours, _ = pair
+    ids = np.stack([prompt_ids(None, [10], seed=s) for s in (11, 12)])
+    mask = np.ones_like(ids)
+    mask[0, :3] = 0  # left padding in row 0
+    with torch.no_grad():
+        out = hf(
+            input_ids=torch.as_tensor(ids),
+            attention_mask=torch.as_tensor(mask),
+            output_router_logits=True,
+        )
+    ref_logits = np.stack([r.numpy().reshape(2, 10, -1) for r in out.router_logits])
+    logits, routing = ours(ids, attention_mask=mask, return_routing=True)
+    assert routing.router_logits.shape == (2, 2, 10, 8) and routing.experts.shape == (2, 2, 10, 2)
+    assert _rel(routing.router_logits, ref_logits) <= RTOL
+    ref_top = np.argsort(-ref_logits, -1)[..., :2]
+    np.testing.assert_array_equal(np.sort(routing.experts, -1), np.sort(ref_top, -1))
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func
+
+    for m in (None, mask):
+        ref_aux = load_balancing_loss_func(
+            out.router_logits, 8, 2, None if m is None else torch.as_tensor(m)
+        )
+        aux = moe.load_balancing_loss(routing.router_logits, 2, m)
+        np.testing.assert_allclose(float(aux), float(ref_aux), rtol=1e-5)
+    assert _rel(logits, ours(ids, attention_mask=mask)) <= 1e-6
+
+
+def test_routing_replay(pair):
+    """Replaying a forward's own experts gives its logits; replaying another policy's experts
+    routes exactly those experts (weights from the current router, which keeps a gradient)."""
+    _, ours, _ = pair
+    ids = np.stack([prompt_ids(None, [10], seed=s) for s in (13, 14)])
+    logits, routing = ours(ids, return_routing=True)
+    assert _rel(ours(ids, routes=routing.experts), logits) <= 1e-6
+    other = nnx.clone(ours)
+    gate = other.model.language_model.layers[1].mlp.gate.kernel
+    gate[...] = gate[...] + 0.5 * jax.random.normal(jax.random.key(0), gate[...].shape)
+    _, other_routing = other(ids, return_routing=True)
+    assert np.mean(np.asarray(other_routing.experts) != np.asarray(routing.experts)) > 0.1
+    replayed, again = ours(ids, routes=other_routing.experts, return_routing=True)
+    np.testing.assert_array_equal(np.asarray(again.experts), np.asarray(other_routing.experts))
+    assert _rel(replayed, logits) > 1e-3
+
+    grads = nnx.grad(lambda m: jnp.sum(m(ids, routes=other_routing.experts)[..., 0]))(ours)
+    g = grads["model"]["language_model"]["layers"][1]["mlp"]["gate"]["kernel"].get_value()
+    assert np.abs(np.asarray(g)).max() > 0
+    with pytest.raises(ValueError, match="sparse layers"):
+        ours(ids, routes=other_routing.experts[:1])

@@ -32,6 +32,12 @@ Decomposed forward, for the sampler and the learner (these names and signatures 
            (then B, T are its decode batch / chunk and position_ids its absolute positions).
     logits = model.logits(hidden_BTD) -> f32[B, T, V]
 
+MoE (Qwen3-VL-MoE): `decode(..., return_routing=True)` and `model(..., return_routing=True)`
+also return a `moe.RoutingInfo` (router logits f32[L, B, T, E] and chosen experts
+i32[L, B, T, K] of the L sparse layers); `routes=` i32[L, B, T, K] replays given experts
+(routing replay: the learner reuses the sampler's choices). `moe.load_balancing_loss` turns the
+router logits into the auxiliary loss.
+
 Random init (tiny / smoke presets): `QwenVL(config, rngs=nnx.Rngs(seed))` or `init_random`.
 """
 
@@ -43,6 +49,7 @@ import numpy as np
 from flax import nnx
 
 from cua_jax.models.qwen_vl.config import QwenVLConfig
+from cua_jax.models.qwen_vl.moe import RoutingInfo
 from cua_jax.models.qwen_vl.rope import get_rope_index, mrope_cos_sin, text_positions
 from cua_jax.models.qwen_vl.text import (
     AttnFn,
@@ -155,22 +162,43 @@ class QwenVL(nnx.Module):
         attn_fn: AttnFn,
         visual_pos_mask: jax.Array | None = None,
         deepstack_embeds: list[jax.Array] | None = None,
-    ) -> jax.Array:
-        """Decoder layers + final norm. DeepStack features are added after layers 0..k-1."""
+        *,
+        routes: jax.Array | None = None,
+        return_routing: bool = False,
+    ) -> jax.Array | tuple[jax.Array, RoutingInfo]:
+        """Decoder layers + final norm. DeepStack features are added after layers 0..k-1.
+
+        MoE only: `routes` i32[L, B, T, K] replays the experts of the L sparse layers;
+        `return_routing` returns (hidden, RoutingInfo)."""
         t = self.config.text
         lm = self.model.language_model
+        sparse = [i for i in range(t.num_hidden_layers) if t.is_sparse_layer(i)]
+        if (routes is not None or return_routing) and not sparse:
+            raise ValueError("routes / return_routing need a MoE model (text.num_experts > 0)")
+        if routes is not None and jnp.shape(routes)[0] != len(sparse):
+            raise ValueError(
+                f"routes has {jnp.shape(routes)[0]} layers but the model has {len(sparse)} "
+                "sparse layers"
+            )
         cos, sin = mrope_cos_sin(
             jnp.asarray(position_ids_3BT), t.head_dim, t.rope_theta, t.mrope_section,
             t.mrope_interleaved,
         )  # fmt: skip
         h = inputs_embeds_BTD.astype(jdtype(self.config.dtype))
+        infos = []
         for i in range(t.num_hidden_layers):
-            h = lm.run_layer(i, h, cos, sin, attn_fn)
+            r = None if routes is None or i not in sparse else routes[sparse.index(i)]
+            h, info = lm.run_layer(i, h, cos, sin, attn_fn, r)
+            if info is not None:
+                infos.append(info)
             if deepstack_embeds is not None and i < len(deepstack_embeds):
                 if visual_pos_mask is None:
                     raise ValueError("deepstack_embeds given without visual_pos_mask")
                 h = deepstack_add(h, deepstack_embeds[i], visual_pos_mask)
-        return lm.norm(h)
+        h = lm.norm(h)
+        if not return_routing:
+            return h
+        return h, RoutingInfo(jnp.stack([lg for lg, _ in infos]), jnp.stack([e for _, e in infos]))
 
     # ----------------------------------------------------------------------------- logits
     def logits(self, hidden_BTD: jax.Array) -> jax.Array:
@@ -221,8 +249,11 @@ class QwenVL(nnx.Module):
         segment_ids: jax.Array | None = None,
         *,
         vision_meta: VisionMeta | None = None,
-    ) -> jax.Array:
-        """Full forward -> logits f32[B, T, V]. See the module docstring."""
+        routes: jax.Array | None = None,
+        return_routing: bool = False,
+    ) -> jax.Array | tuple[jax.Array, RoutingInfo]:
+        """Full forward -> logits f32[B, T, V] (MoE: + RoutingInfo with return_routing; routes
+        replays experts). See the module docstring."""
         embeds, vis_mask, ds = self.embed(
             input_ids, pixel_values, image_grid_thw, vision_meta=vision_meta
         )
@@ -233,8 +264,19 @@ class QwenVL(nnx.Module):
         if position_ids.ndim == 2:  # [B, T] text positions -> all three axes
             position_ids = jnp.broadcast_to(position_ids[None], (3, *position_ids.shape))
         attn_fn = make_dense_attn_fn(attention_mask, segment_ids)
-        hidden = self.decode(embeds, position_ids, attn_fn, vis_mask, ds)
-        return self.logits(hidden)
+        out = self.decode(
+            embeds,
+            position_ids,
+            attn_fn,
+            vis_mask,
+            ds,
+            routes=routes,
+            return_routing=return_routing,
+        )
+        if return_routing:
+            hidden, routing = out
+            return self.logits(hidden), routing
+        return self.logits(out)
 
 
 def init_random(config: QwenVLConfig, seed: int = 0, dtype: str | None = None) -> QwenVL:

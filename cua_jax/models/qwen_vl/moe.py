@@ -31,6 +31,8 @@ Weights (HF names; the expert tensors keep HF's fused gate/up layout, transposed
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -41,6 +43,16 @@ from cua_jax.models.qwen_vl.config import QwenVLConfig
 from cua_jax.models.qwen_vl.text import _INIT_STD, jdtype, param
 
 GATE_UP_AXES = ("expert", "embed", None, "mlp")
+
+
+class RoutingInfo(NamedTuple):
+    """What the sparse layers of one forward chose (a pytree; L = number of sparse layers, in
+    layer order). `experts` is what routing replay feeds back (`decode(..., routes=...)`)."""
+
+    router_logits: jax.Array  # f32[L, B, T, E]
+    experts: jax.Array  # i32[L, B, T, K]
+
+
 DOWN_AXES = ("expert", "mlp", "embed")
 
 
@@ -172,32 +184,41 @@ class SparseMoeBlock(nnx.Module):
         self.mesh = mesh
         self.rules = shd.DEFAULT_RULES if rules is None else rules
 
-    def route(self, x_ND: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(router logits f32[N, E], weights f32[N, K], expert ids i32[N, K])."""
-        logits = self.gate(x_ND)
-        w, e = route(logits, self.top_k, self.norm_topk_prob)
-        return logits, w, e
+    def __call__(
+        self, x_BTD: jax.Array, routes_BTK: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """-> (y f[B, T, D], router logits f32[B, T, E], chosen experts i32[B, T, K]).
 
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        `routes_BTK` (routing replay): use these experts instead of the router's top-k; their
+        weights are still the current router's probabilities (renormalised over the k), so the
+        router keeps its gradient."""
         B, T, D = x_BTD.shape
+        logits_NE = self.gate(x_BTD.reshape(B * T, D))
+        if routes_BTK is None:
+            w_NK, e_NK = route(logits_NE, self.top_k, self.norm_topk_prob)
+        else:
+            e_NK = jnp.asarray(routes_BTK, jnp.int32).reshape(B * T, self.top_k)
+            w_NK = replay_weights(logits_NE, e_NK, self.norm_topk_prob)
+        w, e = w_NK.reshape(B, T, -1), e_NK.reshape(B, T, -1)
+        y = self._experts(x_BTD, w, e)
+        return y.astype(x_BTD.dtype), logits_NE.reshape(B, T, -1), e
+
+    def _experts(self, x_BTD: jax.Array, w_BTK: jax.Array, e_BTK: jax.Array) -> jax.Array:
+        """The routed expert MLPs, f32[B, T, D]: locally, or under shard_map on self.mesh."""
+        B, _, D = x_BTD.shape
         arrays, scale = self.experts.arrays()
         names = tuple(arrays)
-        router = self.gate.kernel[...]
-        mesh = self.mesh
-
-        def local(x_BTD, router_DE, *ws, first_expert=0):
-            x_ND = x_BTD.reshape(-1, D)
-            logits = jnp.einsum(
-                "nd,de->ne", x_ND.astype(jnp.float32), router_DE.astype(jnp.float32)
-            )
-            w, e = route(logits, self.top_k, self.norm_topk_prob)
-            p = dict(zip(names, ws, strict=True))
-            y = expert_mlp(x_ND, w, e, p, first_expert, scale)
-            return y.reshape(x_BTD.shape)
-
         ws = [a for a, _ in arrays.values()]
+
+        def local(x_BTD, w_BTK, e_BTK, *ws, first_expert=0):
+            K = e_BTK.shape[-1]
+            p = dict(zip(names, ws, strict=True))
+            x_ND, w_NK, e_NK = x_BTD.reshape(-1, D), w_BTK.reshape(-1, K), e_BTK.reshape(-1, K)
+            return expert_mlp(x_ND, w_NK, e_NK, p, first_expert, scale).reshape(x_BTD.shape)
+
+        mesh = self.mesh
         if mesh is None or mesh.size == 1:
-            return local(x_BTD, router, *ws).astype(x_BTD.dtype)
+            return local(x_BTD, w_BTK, e_BTK, *ws)
 
         ep = tuple(a for a in _mesh_axes(self.rules, "expert") if a in mesh.axis_names)
         tp = tuple(a for a in _mesh_axes(self.rules, "mlp") if a in mesh.axis_names)
@@ -210,28 +231,60 @@ class SparseMoeBlock(nnx.Module):
         n_dp = 1
         for a in dp:
             n_dp *= mesh.shape[a]
-        x_spec = PartitionSpec(dp if dp and B % n_dp == 0 else None, None, None)
+        row_spec = PartitionSpec(dp if dp and B % n_dp == 0 else None, None, None)
         w_specs = [_in_spec(ax, self.rules, reduce_axes) for _, ax in arrays.values()]
         n_local = self.num_experts
         for a in ep:
             n_local //= mesh.shape[a]
 
-        def sharded(x_BTD, router_DE, *ws):
-            # Tokens and router are the same on every expert/tensor device; marking them as
-            # varying makes their cotangents an explicit psum over those axes (the gathers
-            # below use per-device expert offsets).
-            x_BTD, router_DE = jax.lax.pcast((x_BTD, router_DE), reduce_axes, to="varying")
+        def sharded(x_BTD, w_BTK, e_BTK, *ws):
+            # Tokens and routing are the same on every expert/tensor device; marking them as
+            # varying makes their cotangents an explicit psum over those axes (the gathers in
+            # expert_mlp use per-device expert offsets).
+            x_BTD, w_BTK = jax.lax.pcast((x_BTD, w_BTK), reduce_axes, to="varying")
             first = jax.lax.axis_index(ep[0] if len(ep) == 1 else ep) * n_local if ep else 0
-            y = local(x_BTD, router_DE, *ws, first_expert=first)
+            y = local(x_BTD, w_BTK, e_BTK, *ws, first_expert=first)
             return jax.lax.psum(y, reduce_axes) if reduce_axes else y
 
-        y = jax.shard_map(
+        return jax.shard_map(
             sharded,
             mesh=mesh,
-            in_specs=(x_spec, PartitionSpec(), *w_specs),
-            out_specs=x_spec,
-        )(x_BTD, router, *ws)
-        return y.astype(x_BTD.dtype)
+            in_specs=(row_spec, row_spec, row_spec, *w_specs),
+            out_specs=row_spec,
+        )(x_BTD, w_BTK, e_BTK, *ws)
+
+
+def replay_weights(logits_NE: jax.Array, e_NK: jax.Array, norm_topk_prob: bool = True) -> jax.Array:
+    """Routing weights f32[N, K] of given experts under the current router (routing replay)."""
+    probs = jax.nn.softmax(logits_NE.astype(jnp.float32), axis=-1)
+    w_NK = jnp.take_along_axis(probs, e_NK, axis=-1)
+    if norm_topk_prob:
+        w_NK = w_NK / jnp.sum(w_NK, axis=-1, keepdims=True)
+    return w_NK
+
+
+def load_balancing_loss(
+    router_logits_LBTE: jax.Array, top_k: int, attention_mask_BT: jax.Array | None = None
+) -> jax.Array:
+    """The Switch-Transformer auxiliary loss as transformers' `load_balancing_loss_func`:
+    E * sum_e f_e P_e over all sparse layers' tokens, f_e the share of top-k assignments to
+    expert e (summing to k), P_e the mean router probability; padding (mask 0) left out.
+
+    router_logits_LBTE: f32[L, B, T, E] (`RoutingInfo.router_logits`). Returns f32[] (=k when
+    perfectly balanced); the trainer adds coef * loss (HF: router_aux_loss_coef)."""
+    L, B, T, E = router_logits_LBTE.shape
+    probs = jax.nn.softmax(router_logits_LBTE.astype(jnp.float32), axis=-1)
+    _, e = jax.lax.top_k(probs, top_k)
+    counts_LBTE = jnp.sum(jax.nn.one_hot(e, E, dtype=jnp.float32), axis=-2)
+    if attention_mask_BT is None:
+        m = jnp.ones((1, B, T, 1), jnp.float32)
+    else:
+        m = jnp.asarray(attention_mask_BT, jnp.float32).reshape(1, B, T, 1)
+    m = jnp.broadcast_to(m, (L, B, T, 1))
+    rows = jnp.sum(m)
+    tokens_per_expert = jnp.sum(counts_LBTE * m, axis=(0, 1, 2)) / rows
+    prob_per_expert = jnp.sum(probs * m, axis=(0, 1, 2)) / rows
+    return jnp.sum(tokens_per_expert * prob_per_expert) * E
 
 
 def set_expert_mesh(model: nnx.Module, mesh: Mesh | None, rules: shd.Rules | None = None) -> int:

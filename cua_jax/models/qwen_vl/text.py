@@ -232,9 +232,17 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps, param_dtype=pd)
         self.post_attention_layernorm = RMSNorm(t.hidden_size, t.rms_norm_eps, param_dtype=pd)
 
-    def __call__(self, h_BTD, cos, sin, attn_fn: AttnFn, layer_idx: int) -> jax.Array:
+    def __call__(
+        self, h_BTD, cos, sin, attn_fn: AttnFn, layer_idx: int, routes_BTK: jax.Array | None = None
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """-> (hidden, None) for a dense layer; (hidden, (router logits f32[B, T, E], experts
+        i32[B, T, K])) for a sparse one, which routes by `routes_BTK` when given (replay)."""
         h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD), cos, sin, attn_fn, layer_idx)
-        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD))
+        x = self.post_attention_layernorm(h_BTD)
+        if isinstance(self.mlp, MLP):
+            return h_BTD + self.mlp(x), None
+        y, logits, experts = self.mlp(x, routes_BTK)
+        return h_BTD + y, (logits, experts)
 
 
 class TextModel(nnx.Module):
@@ -250,22 +258,24 @@ class TextModel(nnx.Module):
         )
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps, param_dtype=pd)
 
-    def run_layer(self, i: int, h_BTD, cos, sin, attn_fn: AttnFn) -> jax.Array:
-        """Layer i, wrapped in jax.checkpoint according to cfg.remat."""
+    def run_layer(
+        self, i: int, h_BTD, cos, sin, attn_fn: AttnFn, routes_BTK: jax.Array | None = None
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """Layer i (see DecoderLayer.__call__), wrapped in jax.checkpoint per cfg.remat."""
         layer = self.layers[i]
         if self.cfg.remat == "none":
-            return layer(h_BTD, cos, sin, attn_fn, i)
+            return layer(h_BTD, cos, sin, attn_fn, i, routes_BTK)
         graphdef, state = nnx.split(layer)
 
-        def f(state, h, cos, sin):
-            return nnx.merge(graphdef, state)(h, cos, sin, attn_fn, i)
+        def f(state, h, cos, sin, routes):
+            return nnx.merge(graphdef, state)(h, cos, sin, attn_fn, i, routes)
 
         policy = (
             jax.checkpoint_policies.dots_with_no_batch_dims_saveable
             if self.cfg.remat == "dots"
             else None
         )
-        return jax.checkpoint(f, policy=policy)(state, h_BTD, cos, sin)
+        return jax.checkpoint(f, policy=policy)(state, h_BTD, cos, sin, routes_BTK)
 
 
 def deepstack_add(h_BTD: jax.Array, ds_BTD: jax.Array, mask_BT: jax.Array) -> jax.Array:
