@@ -102,13 +102,14 @@ def test_one_grpo_step_on_all_forced_devices(tmp_path):
 
 
 def test_a_nan_loss_stops_the_run_naming_the_step_and_the_last_good_checkpoint(tmp_path):
-    """A NaN learning rate turns every parameter NaN in step 1 (whose own loss is finite); step
-    2's loss is NaN and the run stops there, pointing at step 1's checkpoint."""
+    """A learning rate of 1e30 (a NaN one is refused by the config checks) throws the
+    parameters to +-1e30 in step 1 (whose own loss is finite); step 2's forward pass overflows,
+    its loss is NaN and the run stops there, pointing at step 1's checkpoint."""
     c = _config()
     c.total_steps = 2
     c.ckpt.save_every = 1
     c.ckpt.keep = 5
-    c.rl.learning_rate = float("nan")
+    c.rl.learning_rate = 1e30
     size = (c.env.viewport_width, c.env.viewport_height)
     ckpts = os.path.join(str(tmp_path), "checkpoints")
     with pytest.raises(NonFiniteError, match=rf"GRPO step 2: loss is nan.*{ckpts}/1\b"):
