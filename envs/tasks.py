@@ -135,6 +135,7 @@ def _builtin(cfg: dict[str, Any]) -> list[Task]:
             seed=int(cfg.get("seed", 0)),
             names=names,
             per_template=cfg.get("per_template"),
+            api_actions=cfg.get("api_actions") or (),
         )
     except ValueError as e:
         raise TaskSourceError(str(e)) from e
@@ -279,7 +280,16 @@ def _file(cfg: dict[str, Any]) -> list[Task]:
 register_source(
     "builtin",
     _builtin,
-    keys=("split", "category", "difficulty", "limit", "seed", "templates", "per_template"),
+    keys=(
+        "split",
+        "category",
+        "difficulty",
+        "limit",
+        "seed",
+        "templates",
+        "per_template",
+        "api_actions",
+    ),
 )
 register_source("miniwob", _miniwob, keys=("names", "split", "seeds_per_task", "seed", "limit"))
 register_source("ids", _ids, keys=("task_ids",))

@@ -26,11 +26,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import logging
 import math
 import string
 import time
 import unicodedata
+import urllib.parse
 from typing import Any
 
 import numpy as np
@@ -40,6 +42,7 @@ from playwright.async_api import BrowserContext, Page
 from cua_jax import actions as A
 from cua_jax.env_api import (
     INFO_ANSWER,
+    INFO_API_RESULT,
     INFO_DONE_REASON,
     INFO_ERROR,
     INFO_INVALID_ACTION,
@@ -140,6 +143,30 @@ class _BadKey(Exception):
     """Raised inside a step for a key Playwright cannot press (an invalid action, not a fault)."""
 
 
+class _ApiRefused(_BadKey):
+    """An API action the page cannot carry out (no such field, option or page): invalid."""
+
+
+# How long an API action waits for its element to be actionable (then it is invalid, not a
+# fault: a hidden or disabled field is the model's mistake, not a hung page).
+_API_TIMEOUT_MS = 2000
+# For the element `sel`, what an API action could do with it: {kind: "text" | "option" |
+# "combobox" | "roleoption" | "other", label, option}; null when there is no such element.
+_FIELD_JS = """(sel) => { const e = document.querySelector(sel); if (!e) return null;
+  const lab = (el) => ((el.getAttribute("aria-label") ||
+    (el.labels && el.labels[0] ? el.labels[0].innerText : "") || "") + "").trim();
+  if (e.tagName === "OPTION" && e.parentElement && e.parentElement.tagName === "SELECT")
+    return {kind: "option", label: lab(e.parentElement), option: (e.label || e.text).trim()};
+  if (e.getAttribute("role") === "combobox") return {kind: "combobox", label: lab(e)};
+  if (e.getAttribute("role") === "option")
+    return {kind: "roleoption", option: e.textContent.trim()};
+  const noText = ["checkbox", "radio", "button", "submit", "reset", "range", "color", "file",
+    "image", "hidden"];
+  if ((e.tagName === "INPUT" && !noText.includes(e.type)) || e.tagName === "TEXTAREA")
+    return {kind: "text", label: lab(e)};
+  return {kind: "other"}; }"""
+
+
 class BrowserEnv:
     """A Playwright-driven browser environment implementing ``cua_jax.env_api.Env``.
 
@@ -209,6 +236,7 @@ class BrowserEnv:
         self._held_keys: set[str] = set()
         self._held_buttons: set[str] = set()
         self._oracle_plan: list[dict[str, Any]] | None = None
+        self._api_result: str | None = None
         self._oracle_i = 0
         self._steps = 0
         self._nav_loaded = asyncio.Event()
@@ -382,6 +410,7 @@ class BrowserEnv:
                 {INFO_ERROR: "no episode is running; call reset()", INFO_DONE_REASON: "error"},
             )
         self._steps += 1
+        self._api_result = None
         info: dict[str, Any] = {}
         if isinstance(action, A.InvalidAction):
             info[INFO_INVALID_ACTION] = action.reason
@@ -391,6 +420,11 @@ class BrowserEnv:
                 f"scroll amounts must be finite numbers, got dx={action.dx!r} dy={action.dy!r}"
             )
             return StepResult(self._last_obs, False, 0.0, info)
+        if isinstance(action, A.API_ACTION_TYPES):
+            why = api_refusal(self._task, action, A.BROWSER_API, "browser")
+            if why is not None:
+                info[INFO_INVALID_ACTION] = why
+                return StepResult(self._last_obs, False, 0.0, info)
         if isinstance(action, A.TERMINAL_ACTIONS):
             self._active = False
             if isinstance(action, A.Answer):
@@ -416,6 +450,8 @@ class BrowserEnv:
             return await self._fault(self._describe_fault(e))
         timing["total_s"] = time.perf_counter() - t0
         info[INFO_TIMING] = timing
+        if self._api_result is not None:
+            info[INFO_API_RESULT], self._api_result = self._api_result, None
         if done:
             self._active = False
             self._env_reward = reward
@@ -518,6 +554,11 @@ class BrowserEnv:
             self._oracle_plan = await self._with_nav_retry(lambda: adapter.oracle_plan(self, page))
         while self._oracle_i < len(self._oracle_plan):
             st = self._oracle_plan[self._oracle_i]
+            if self._task.api_actions:
+                fused = await self._api_oracle_step(self._oracle_i)
+                if fused is not None:
+                    self._oracle_i += fused[1]
+                    return fused[0]
             action = await self._resolve_oracle_step(st)
             if action is not None:
                 if not isinstance(action, A.Scroll):
@@ -525,6 +566,38 @@ class BrowserEnv:
                 return action
             self._oracle_i += 1
         return A.Done()
+
+    async def _api_oracle_step(self, i: int) -> tuple[A.Action, int] | None:
+        """The plan's steps from ``i`` as one API action the task allows, and how many plan
+        steps it replaces: click a labelled text field + type -> ``Fill``; click an option of
+        a labelled select box, or a labelled dropdown then its option -> ``SelectOption``.
+        None when the steps are not such a pair (or the label does not name one element)."""
+        page, plan = self._page, self._oracle_plan
+        assert page is not None and plan is not None and self._task is not None
+        api = self._task.api_actions
+        st, nxt = plan[i], plan[i + 1] if i + 1 < len(plan) else {}
+        # (a double or triple click before typing selects the old text: fill replaces it too)
+        if st.get("op") != "click" or st.get("button", "left") != "left":
+            return None
+        f = await self._with_nav_retry(lambda: page.evaluate(_FIELD_JS, st["sel"]))
+        if not f or not f.get("label"):
+            return None
+        if not await self._labels_one(page, f["label"]):
+            return None
+        if f["kind"] == "text" and "fill" in api and nxt.get("op") == "type":
+            return A.Fill(f["label"], str(nxt["text"])), 2
+        if "select_option" not in api or st.get("count", 1) != 1:
+            return None
+        if f["kind"] == "option":
+            return A.SelectOption(f["label"], f["option"]), 1
+        if f["kind"] == "combobox" and nxt.get("op") == "click":
+            o = await self._with_nav_retry(lambda: page.evaluate(_FIELD_JS, nxt["sel"]))
+            if o and o.get("kind") == "roleoption" and o.get("option"):
+                return A.SelectOption(f["label"], o["option"]), 2
+        return None
+
+    async def _labels_one(self, page: Page, label: str) -> bool:
+        return await self._with_nav_retry(lambda: page.get_by_label(label, exact=True).count()) == 1
 
     async def _resolve_oracle_step(self, st: dict[str, Any]) -> A.Action | None:
         page = self._page
@@ -683,8 +756,95 @@ class BrowserEnv:
                     raise _BadKey(f"unknown key {key!r}")
             case A.Wait(seconds):
                 await asyncio.sleep(min(max(seconds, 0.0), self.max_wait_s))
+            case A.OpenUrl() | A.Fill() | A.SelectOption():
+                try:
+                    self._api_result = await self._api(page, a)
+                except _ApiRefused:
+                    raise
+                except Exception as e:
+                    if self._crashed or not self.host.connected or _is_closed(e):
+                        raise  # a fault, not the model's mistake
+                    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    raise _ApiRefused(f"{A.api_name(a)} failed: {first}") from e
             case _:
                 raise ValueError(f"BrowserEnv cannot execute {a!r}")
+
+    async def _api(self, page: Page, a: A.Action) -> str:
+        """Runs a browser API action through Playwright's locators; what it did, as text.
+        Raises _ApiRefused (an invalid action) when the page has no such field/option/page."""
+        match a:
+            case A.OpenUrl(url):
+                full = urllib.parse.urljoin(page.url, url.strip())
+                if not full.startswith(server.ORIGIN + "/"):
+                    raise _ApiRefused(
+                        f"open_url: {url!r} is not reachable (the network is closed; only "
+                        f"pages under {server.ORIGIN}/ open)"
+                    )
+                resp = await page.goto(full, wait_until="load", timeout=self.step_timeout_s * 1000)
+                return f"opened {full} (HTTP {resp.status if resp else '?'})"
+            case A.Fill(label, text):
+                loc = await self._labelled(page, label, "fill")
+                await loc.fill(text[:10_000], timeout=_API_TIMEOUT_MS)
+                return f"filled {label!r}"
+            case A.SelectOption(label, option):
+                loc = await self._labelled(page, label, "select_option")
+                tag, role, controls = await loc.evaluate(
+                    "e => [e.tagName, e.getAttribute('role') || '', "
+                    "e.getAttribute('aria-controls') || '']"
+                )
+                if tag == "SELECT":
+                    opts = await loc.evaluate(
+                        "e => Array.from(e.options).map(o => [(o.label || o.text).trim(), o.value])"
+                    )
+                    val = _pick_option(option, opts)
+                    if val is None:
+                        names = ", ".join(repr(o[0]) for o in opts[:20])
+                        raise _ApiRefused(
+                            f"select_option: {label!r} has no option {option!r}; options: {names}"
+                        )
+                    await loc.select_option(value=val, timeout=_API_TIMEOUT_MS)
+                    return f"selected {option!r} in {label!r}"
+                if role != "combobox":
+                    raise _ApiRefused(
+                        f"select_option: {label!r} is not a select box or dropdown; use fill or "
+                        "GUI actions"
+                    )
+                await loc.click(timeout=_API_TIMEOUT_MS)
+                scope = page.locator(f"[id={json.dumps(controls)}]") if controls else page
+                opt = scope.get_by_role("option", name=option, exact=True)
+                if await opt.count() == 0:
+                    opt = scope.get_by_role("option", name=option)
+                n = await opt.count()
+                if n != 1:
+                    await loc.click(timeout=_API_TIMEOUT_MS)  # close it again
+                    raise _ApiRefused(
+                        f"select_option: the dropdown {label!r} has "
+                        f"{'no' if n == 0 else n} option(s) named {option!r}"
+                    )
+                await opt.click(timeout=_API_TIMEOUT_MS)
+                return f"selected {option!r} in {label!r}"
+        raise ValueError(f"BrowserEnv cannot execute {a!r}")
+
+    async def _labelled(self, page: Page, label: str, what: str):
+        """The one element labelled ``label`` (exact label, then substring, then placeholder)."""
+        n = 0
+        for loc in (
+            page.get_by_label(label, exact=True),
+            page.get_by_label(label),
+            page.get_by_placeholder(label),
+        ):
+            n = await loc.count()
+            if n == 1:
+                return loc
+            if n > 1:
+                visible = loc.filter(visible=True)
+                if await visible.count() == 1:
+                    return visible
+                break
+        raise _ApiRefused(
+            f"{what}: {'no' if n == 0 else n} field(s) labelled {label!r} on the page"
+            + ("; name it by its full label" if n > 1 else "")
+        )
 
     async def _press_keys(self, page: Page, keys: tuple[str, ...]) -> None:
         """A ``Key`` chord: keys go down in order and come up in reverse."""
@@ -753,6 +913,36 @@ class BrowserEnv:
     def _blank_obs(self) -> Observation:
         w, h = self.viewport
         return Observation(np.zeros((h, w, 3), np.uint8), self._instruction)
+
+
+def api_refusal(
+    task: Task | None, action: A.Action, supported: tuple[str, ...], env_kind: str
+) -> str | None:
+    """Why an env refuses an API action (the invalid-action reason), or None to run it."""
+    name = A.api_name(action)
+    if name not in supported:
+        return f"{name} is not a {env_kind} API action; {env_kind} API: {', '.join(supported)}"
+    allowed = task.api_actions if task is not None else ()
+    if name not in allowed:
+        return f"this task does not allow the API action {name}; " + (
+            f"allowed: {', '.join(allowed)}" if allowed else "use GUI actions"
+        )
+    return None
+
+
+def _pick_option(option: str, opts: list[list[str]]) -> str | None:
+    """The value of the option whose text (or value) is ``option``: exact, then ignoring case."""
+    want = option.strip()
+    for match in (lambda t: t == want, lambda t: t.casefold() == want.casefold()):
+        for text, value in opts:
+            if match(text) or match(value):
+                return value
+    return None
+
+
+def _is_closed(e: Exception) -> bool:
+    msg = str(e)
+    return any(t in msg for t in ("has been closed", "Target closed", "crashed", "disconnected"))
 
 
 def _key_name(key: str, shifted: bool) -> str:

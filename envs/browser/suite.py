@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Sequence
 
+from cua_jax import actions as A
 from cua_jax.env_api import Task
 
 CATEGORIES = ("click", "forms", "select", "toggles", "scroll", "navigation", "workflow")
@@ -175,9 +177,17 @@ def get_template(name: str) -> Template:
     return t
 
 
-def make_task(name: str, seed: int, split: str = "train") -> Task:
-    """The Task for template ``name`` at ``seed`` (seeds are used as given)."""
+def make_task(name: str, seed: int, split: str = "train", api_actions: Sequence[str] = ()) -> Task:
+    """The Task for template ``name`` at ``seed`` (seeds are used as given); ``api_actions``:
+    the browser API actions (``cua_jax.actions.BROWSER_API``) the task allows."""
     t = get_template(name)
+    api = A.check_api_names(api_actions, where=f"built-in task {name!r} api_actions")
+    not_browser = [n for n in api if n not in A.BROWSER_API]
+    if not_browser:
+        raise ValueError(
+            f"built-in browser tasks can allow only browser API actions "
+            f"({', '.join(A.BROWSER_API)}), got {not_browser}"
+        )
     return Task(
         id=f"builtin/{name}/{seed}",
         instruction=t.summary,  # the seeded instruction comes from the page at reset
@@ -188,6 +198,7 @@ def make_task(name: str, seed: int, split: str = "train") -> Task:
         seed=int(seed),
         spec={"kind": "builtin", "template": name},
         max_steps=t.max_steps,
+        api_actions=api,
     )
 
 
@@ -226,6 +237,7 @@ def sample_tasks(
     seed: int = 0,
     names: list[str] | None = None,
     per_template: int | None = None,
+    api_actions: Sequence[str] = (),
 ) -> list[Task]:
     """Seeded task instances, round-robin over the chosen templates.
 
@@ -242,6 +254,11 @@ def sample_tasks(
     n = limit if limit is not None else len(temps) * (per_template or 10)
     base = EVAL_SEED_OFFSET if split == "eval" else 0
     return [
-        make_task(temps[i % len(temps)].name, base + rng.randrange(EVAL_SEED_OFFSET), split)
+        make_task(
+            temps[i % len(temps)].name,
+            base + rng.randrange(EVAL_SEED_OFFSET),
+            split,
+            api_actions,
+        )
         for i in range(n)
     ]

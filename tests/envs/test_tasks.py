@@ -83,7 +83,7 @@ def test_other_sources_and_combination(tmp_path):
         ({"source_type": "builtin", "split": "test"}, "valid: train, eval"),
         ({"source_type": "builtin", "difficulty": "insane"}, "valid: easy, medium, hard"),
         ({"source_type": "builtin", "templates": ["nope"]}, "valid: click-button"),
-        ({"source_type": "builtin", "limt": 3}, "valid keys: category"),
+        ({"source_type": "builtin", "limt": 3}, "valid keys: api_actions, category"),
         ({"source_type": "miniwob", "names": ["click-tset"]}, "valid: "),
         ({"source_type": "ids", "task_ids": ["builtin/click-button/x"]}, "builtin/<template>"),
         ({"source_type": "ids", "task_ids": ["zzz/1"]}, "ids start with one of"),

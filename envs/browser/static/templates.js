@@ -214,7 +214,7 @@
     const target = R.choice(opts);
     c.instruction = 'Choose "' + target + '" from the list and click Submit.';
     let sent = null;
-    const sel = h("select", { id: "list", size: String(opts.length), style: { fontSize: "17px", width: "200px" } });
+    const sel = h("select", { id: "list", "aria-label": "List", size: String(opts.length), style: { fontSize: "17px", width: "200px" } });
     opts.forEach((o, i) => sel.append(h("option", { id: "o" + i, value: o }, o)));
     c.root.append(sel, h("div", { style: { marginTop: "10px" } }, submit(h, () => { sent = sel.value; c.finish(); })));
     c.score = () => (sent === target ? 1 : 0);
@@ -223,9 +223,10 @@
 
   function dropdown(h, id, opts, label) {
     let value = null;
-    const btn = h("button", { id: id + "-btn" }, label + " \u25BE");
-    const list = h("div", { class: "opts", style: { display: "none" } });
-    opts.forEach((o, i) => list.append(h("div", { id: id + "-o" + i, onclick: () => { value = o; btn.textContent = o + " \u25BE"; list.style.display = "none"; } }, o)));
+    // ARIA roles (no visual change) let the select_option API action find it by its label.
+    const btn = h("button", { id: id + "-btn", role: "combobox", "aria-label": label, "aria-haspopup": "listbox", "aria-controls": id + "-list" }, label + " \u25BE");
+    const list = h("div", { id: id + "-list", role: "listbox", class: "opts", style: { display: "none" } });
+    opts.forEach((o, i) => list.append(h("div", { id: id + "-o" + i, role: "option", onclick: () => { value = o; btn.textContent = o + " \u25BE"; list.style.display = "none"; } }, o)));
     btn.addEventListener("click", () => { list.style.display = list.style.display === "none" ? "block" : "none"; });
     return { el: h("div", { class: "dd" }, btn, list), get: () => value };
   }
