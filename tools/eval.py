@@ -149,7 +149,8 @@ def main(argv: list[str]) -> None:
         processor = build_processor(config)
         no_model = SimpleNamespace(config=SimpleNamespace(vision_placeholder_ids=()))
         settings = builders.build_rollout_settings(config, no_model)
-        step = _STEP.value
+        if _STEP.value is not None:
+            raise EvalError("--step picks a checkpoint; with --agent=openai the endpoint plays")
     else:
         from cua_jax.evaluation.loading import load_policy
 
@@ -158,7 +159,13 @@ def main(argv: list[str]) -> None:
         except CheckpointError as e:
             raise EvalError(str(e)) from None
         settings = builders.build_rollout_settings(config, model)
-    out_dir = _OUT.value or os.path.join(_WORKDIR.value, "eval", f"step_{step}")
+    if openai:
+        import re
+
+        tag = "agent_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", _MODEL.value or _BASE_URL.value)
+    else:
+        tag = f"step_{step}"
+    out_dir = _OUT.value or os.path.join(_WORKDIR.value, "eval", tag)
     os.makedirs(out_dir, exist_ok=True)
     if openai:
         from tools.agents import AgentEvalLoop, OpenAIAgent
