@@ -330,3 +330,29 @@ def test_token_rules():
         resolve_token("10.0.0.1", None, True)
     with pytest.raises(ValueError, match="contradict"):
         resolve_token("127.0.0.1", "t", True)
+
+
+def test_stop_strings_n_choices_and_seeds(app):
+    msgs = _first_turn(_screen(5), "stop test")
+
+    async def run():
+        async with _client(app) as c:
+            r = await _post(c, {"messages": msgs, "temperature": 0, "max_tokens": 8})
+            full = r.json()["choices"][0]["message"]["content"]
+            stop = full[len(full) // 2 : len(full) // 2 + 2]
+            r = await _post(c, {"messages": msgs, "temperature": 0, "max_tokens": 8, "stop": stop})
+            cut = r.json()["choices"][0]
+            body = {"messages": msgs, "temperature": 1.0, "max_tokens": 6, "n": 3, "seed": 11}
+            a = (await _post(c, body)).json()
+            b = (await _post(c, body)).json()
+            c2 = (await _post(c, {**body, "seed": 12})).json()
+            return full, stop, cut, a, b, c2
+
+    full, stop, cut, a, b, c2 = asyncio.run(run())
+    assert stop and stop not in cut["message"]["content"]
+    assert full.startswith(cut["message"]["content"]) and cut["finish_reason"] == "stop"
+    ids = lambda j: [ch["token_ids"] for ch in j["choices"]]  # noqa: E731
+    assert len(a["choices"]) == 3 and [ch["index"] for ch in a["choices"]] == [0, 1, 2]
+    assert ids(a) == ids(b)  # the same seed samples the same choices
+    assert ids(a) != ids(c2) and len({tuple(x) for x in ids(a)}) > 1
+    assert a["usage"]["completion_tokens"] == sum(len(x) for x in ids(a))
