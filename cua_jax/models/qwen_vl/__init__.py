@@ -1,4 +1,5 @@
-"""Qwen2.5-VL / Qwen3-VL in Flax NNX with Hugging Face import/export (see model.py)."""
+"""Qwen2.5-VL / Qwen3-VL (dense and MoE) in Flax NNX with Hugging Face import/export (see
+model.py; the MoE block, routing replay and aux loss in moe.py)."""
 
 from cua_jax.models.qwen_vl.config import (
     PUBLISHED,
@@ -9,6 +10,7 @@ from cua_jax.models.qwen_vl.config import (
     tiny,
 )
 from cua_jax.models.qwen_vl.model import QwenVL, init_random
+from cua_jax.models.qwen_vl.moe import RoutingInfo, load_balancing_loss, set_expert_mesh
 from cua_jax.models.qwen_vl.params import from_pretrained, save_pretrained
 from cua_jax.models.qwen_vl.rope import get_rope_index
 from cua_jax.models.qwen_vl.text import make_attention_mask, make_dense_attn_fn
@@ -18,16 +20,19 @@ __all__ = [
     "PUBLISHED",
     "QwenVL",
     "QwenVLConfig",
+    "RoutingInfo",
     "TextConfig",
     "VisionConfig",
     "VisionMeta",
     "from_pretrained",
     "get_rope_index",
     "init_random",
+    "load_balancing_loss",
     "make_attention_mask",
     "make_dense_attn_fn",
     "published_config",
     "save_pretrained",
+    "set_expert_mesh",
     "tiny",
     "vision_metadata",
 ]
