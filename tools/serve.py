@@ -365,6 +365,63 @@ def create_app(
     return app
 
 
+class EmbeddedServer:
+    """tools/serve.py's app on the caller's running event loop (say a trainer's, serving its
+    live policy: each reply names the weights version that wrote it, and `engine.update_params`
+    moves the server to new weights as it moves the rollouts). One loop drives the engine, and
+    the process's signal handlers are left alone.
+
+        srv = await EmbeddedServer.start(engine, processor, port=8000, token=tok)
+        ... srv.url ...
+        await srv.stop()
+    """
+
+    def __init__(self, server: Any, task: asyncio.Task, url: str):
+        self.server, self.task, self.url = server, task, url
+
+    @classmethod
+    async def start(
+        cls,
+        engine: Any,
+        processor: Any,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None,
+        **server_kw: Any,
+    ) -> EmbeddedServer:
+        """Binds `host:port` (0: a free port) and serves until `stop()`; `token` None only on
+        loopback (ValueError otherwise, as the CLI)."""
+        import contextlib
+
+        import uvicorn
+
+        if token is None and not is_loopback(host):
+            raise ValueError(f"serving on {host} needs a token")
+
+        class _Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):  # the host program keeps its own signal handling
+                yield
+
+        hosts = None if host in ("0.0.0.0", "::", "") else {host}
+        app = create_app(engine, processor, token=token, hosts=hosts, **server_kw)
+        server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        task = asyncio.get_running_loop().create_task(server.serve())
+        while not server.started:
+            if task.done():
+                task.result()  # raises what stopped it (say, the port is taken)
+                raise RuntimeError(f"the server on {host}:{port} stopped at start")
+            await asyncio.sleep(0.02)
+        bound = server.servers[0].sockets[0].getsockname()[1]
+        name = f"[{host}]" if ":" in host else host
+        return cls(server, task, f"http://{name}:{bound}/v1")
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        await self.task
+
+
 def resolve_token(host: str, token: str | None, no_token: bool) -> tuple[str | None, bool]:
     """(the token to require or None, whether it was made up here); ValueError for a refused
     combination (non-loopback without --token, --no-token off loopback, both given)."""

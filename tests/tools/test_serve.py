@@ -356,3 +356,36 @@ def test_stop_strings_n_choices_and_seeds(app):
     assert ids(a) == ids(b)  # the same seed samples the same choices
     assert ids(a) != ids(c2) and len({tuple(x) for x in ids(a)}) > 1
     assert a["usage"]["completion_tokens"] == sum(len(x) for x in ids(a))
+
+
+def test_embedded_server_reports_the_live_weights_version(engine, proc, model):
+    """A trainer serving its live policy on its own loop: update_params moves the replies to
+    the new version."""
+    import aiohttp
+    from flax import nnx
+
+    from tools.serve import EmbeddedServer
+
+    async def run():
+        srv = await EmbeddedServer.start(engine, proc, token="t", model_name="live")
+        try:
+            async with aiohttp.ClientSession() as s:
+                body = {"messages": _first_turn(_screen(7)), "temperature": 0, "max_tokens": 3}
+                headers = {"Authorization": "Bearer t"}
+                url = srv.url + "/chat/completions"
+                async with s.post(url, json=body, headers=headers) as r:
+                    before = await r.json()
+                engine.update_params(nnx.state(model), 7)
+                async with s.post(url, json=body, headers=headers) as r:
+                    after = await r.json()
+                async with s.post(url, json=body) as r:
+                    assert r.status == 401
+        finally:
+            await srv.stop()
+            engine.update_params(nnx.state(model), 0)
+        return before, after
+
+    before, after = asyncio.run(run())
+    assert before["policy_version"] == 0 and after["policy_version"] == 7
+    assert after["system_fingerprint"] == "cua_jax-v7"
+    assert after["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]  # same weights
