@@ -14,6 +14,7 @@ r"""Trajectory database and monitor timings on a synthetic run (no model, no env
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -23,6 +24,9 @@ import time
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+
+
+print = functools.partial(print, flush=True)  # noqa: A001 -- progress shows at once
 
 
 def _median_ms(fn, n: int = 5) -> float:
@@ -109,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {what:32s} {ms:8.1f} ms  {len(r.content) / 1e3:8.1f} kB  {url}")
 
     if args.browser:
+        import socket
         import threading
 
         import uvicorn
@@ -116,9 +121,15 @@ def main(argv: list[str] | None = None) -> None:
 
         from envs.browser.host import find_chromium
 
-        server = uvicorn.Server(uvicorn.Config(make_app(engine), port=8765, log_level="warning"))
-        threading.Thread(target=server.run, daemon=True).start()
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(make_app(engine), port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
         while not server.started:
+            if not thread.is_alive():
+                raise SystemExit(f"the monitor did not start on port {port}")
             time.sleep(0.05)
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=find_chromium())
@@ -126,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
             times = []
             for _ in range(5):
                 t0 = time.perf_counter()
-                page.goto("http://127.0.0.1:8765/runs/1")
+                page.goto(f"http://127.0.0.1:{port}/runs/1")
                 page.wait_for_function(
                     f"document.body.dataset.loadedSteps === '{args.steps}' && "
                     "document.querySelectorAll('.chart canvas').length >= 7"

@@ -299,6 +299,8 @@ class TrajectoryDB:
                     self._try_recover()
                 if isinstance(item, tuple):
                     self._handle(item)
+            except Exception:  # noqa: BLE001 -- the writer outlives any one failure
+                logging.exception("trajectory database writer: unexpected error (it goes on)")
             finally:
                 if item is not None:
                     self._q.task_done()
