@@ -22,12 +22,15 @@ Implemented here:
     does) they are recorded as the turn's ids, so episodes compare token for token with the
     checkpoint's.
 
-Adding an agent (say Anthropic's computer-use tool): write a class with `name` and
-`async act(turn) -> AgentReply` that sends `turn.screenshots[-1]` (and whatever history it
-keeps) in that API's shape and returns text in the run's action format (or translates the
-API's tool call to it: e.g. `cua_jax.actions.get_format("pyautogui").format(action, space)` of
-the `cua_jax.actions` action the tool call describes); give it to `AgentEvalLoop.evaluate_agent`.
-Tests must run it against a local fake server, never the internet.
+  * `AnthropicAgent`: Anthropic's Messages API with the computer-use tool; its tool calls are
+    translated to `cua_jax.actions` and written in the run's action format.
+
+Adding an agent: write a class with `name` and `async act(turn) -> AgentReply` that sends the
+turn (`turn.screenshots`, `turn.instruction`, ...) in that API's shape and returns text in the
+run's action format (translate the API's own actions with
+`cua_jax.actions.get_format(turn.action_format).format(action, turn.space)`, as
+`AnthropicAgent` does); give it to `AgentEvalLoop.evaluate_agent`. Tests run it against a local
+fake server, never the internet.
 """
 
 from __future__ import annotations
@@ -270,6 +273,236 @@ class OpenAIAgent:
         return AgentReply(content, choice.get("token_ids"), logprobs, int(version or 0))
 
 
+class AnthropicAgent:
+    """A model behind Anthropic's Messages API with its computer-use tool (aiohttp client).
+
+    Each turn sends the episode so far in that API's shape: the instruction and first
+    screenshot, then per earlier step the assistant's `tool_use` of the `computer` tool (rebuilt
+    from the reply text of that step, which is in the run's action format) and a user
+    `tool_result` with the feedback and the next screenshot (the last `max_history_images`
+    screenshots as images, older ones as a short text). The reply's `computer` tool calls are
+    translated to `cua_jax.actions` actions in screen pixels (the screenshot is sent at its own
+    size: `display_width_px` x `display_height_px`) and written in the run's action format, so
+    the loop parses them as any reply; a reply with no tool call means the model is done.
+
+    Args:
+      base_url: the API root ("https://api.anthropic.com"; a local fake in tests).
+      model, api_key: sent as `model` and the `x-api-key` header.
+      tool_type: the computer tool version (e.g. "computer_20250124"); `beta`: the
+        `anthropic-beta` header that enables it (None: no header).
+    """
+
+    API_VERSION = "2023-06-01"
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        *,
+        tool_type: str = "computer_20250124",
+        beta: str | None = "computer-use-2025-01-24",
+        timeout_s: float = 600.0,
+        name: str | None = None,
+    ):
+        self.url = base_url.rstrip("/") + "/v1/messages"
+        self.model, self.api_key = model, api_key
+        self.tool_type, self.beta = tool_type, beta
+        self.name = name or f"anthropic:{model}"
+        self._http = OpenAIAgent(base_url, timeout_s=timeout_s)  # its aiohttp session handling
+
+    async def close(self) -> None:
+        await self._http.close()
+
+    # ---- translation -------------------------------------------------------------------------
+
+    @staticmethod
+    def to_action(inp: dict[str, Any]) -> Any:
+        """A `computer` tool input -> a `cua_jax.actions` action (screen pixels)."""
+        kind = inp.get("action")
+        xy = inp.get("coordinate")
+        x, y = (float(xy[0]), float(xy[1])) if xy else (None, None)
+        clicks = {
+            "left_click": ("left", 1),
+            "right_click": ("right", 1),
+            "middle_click": ("middle", 1),
+            "double_click": ("left", 2),
+            "triple_click": ("left", 3),
+        }
+        if kind in clicks:
+            button, count = clicks[kind]
+            return A.Click(x, y, button, count)
+        if kind == "mouse_move":
+            return A.Move(x, y)
+        if kind == "left_click_drag":
+            start = inp.get("start_coordinate")
+            sx, sy = (float(start[0]), float(start[1])) if start else (None, None)
+            return A.Drag(x, y, sx, sy)
+        if kind == "type":
+            return A.TypeText(str(inp.get("text", "")))
+        if kind in ("key", "hold_key"):
+            keys = [A.normalize_key(k) for k in str(inp.get("text", "")).split("+")]
+            if not keys or any(k is None for k in keys):
+                return A.InvalidAction(str(inp), f"unknown key in {inp.get('text')!r}")
+            return A.Key(tuple(keys))
+        if kind == "scroll":
+            n = float(inp.get("scroll_amount", 3))
+            dx, dy = {"up": (0, -n), "down": (0, n), "left": (-n, 0), "right": (n, 0)}.get(
+                inp.get("scroll_direction"), (0, 0)
+            )
+            return A.Scroll(x, y, dx, dy)
+        if kind == "left_mouse_down":
+            return A.MouseDown(x, y)
+        if kind == "left_mouse_up":
+            return A.MouseUp(x, y)
+        if kind in ("wait", "screenshot", "cursor_position"):
+            return A.Wait(float(inp.get("duration", 1.0)))
+        return A.InvalidAction(str(inp), f"unknown computer action {kind!r}")
+
+    @staticmethod
+    def to_input(action: Any) -> dict[str, Any] | None:
+        """A `cua_jax.actions` action -> the `computer` tool input (None: not expressible)."""
+
+        def at(a):
+            return {} if a.x is None else {"coordinate": [round(a.x), round(a.y)]}
+
+        if isinstance(action, A.Click):
+            name = {1: "left_click", 2: "double_click", 3: "triple_click"}.get(action.count)
+            if action.button != "left" and action.count == 1:
+                name = f"{action.button}_click"
+            return {"action": name, **at(action)}
+        if isinstance(action, A.Move):
+            return {"action": "mouse_move", **at(action)}
+        if isinstance(action, A.Drag):
+            out = {"action": "left_click_drag", **at(action)}
+            if action.start_x is not None:
+                out["start_coordinate"] = [round(action.start_x), round(action.start_y)]
+            return out
+        if isinstance(action, A.TypeText):
+            return {"action": "type", "text": action.text}
+        if isinstance(action, A.Key):
+            return {"action": "key", "text": "+".join(action.keys)}
+        if isinstance(action, A.Scroll):
+            way = (
+                ("down" if action.dy > 0 else "up")
+                if action.dy
+                else ("right" if action.dx > 0 else "left")
+            )
+            n = abs(action.dy or action.dx)
+            return {
+                "action": "scroll",
+                **at(action),
+                "scroll_direction": way,
+                "scroll_amount": int(round(n)),
+            }
+        if isinstance(action, A.Wait):
+            return {"action": "wait", "duration": action.seconds}
+        return None
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def request_body(self, turn: AgentTurn) -> dict[str, Any]:
+        fmt = A.get_format(turn.action_format)
+        h, w = np.asarray(turn.screenshots[-1]).shape[:2]
+        n = len(turn.screenshots)
+        keep = set(range(max(0, n - turn.max_history_images), n))
+
+        def image(k: int) -> dict[str, Any]:
+            if k not in keep:
+                return {"type": "text", "text": OMITTED_SCREENSHOT}
+            data = encode_image(turn.screenshots[k]).partition(",")[2]
+            return {
+                "type": "image",
+                "source": {"type": "base64", "media_type": "image/png", "data": data},
+            }
+
+        msgs: list[dict[str, Any]] = [
+            {"role": "user", "content": [{"type": "text", "text": turn.instruction}, image(0)]}
+        ]
+        for k in range(1, n):
+            acts = fmt.parse(turn.replies[k - 1], turn.space)
+            uses = []
+            for j, a in enumerate(acts):
+                inp = self.to_input(a)
+                if inp is not None:
+                    uses.append(
+                        {
+                            "type": "tool_use",
+                            "id": f"toolu_{k}_{j}",
+                            "name": "computer",
+                            "input": inp,
+                        }
+                    )
+            if uses:
+                msgs.append({"role": "assistant", "content": uses})
+                results = [
+                    {"type": "tool_result", "tool_use_id": u["id"], "content": []} for u in uses
+                ]
+                results[-1]["content"] = [{"type": "text", "text": turn.feedback[k]}, image(k)]
+                msgs.append({"role": "user", "content": results})
+            else:  # the step was not a tool call: plain text both ways
+                msgs.append({"role": "assistant", "content": turn.replies[k - 1] or "(nothing)"})
+                msgs.append(
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": turn.feedback[k]}, image(k)],
+                    }
+                )
+        return {
+            "model": self.model,
+            "max_tokens": turn.max_tokens,
+            "tools": [
+                {
+                    "type": self.tool_type,
+                    "name": "computer",
+                    "display_width_px": int(w),
+                    "display_height_px": int(h),
+                }
+            ],
+            "messages": msgs,
+        }
+
+    async def act(self, turn: AgentTurn) -> AgentReply:
+        import aiohttp
+
+        headers = {"Content-Type": "application/json", "anthropic-version": self.API_VERSION}
+        if self.api_key:
+            headers["x-api-key"] = self.api_key
+        if self.beta:
+            headers["anthropic-beta"] = self.beta
+        try:
+            async with self._http._session().post(
+                self.url, json=self.request_body(turn), headers=headers
+            ) as r:
+                text = await r.text()
+                if r.status != 200:
+                    raise AgentError(f"{self.url} answered HTTP {r.status}: {text[:500]}")
+                data = await r.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise AgentError(f"{self.url}: {type(e).__name__}: {e}") from None
+        blocks = data.get("content") if isinstance(data, dict) else None
+        if not isinstance(blocks, list):
+            raise AgentError(f"{self.url}: malformed reply: {str(data)[:300]}")
+        fmt = A.get_format(turn.action_format)
+        acts = [
+            self.to_action(b.get("input") or {})
+            for b in blocks
+            if b.get("type") == "tool_use" and b.get("name") == "computer"
+        ]
+        if not acts:
+            acts = [A.Done()]  # no tool call: the model has finished
+        texts = []
+        for a in acts:
+            if isinstance(a, A.InvalidAction):
+                texts.append(a.raw)  # the loop parses it into an invalid action with feedback
+            else:
+                try:
+                    texts.append(fmt.format(a, turn.space))
+                except ValueError as e:
+                    texts.append(f"(cannot write {a!r} in {turn.action_format}: {e})")
+        return AgentReply("\n".join(texts))
+
+
 # ------------------------------------------------------------------------ the episode loop
 
 # The feedback the loop shows before the next screenshot, handed to the episode's policy (each
@@ -389,6 +622,7 @@ __all__ = [
     "AgentPolicy",
     "AgentReply",
     "AgentTurn",
+    "AnthropicAgent",
     "CheckpointAgent",
     "OpenAIAgent",
     "openai_messages",
