@@ -347,6 +347,21 @@ def check_api_names(names: Sequence[str], where: str = "api_actions") -> tuple[s
     return tuple(dict.fromkeys(names))
 
 
+def api_refusal(
+    action: Any, allowed: Sequence[str], supported: Sequence[str], env_kind: str
+) -> str | None:
+    """Why an env refuses the API ``action`` (its invalid-action reason), or None to run it:
+    ``supported`` are the API actions this kind of env runs, ``allowed`` the task's."""
+    name = api_name(action)
+    if name not in supported:
+        return f"{name} is not a {env_kind} API action; {env_kind} API: {', '.join(supported)}"
+    if name not in allowed:
+        return f"this task does not allow the API action {name}; " + (
+            f"allowed: {', '.join(allowed)}" if allowed else "use GUI actions"
+        )
+    return None
+
+
 def api_arguments(action: Any) -> dict[str, str]:
     """The tool-call arguments of an API action (its fields by parameter name)."""
     t = _API_BY_CLASS[type(action)]

@@ -421,7 +421,8 @@ class BrowserEnv:
             )
             return StepResult(self._last_obs, False, 0.0, info)
         if isinstance(action, A.API_ACTION_TYPES):
-            why = api_refusal(self._task, action, A.BROWSER_API, "browser")
+            allowed = self._task.api_actions if self._task is not None else ()
+            why = A.api_refusal(action, allowed, A.BROWSER_API, "browser")
             if why is not None:
                 info[INFO_INVALID_ACTION] = why
                 return StepResult(self._last_obs, False, 0.0, info)
@@ -913,21 +914,6 @@ class BrowserEnv:
     def _blank_obs(self) -> Observation:
         w, h = self.viewport
         return Observation(np.zeros((h, w, 3), np.uint8), self._instruction)
-
-
-def api_refusal(
-    task: Task | None, action: A.Action, supported: tuple[str, ...], env_kind: str
-) -> str | None:
-    """Why an env refuses an API action (the invalid-action reason), or None to run it."""
-    name = A.api_name(action)
-    if name not in supported:
-        return f"{name} is not a {env_kind} API action; {env_kind} API: {', '.join(supported)}"
-    allowed = task.api_actions if task is not None else ()
-    if name not in allowed:
-        return f"this task does not allow the API action {name}; " + (
-            f"allowed: {', '.join(allowed)}" if allowed else "use GUI actions"
-        )
-    return None
 
 
 def _pick_option(option: str, opts: list[list[str]]) -> str | None:

@@ -45,11 +45,13 @@ def _register_sources() -> None:
         from envs.tasks import register_id_prefix, register_source
     except ImportError:  # the server copied into a VM without the rest of the project
         return
-    register_source("desktop", _builtin_desktop_tasks, keys=("names", "limit", "seed"))
+    register_source(
+        "desktop", _builtin_desktop_tasks, keys=("names", "limit", "seed", "api_actions")
+    )
     register_source(
         "osworld",
         _osworld_tasks,
-        keys=("path", "domains", "ids", "skip_unsupported", "limit", "seed"),
+        keys=("path", "domains", "ids", "skip_unsupported", "limit", "seed", "api_actions"),
     )
     register_id_prefix("desktop", _desktop_task_from_id)
 

@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import csv
 import io
 import math
+import posixpath
+import re
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -33,7 +36,9 @@ from typing import Any
 import numpy as np
 
 from cua_jax.actions import (
+    API_ACTION_TYPES,
     PYAUTOGUI_KEY_NAMES,
+    VM_API,
     Action,
     Answer,
     Click,
@@ -47,14 +52,21 @@ from cua_jax.actions import (
     MouseDown,
     MouseUp,
     Move,
+    OpenApp,
+    RunShell,
     Scroll,
+    SetCell,
     TypeText,
     Wait,
+    WriteFile,
+    api_refusal,
+    check_api_names,
     clamp_scroll,
     normalize_key,
 )
 from cua_jax.env_api import (
     INFO_ANSWER,
+    INFO_API_RESULT,
     INFO_DONE_REASON,
     INFO_ERROR,
     INFO_INVALID_ACTION,
@@ -65,7 +77,7 @@ from cua_jax.env_api import (
     Task,
 )
 from envs.vm import osworld
-from envs.vm.client import VMClient, VMError
+from envs.vm.client import VMClient, VMError, VMFileNotFoundError
 from envs.vm.providers import Desktop, DesktopPool
 
 
@@ -211,21 +223,47 @@ def _decode_png(png: bytes) -> np.ndarray:
         return np.asarray(im.convert("RGB"))  # u8[H, W, 3]
 
 
-def task_from_osworld(ot: osworld.OSWorldTask, source: str = "osworld") -> Task:
-    """Wraps a parsed OSWorld task as a ``Task`` (spec = the JSON; oracle = typed actions)."""
+def task_from_osworld(
+    ot: osworld.OSWorldTask, source: str = "osworld", api_actions: Sequence[str] | bool = ()
+) -> Task:
+    """Wraps a parsed OSWorld task as a ``Task`` (spec = the JSON; oracle = typed actions).
+
+    api_actions: the desktop API actions the task allows (names, or True for every one the
+    task's JSON lists in ``"api_actions"``); the oracle is then the task's ``api_oracle`` when
+    it uses only allowed ones, else its GUI oracle. Empty (the default): GUI only.
+    """
     from cua_jax.actions import CoordinateSpace, PyAutoGUI
 
-    oracle = None
-    if ot.oracle is not None:
+    if api_actions is True:
+        api = ot.api_actions
+    else:
+        api = check_api_names(list(api_actions or ()), where=f"task {ot.id} api_actions")
+        bad_kind = [n for n in api if n not in VM_API]
+        if bad_kind:
+            raise osworld.TaskFormatError(
+                f"task {ot.id}: desktop tasks allow only desktop API actions "
+                f"({', '.join(VM_API)}), got {bad_kind}"
+            )
+
+    def parse(strings: Sequence[str], what: str) -> list[Action]:
         fmt, space = PyAutoGUI(), CoordinateSpace.identity(10**6, 10**6)
-        oracle = [a for s in ot.oracle for a in fmt.parse(s, space)]
-        bad = [a for a in oracle if isinstance(a, InvalidAction)]
+        acts = [a for s in strings for a in fmt.parse(s, space)]
+        bad = [a for a in acts if isinstance(a, InvalidAction)]
         if bad:
             raise osworld.TaskFormatError(
-                f"task {ot.id}: oracle action {bad[0].raw!r}: {bad[0].reason}"
+                f"task {ot.id}: {what} action {bad[0].raw!r}: {bad[0].reason}"
             )
+        return acts
+
+    oracle = parse(ot.oracle, "oracle") if ot.oracle is not None else None
+    if api and ot.api_oracle is not None:
+        api_oracle = parse(ot.api_oracle, "api_oracle")
+        used = {type(a) for a in api_oracle if isinstance(a, API_ACTION_TYPES)}
+        if all(_api_of(c) in api for c in used):
+            oracle = api_oracle
     spec = dict(ot.raw)
     spec.pop("oracle", None)
+    spec.pop("api_oracle", None)
     if ot.base_dir is not None:
         spec["_base_dir"] = ot.base_dir
     return Task(
@@ -238,7 +276,58 @@ def task_from_osworld(ot: osworld.OSWorldTask, source: str = "osworld") -> Task:
         spec=spec,
         max_steps=ot.max_steps,
         oracle=oracle,
+        api_actions=tuple(api),
     )
+
+
+def _api_of(cls: type) -> str:
+    from cua_jax.actions import API_TOOLS  # noqa: PLC0415
+
+    return next(n for n, t in API_TOOLS.items() if t.cls is cls)
+
+
+# Application names open_app knows -> the command that starts them (anything else must be an
+# executable's bare name on the VM's PATH).
+APPS: dict[str, list[str]] = {
+    "terminal": ["xterm"],
+    "xterm": ["xterm"],
+    "text editor": ["xterm", "-e", "nano"],
+    "editor": ["xterm", "-e", "nano"],
+    "nano": ["xterm", "-e", "nano"],
+    "browser": ["chromium"],
+    "web browser": ["chromium"],
+    "chromium": ["chromium"],
+    "chrome": ["chromium"],
+}
+_MAX_API_OUTPUT = 4000  # chars of a command's output returned as the api_result
+_CELL_RE = re.compile(r"\s*([A-Za-z]{1,3})\s*([0-9]{1,6})\s*")
+_MAX_SHEET = (100_000, 1_000)  # rows, columns set_cell grows a sheet to at most
+
+
+class _Refused(Exception):
+    """An API action the desktop cannot carry out (no such app or file): an invalid action."""
+
+
+def set_cell_text(text: str, cell: str, value: str, delimiter: str) -> str:
+    """The CSV/TSV ``text`` with ``cell`` (A1 notation) set to ``value`` (rows and columns grow
+    as needed; other cells are kept as they were)."""
+    m = _CELL_RE.fullmatch(cell)
+    if m is None:
+        raise _Refused(f"set_cell: {cell!r} is not a cell in A1 notation (e.g. 'B3')")
+    col = 0
+    for ch in m.group(1).upper():
+        col = col * 26 + (ord(ch) - ord("A") + 1)
+    col, row = col - 1, int(m.group(2)) - 1
+    if row < 0 or row >= _MAX_SHEET[0] or col >= _MAX_SHEET[1]:
+        raise _Refused(f"set_cell: {cell!r} is outside the sheet (at most {_MAX_SHEET})")
+    rows = list(csv.reader(io.StringIO(text), delimiter=delimiter))
+    while len(rows) <= row:
+        rows.append([])
+    rows[row] = rows[row] + [""] * (col + 1 - len(rows[row]))
+    rows[row][col] = value
+    out = io.StringIO()
+    csv.writer(out, delimiter=delimiter, lineterminator="\n").writerows(rows)
+    return out.getvalue()
 
 
 class VMEnv:
@@ -358,6 +447,11 @@ class VMEnv:
         if isinstance(act, InvalidAction):
             info[INFO_INVALID_ACTION] = act.reason
             return StepResult(self._last_obs, False, 0.0, info)
+        if isinstance(act, API_ACTION_TYPES):
+            why = api_refusal(act, self._task.api_actions, VM_API, "desktop")
+            if why is not None:
+                info[INFO_INVALID_ACTION] = why
+                return StepResult(self._last_obs, False, 0.0, info)
         if isinstance(act, Done | Fail | Answer):
             self._done = True
             info[INFO_DONE_REASON] = type(act).__name__.lower()
@@ -368,6 +462,11 @@ class VMEnv:
         try:
             if isinstance(act, Wait):
                 await asyncio.sleep(self._wait_seconds(act.seconds))
+            elif isinstance(act, API_ACTION_TYPES):
+                try:
+                    info[INFO_API_RESULT] = await self._api(act)
+                except _Refused as e:
+                    info[INFO_INVALID_ACTION] = str(e)
             elif code is not None:
                 r = await self.client.pyautogui(code, timeout=self.action_timeout)
                 if r.get("status") != "success" or r.get("returncode", 0) != 0:
@@ -389,6 +488,75 @@ class VMEnv:
             self._done = True
             info[INFO_DONE_REASON] = "max_steps"
         return StepResult(obs, self._done, 0.0, info)
+
+    async def _api(self, act: Action) -> str:
+        """Runs a desktop API action through the VM's HTTP API; what it did, as text.
+
+        run_shell: ``/execute`` with a shell (the action time-out); open_app: ``/setup/launch``,
+        then waits (up to 5 s) for a new window; write_file: ``mkdir -p`` + ``/setup/upload``;
+        set_cell: ``/file`` -> the cell set here -> ``/setup/upload`` (.csv / .tsv files)."""
+        c = self.client
+        match act:
+            case RunShell(cmd):
+                r = await c.execute(cmd, shell=True, timeout=self.action_timeout)
+                if r.get("status") != "success" and "returncode" not in r:
+                    return f"the command failed: {r.get('message') or r.get('error')}"[:800]
+                out = (r.get("output") or "") + (r.get("error") or "")
+                if len(out) > _MAX_API_OUTPUT:
+                    out = out[:_MAX_API_OUTPUT] + f"... ({len(out)} chars)"
+                return f"exit code {r.get('returncode')}\n{out}"
+            case OpenApp(name):
+                argv = APPS.get(name.strip().lower())
+                if argv is None:
+                    exe = name.strip()
+                    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}", exe):
+                        raise _Refused(
+                            f"open_app: unknown application {name!r}; known: "
+                            f"{', '.join(APPS)}, or a program's name"
+                        )
+                    found = await c.execute(["which", exe], timeout=10)
+                    if found.get("returncode") != 0:
+                        raise _Refused(f"open_app: no application {name!r} on this computer")
+                    argv = [exe]
+                before = await self._window_count()
+                await c.launch(argv)
+                for _ in range(50):
+                    if before is None or (await self._window_count() or 0) > before:
+                        break
+                    await asyncio.sleep(0.1)
+                return f"started {' '.join(argv)}"
+            case WriteFile(path, text):
+                d = posixpath.dirname(path.strip())
+                if d:
+                    await c.execute(["mkdir", "-p", d], timeout=10)
+                await c.upload(path.strip(), text.encode("utf-8"))
+                return f"wrote {len(text.encode('utf-8'))} bytes to {path}"
+            case SetCell(file, cell, value):
+                ext = posixpath.splitext(file.strip())[1].lower()
+                if ext not in (".csv", ".tsv"):
+                    raise _Refused(f"set_cell: {file!r} is not a .csv or .tsv file")
+                try:
+                    data = await c.download(file.strip())
+                except VMFileNotFoundError as e:
+                    raise _Refused(f"set_cell: there is no file {file!r}") from e
+                new = set_cell_text(
+                    data.decode("utf-8", "replace"), cell, value, "\t" if ext == ".tsv" else ","
+                )
+                await c.upload(file.strip(), new.encode("utf-8"))
+                return f"set {cell.strip().upper()} of {file} to {value!r}"
+        raise ValueError(f"VMEnv cannot run {act!r}")
+
+    async def _window_count(self) -> int | None:
+        """How many top-level windows ``wmctrl -l`` lists (None without wmctrl)."""
+        try:
+            r = await self.client.execute(["wmctrl", "-l"], timeout=5)
+        except VMError:
+            raise
+        except Exception:  # noqa: BLE001 -- a VM without wmctrl: do not wait
+            return None
+        if r.get("returncode") != 0:
+            return None
+        return len((r.get("output") or "").splitlines())
 
     def _wait_seconds(self, seconds: Any) -> float:
         """A model-chosen wait within [0, max_wait_s]: NaN, negative or junk -> 0, inf -> cap."""

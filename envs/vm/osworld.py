@@ -15,7 +15,10 @@ else fails at *load* time with an error naming the unsupported type and the supp
 suite never dies halfway through a run.
 
 Built-in desktop tasks (``envs/vm/tasks/*.json``) use the same format plus an ``"oracle"`` list
-of pyautogui action strings (parsed into our typed actions) that solves the task.
+of pyautogui action strings (parsed into our typed actions) that solves the task with GUI
+actions, and optionally ``"api_actions"`` (the API actions the task may allow: "run_shell",
+"open_app", "write_file", "set_cell") with an ``"api_oracle"`` that solves it with them
+(``run_shell('mkdir -p ~/x')``, ``DONE``): what the oracle plays when a task source allows them.
 """
 
 from __future__ import annotations
@@ -82,6 +85,8 @@ class OSWorldTask:
     related_apps: tuple[str, ...] = ()
     base_dir: str | None = None  # where upload_file's local_path is resolved
     oracle: tuple[str, ...] | None = None  # pyautogui strings (built-in tasks only)
+    api_actions: tuple[str, ...] = ()  # the API actions this task can allow
+    api_oracle: tuple[str, ...] | None = None  # the oracle with them (pyautogui-format strings)
     max_steps: int = 15
     raw: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -165,6 +170,21 @@ def parse_task(
         isinstance(oracle, list) and all(isinstance(a, str) for a in oracle)
     ):
         raise TaskFormatError(f"{where}: 'oracle' must be a list of pyautogui action strings")
+    api_oracle = d.get("api_oracle")
+    if api_oracle is not None and not (
+        isinstance(api_oracle, list) and all(isinstance(a, str) for a in api_oracle)
+    ):
+        raise TaskFormatError(f"{where}: 'api_oracle' must be a list of action strings")
+    from cua_jax.actions import VM_API  # noqa: PLC0415 -- keeps the server's import light
+
+    api = d.get("api_actions", [])
+    if not (isinstance(api, list) and all(isinstance(a, str) and a in VM_API for a in api)):
+        raise TaskFormatError(
+            f"{where}: 'api_actions' must be a list of desktop API action names "
+            f"({', '.join(VM_API)}), got {api!r}"
+        )
+    if api_oracle is not None and not api:
+        raise TaskFormatError(f"{where}: an 'api_oracle' needs the 'api_actions' it uses")
     return OSWorldTask(
         id=str(d["id"]),
         instruction=d["instruction"],
@@ -175,6 +195,8 @@ def parse_task(
         related_apps=tuple(d.get("related_apps", ())),
         base_dir=str(base_dir) if base_dir is not None else None,
         oracle=tuple(oracle) if oracle is not None else None,
+        api_actions=tuple(api),
+        api_oracle=tuple(api_oracle) if api_oracle is not None else None,
         max_steps=int(d.get("max_steps", 15)),
         raw=dict(d),
     )

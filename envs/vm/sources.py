@@ -36,8 +36,16 @@ def _limit(tasks: list[Task], cfg: dict[str, Any]) -> list[Task]:
     return tasks[: int(limit)] if limit is not None else tasks
 
 
+def _api(cfg: dict[str, Any]) -> Any:
+    """The ``api_actions`` key: a list of desktop API action names, or True for every one each
+    task lists (its oracle then uses them)."""
+    api = cfg.get("api_actions") or ()
+    return True if api is True or api == "all" else ([api] if isinstance(api, str) else api)
+
+
 def builtin_desktop_tasks(cfg: dict[str, Any]) -> list[Task]:
-    """``{"source_type": "desktop", "names": [...], "limit": N, "seed": S}``."""
+    """``{"source_type": "desktop", "names": [...], "limit": N, "seed": S, "api_actions":
+    [...] | "all"}``."""
     by_name = {t.id: t for t in osworld.load_builtin()}
     names = cfg.get("names")
     if names is not None:
@@ -48,7 +56,10 @@ def builtin_desktop_tasks(cfg: dict[str, Any]) -> list[Task]:
                 f"unknown built-in desktop task(s) {bad}; valid: {', '.join(sorted(by_name))}"
             )
     chosen = [by_name[n] for n in names] if names is not None else list(by_name.values())
-    return _limit([task_from_osworld(t, "desktop") for t in chosen], cfg)
+    try:
+        return _limit([task_from_osworld(t, "desktop", _api(cfg)) for t in chosen], cfg)
+    except (ValueError, osworld.TaskFormatError) as e:
+        raise TaskSourceError(str(e)) from e
 
 
 def osworld_tasks(cfg: dict[str, Any]) -> list[Task]:
@@ -75,7 +86,7 @@ def osworld_tasks(cfg: dict[str, Any]) -> list[Task]:
         if ids and f.stem not in ids:
             continue
         try:
-            out.append(task_from_osworld(osworld.load_task(f), "osworld"))
+            out.append(task_from_osworld(osworld.load_task(f), "osworld", _api(cfg)))
         except osworld.TaskFormatError as e:
             if not cfg.get("skip_unsupported"):
                 raise TaskSourceError(str(e)) from e
