@@ -6,6 +6,7 @@ import pytest
 
 from cua_jax import db as db_lib
 from tests.db import synth
+from tests.db.conftest import pg_server  # noqa: F401 -- the PostgreSQL server fixture
 
 GROUPS, GROUP_SIZE, STEPS = 3, 4, 6
 

@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 from starlette.testclient import TestClient
 
-from tests.monitor.conftest import GROUP_SIZE, GROUPS, STEPS
+from tests.monitor.conftest import GROUP_SIZE, GROUPS, STEPS, fill_run
 from tools import monitor
 from tools.monitor_app.app import make_app
 from tools.monitor_app.security import allowed_hosts
@@ -54,6 +54,21 @@ def test_pages(client):
     assert r.status_code == 200 and "Δ" in r.text
     r = client.get("/runs/1/evals/0?vs_run=2&vs_step=0")
     assert r.status_code == 200 and "vs run 2" in r.text
+
+
+def test_pages_on_postgres(pg_server, tmp_path):
+    """The same queries on PostgreSQL (JSON columns, ordering, 404s)."""
+    url = pg_server.new_database()
+    fill_run(str(tmp_path / "run"), url, "pg-run", 2)
+    c = TestClient(make_app(monitor.open_database(url)))
+    assert "pg-run" in c.get("/").text
+    assert [s["step"] for s in c.get("/api/runs/1/steps").json()["steps"]] == [0, 1, 2]
+    r = c.get("/runs/1/steps/1")
+    assert r.status_code == 200 and r.text.count('<a class="rollout') == GROUPS * GROUP_SIZE
+    rid = int(re.search(r'href="/rollouts/(\d+)"', r.text).group(1))
+    assert '<g class="act click' in c.get(f"/rollouts/{rid}").text
+    assert "By category" in c.get("/runs/1/evals/2?vs=0").text
+    assert c.get("/runs/1/steps/5").status_code == 404
 
 
 @pytest.mark.parametrize(
