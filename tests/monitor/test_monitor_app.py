@@ -45,6 +45,8 @@ def test_pages(client):
     rid = int(re.search(r'href="/rollouts/(\d+)"', r.text).group(1))
     r = client.get(f"/rollouts/{rid}")
     assert r.status_code == 200 and '<g class="act click' in r.text
+    # the model's text is escaped, never markup
+    assert "&lt;tool_call&gt;" in r.text and "<tool_call>" not in r.text
     shot = re.search(r'href="(/screens/1/[0-9a-f]{64}\.png)"', r.text).group(1)
     img = client.get(shot)
     assert img.status_code == 200 and img.content[:8] == b"\x89PNG\r\n\x1a\n"
