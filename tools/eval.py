@@ -15,7 +15,8 @@ them, as JSON (default: the config's `eval_tasks`).
 
 Agents (`tools/agents.py`): --agent=checkpoint (default) plays the policy above with the
 project's sampler; --agent=openai plays any OpenAI-compatible endpoint instead (tools/serve.py,
-vLLM serving Qwen-VL or OpenCUA, ...) with the config's prompt, action format and env:
+vLLM serving Qwen-VL or OpenCUA, ...) with the config's prompt, action format and env;
+--agent=anthropic plays Anthropic's computer-use tool (--model, $ANTHROPIC_API_KEY):
 
     python tools/eval.py --config=configs/qwen3vl_grpo.py:8b --agent=openai \
         --base_url=http://127.0.0.1:8000/v1 --model=qwen3-vl-8b --out=DIR
@@ -53,14 +54,17 @@ _OUT = flags.DEFINE_string("out", None, "Output directory (default: WORKDIR/eval
 _CONCURRENCY = flags.DEFINE_integer("concurrency", None, "Environments at once (default: config).")
 _LOG_EPISODES = flags.DEFINE_integer("log_episodes", 32, "Episodes written to episodes.html.")
 _AGENT = flags.DEFINE_enum(
-    "agent", "checkpoint", ["checkpoint", "openai"], "Who plays: the policy or an endpoint."
+    "agent",
+    "checkpoint",
+    ["checkpoint", "openai", "anthropic"],
+    "Who plays: the policy, an OpenAI-compatible endpoint, or Anthropic's computer-use API.",
 )
 _BASE_URL = flags.DEFINE_string(
     "base_url", None, "--agent=openai: the endpoint, e.g. http://127.0.0.1:8000/v1"
 )
-_MODEL = flags.DEFINE_string("model", None, "--agent=openai: the model id to ask for.")
+_MODEL = flags.DEFINE_string("model", None, "--agent=openai|anthropic: the model id to ask for.")
 _API_KEY = flags.DEFINE_string(
-    "api_key", None, "--agent=openai: bearer token (default $OPENAI_API_KEY)."
+    "api_key", None, "The endpoint's key (default $OPENAI_API_KEY / $ANTHROPIC_API_KEY)."
 )
 _RESULT_DIR = flags.DEFINE_string(
     "result_dir", None, "OSWorld-style per-episode folders (default OUT/results)."
@@ -137,9 +141,13 @@ def main(argv: list[str]) -> None:
     if not tasks:
         raise EvalError(f"the task source(s) {task_sources} hold no task")
 
-    openai = _AGENT.value == "openai"
-    if openai != (_BASE_URL.value is not None):
-        raise EvalError("--base_url goes with --agent=openai (and --agent=openai needs it)")
+    openai = _AGENT.value != "checkpoint"  # an endpoint plays
+    if _AGENT.value == "openai" and _BASE_URL.value is None:
+        raise EvalError("--agent=openai needs --base_url (e.g. http://127.0.0.1:8000/v1)")
+    if _AGENT.value == "checkpoint" and _BASE_URL.value is not None:
+        raise EvalError("--base_url goes with --agent=openai or --agent=anthropic")
+    if _AGENT.value == "anthropic" and not _MODEL.value:
+        raise EvalError("--agent=anthropic needs --model")
     step = None
     if openai:  # the endpoint plays: only the processor (coordinates, the recorded ids)
         from types import SimpleNamespace
@@ -168,13 +176,18 @@ def main(argv: list[str]) -> None:
     out_dir = _OUT.value or os.path.join(_WORKDIR.value, "eval", tag)
     os.makedirs(out_dir, exist_ok=True)
     if openai:
-        from tools.agents import AgentEvalLoop, OpenAIAgent
+        from tools.agents import AgentEvalLoop, AnthropicAgent, OpenAIAgent
 
-        remote = OpenAIAgent(
-            _BASE_URL.value,
-            _MODEL.value,
-            _API_KEY.value or os.environ.get("OPENAI_API_KEY"),
-        )
+        if _AGENT.value == "openai":
+            remote = OpenAIAgent(
+                _BASE_URL.value, _MODEL.value, _API_KEY.value or os.environ.get("OPENAI_API_KEY")
+            )
+        else:
+            remote = AnthropicAgent(
+                _BASE_URL.value or "https://api.anthropic.com",
+                _MODEL.value,
+                _API_KEY.value or os.environ.get("ANTHROPIC_API_KEY"),
+            )
         agent = AgentEvalLoop(processor, settings)
         agent_name = remote.name
     else:

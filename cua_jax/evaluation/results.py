@@ -11,7 +11,8 @@ Layout (OSWorld's `results/.../<domain>/<example_id>/`, with our extras):
                                             task_id with "/" written as "__"
         step_<k>.png        the screenshot the agent saw before step k (k = 1, 2, ...)
         traj.jsonl          one line per step: step_num, action (described), actions ({"type",
-                            **fields} each), response (the model's text), feedback, screenshot_file,
+                            **fields} each), response (the model's text), token_ids (the
+                            ids recorded for it), feedback, screenshot_file,
                             reward (the score on the last step, else 0), done
         result.txt          the task's score (a float, as OSWorld writes it); absent when an
                             infrastructure fault ended the episode (not counted, as in
@@ -97,6 +98,7 @@ def write_episode(
                 "action": "; ".join(A.describe(a) for a in acts),
                 "actions": [action_to_json(a) for a in acts],
                 "response": texts[k] if k < len(texts) else "",
+                "token_ids": [int(t) for t in turn.generated_ids],
                 "feedback": turn.feedback,
                 "screenshot_file": name if k < len(screens) else None,
                 "reward": score if k == n - 1 else 0.0,
