@@ -386,3 +386,18 @@ def test_routing_replay(pair):
     assert np.abs(np.asarray(g)).max() > 0
     with pytest.raises(ValueError, match="sparse layers"):
         ours(ids, routes=other_routing.experts[:1])
+
+
+def test_from_pretrained_on_expert_mesh(pair):
+    """Loading onto an expert x fsdp mesh places each device's experts from the file and runs
+    the blocks expert-parallel, with the one-device logits."""
+    hf, ours, d = pair
+    mesh = shd.make_mesh(data=1, fsdp=2, expert=4)
+    model = qwen_vl.from_pretrained(str(d), mesh=mesh)
+    block = model.model.language_model.layers[0].mlp
+    assert block.mesh is mesh
+    gu = block.experts.gate_up_proj.get_value()
+    assert gu.sharding.spec == P("expert", "fsdp", None, "tensor")
+    assert gu.addressable_shards[0].data.shape == (2, 32, 2, 48)
+    ids = np.stack([prompt_ids(None, [12], seed=s) for s in (15, 16)])
+    assert _rel(_forward(model, ids), ours(ids)) <= 1e-5
