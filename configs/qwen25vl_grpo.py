@@ -9,15 +9,17 @@ Presets:
   smoke  tiny random Qwen2.5-VL, the shipped tokenizer, built-in browser tasks, 2-core CPU.
   3b, 7b, 32b, 72b  real dense Qwen2.5-VL checkpoints from --config.model.hf_path.
 
-Smallest TPU slice each real preset is meant for (TOPOLOGY; `tools/plan.py` compiles the train
-step and the sampler's decode step for it and they fit with 10% of HBM to spare):
+Smallest TPU slice each real preset is meant for (TOPOLOGY), with the settings that make it fit
+(FIT). `tools/plan.py` compiles the learner's train step and the sampler's decode chunk for that
+slice (3b: fits with 34% of HBM free; 7b, 32b, 72b: planned by hand from the Qwen3-VL 8b / 32b
+plans, not yet compiled: run tools/plan.py before renting the slice):
   3b  v5p-8    full fine-tuning, fsdp=4; remat=full, 2 micro-batches, 4096 KV pages
   7b  v5p-8    full fine-tuning, fsdp=2 x tensor=2; remat=full, 4 micro-batches, 4096 KV pages
   32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4; remat=full, 8 micro-batches, 4096 pages
   72b v5p-16   LoRA rank 64 on bf16 weights, tensor=8 (2 hosts); remat=full, 8 micro-batches,
                4096 KV pages
-The KV pool stays resident next to the learner (colocated sampler): its pages are sharded over
-`tensor` only, so it is sized here, not left at a fixed 8192 pages.
+The KV pool stays resident next to the learner (colocated sampler) and its pages are sharded over
+`tensor` only, so it is sized here rather than left at 8192 pages.
 """
 
 from configs import common

@@ -10,14 +10,17 @@ Presets:
          tasks' oracles, then GRPO. Runs on a 2-core CPU.
   2b, 4b, 8b, 32b  real dense Qwen3-VL checkpoints from --config.model.hf_path (a local directory).
 
-Smallest TPU slice each real preset is meant for (TOPOLOGY; `tools/plan.py` compiles the train
-step and the sampler's decode step for it and they fit with 10% of HBM to spare):
+Smallest TPU slice each real preset is meant for (TOPOLOGY), with the settings that make it fit
+(FIT). `tools/plan.py` compiles the learner's train step and the sampler's decode chunk for that
+slice (2b, 4b: both fit with >= 30% of HBM free; 8b: compiled with 4096 pages, 86.0 GiB, so the
+pool was cut to 3072 pages = 81.5 GiB of the 85.5 GiB budget; 32b: planned by hand, not yet
+compiled: run tools/plan.py before renting the slice):
   2b  v5p-8    full fine-tuning, fsdp=4; remat=full, 2 micro-batches, 4096 KV pages
   4b  v5p-8    full fine-tuning, fsdp=2 x tensor=2; remat=full, 4 micro-batches, 4096 KV pages
   8b  v5p-8    full fine-tuning, fsdp=2 x tensor=2; remat=full, 4 micro-batches, 3072 KV pages
   32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4; remat=full, 8 micro-batches, 4096 pages
-The KV pool stays resident next to the learner (colocated sampler): its pages are sharded over
-`tensor` only, so it is sized here, not left at a fixed 8192 pages.
+The KV pool stays resident next to the learner (colocated sampler) and its pages are sharded over
+`tensor` only, so it is sized here rather than left at 8192 pages (60-77 GB on one device).
 """
 
 from configs import common
