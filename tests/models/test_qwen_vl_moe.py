@@ -380,6 +380,13 @@ def test_routing_replay(pair):
     replayed, again = ours(ids, routes=other_routing.experts, return_routing=True)
     np.testing.assert_array_equal(np.asarray(again.experts), np.asarray(other_routing.experts))
     assert _rel(replayed, logits) > 1e-3
+    # unrecorded tokens (negative ids) route by the current router
+    partial = np.asarray(other_routing.experts).copy()
+    partial[:, :, 5:] = -1
+    _, mixed = ours(ids, routes=partial, return_routing=True)
+    want = np.concatenate([partial[:, :, :5], np.asarray(routing.experts)[:, :, 5:]], axis=2)
+    np.testing.assert_array_equal(np.asarray(mixed.experts)[:, :, :5], want[:, :, :5])
+    np.testing.assert_array_equal(np.asarray(mixed.experts)[0, :, 5:], want[0, :, 5:])
 
     grads = nnx.grad(lambda m: jnp.sum(m(ids, routes=other_routing.experts)[..., 0]))(ours)
     g = grads["model"]["language_model"]["layers"][1]["mlp"]["gate"]["kernel"].get_value()

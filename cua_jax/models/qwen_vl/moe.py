@@ -191,14 +191,16 @@ class SparseMoeBlock(nnx.Module):
 
         `routes_BTK` (routing replay): use these experts instead of the router's top-k; their
         weights are still the current router's probabilities (renormalised over the k), so the
-        router keeps its gradient."""
+        router keeps its gradient. A token whose row holds a negative id (not recorded, e.g. the
+        last token of a rollout) uses the router's own top-k."""
         B, T, D = x_BTD.shape
         logits_NE = self.gate(x_BTD.reshape(B * T, D))
-        if routes_BTK is None:
-            w_NK, e_NK = route(logits_NE, self.top_k, self.norm_topk_prob)
-        else:
-            e_NK = jnp.asarray(routes_BTK, jnp.int32).reshape(B * T, self.top_k)
-            w_NK = replay_weights(logits_NE, e_NK, self.norm_topk_prob)
+        w_NK, e_NK = route(logits_NE, self.top_k, self.norm_topk_prob)
+        if routes_BTK is not None:
+            r_NK = jnp.asarray(routes_BTK, jnp.int32).reshape(B * T, self.top_k)
+            own_N1 = jnp.any(r_NK < 0, axis=-1, keepdims=True)
+            e_NK = jnp.where(own_N1, e_NK, r_NK)
+            w_NK = jnp.where(own_N1, w_NK, replay_weights(logits_NE, e_NK, self.norm_topk_prob))
         w, e = w_NK.reshape(B, T, -1), e_NK.reshape(B, T, -1)
         y = self._experts(x_BTD, w, e)
         return y.astype(x_BTD.dtype), logits_NE.reshape(B, T, -1), e
