@@ -511,6 +511,8 @@ def main(argv: list[str]) -> None:
     except CheckpointError as e:
         fail(str(e))
     engine = builders.build_engine(model, config, processor.tokenizer, mesh=mesh, rules=rules)
+    if step is not None:  # replies name the checkpoint's step as their version (same arrays)
+        engine.update_params(model, step)
     name = f.model_name or (
         f"{os.path.basename(os.path.abspath(f.workdir))}@{step}"
         if f.workdir
