@@ -1634,3 +1634,45 @@ def describe(action: Action) -> str:
         args = ", ".join(_clip(repr(v), 80) for v in api_arguments(action).values())
         return f"API {name}({args})"
     return repr(action)
+
+
+def action_to_dict(action: Action) -> dict[str, Any]:
+    """``{"type": class name, **fields}``: an action as JSON (wire formats, logs)."""
+    return {"type": type(action).__name__, **dataclasses.asdict(action)}
+
+
+_ACTION_CLASSES = {
+    c.__name__: c
+    for c in (Click, Move, Drag, TypeText, Key, Scroll, MouseDown, MouseUp, KeyDown, KeyUp)
+    + (Wait, Done, Fail, Answer, InvalidAction, *API_ACTION_TYPES)
+}
+
+
+def action_from_dict(d: Any) -> Action:
+    """The action ``action_to_dict`` wrote; anything else is an InvalidAction (never raises)."""
+    if not isinstance(d, dict) or d.get("type") not in _ACTION_CLASSES:
+        return InvalidAction(_clip(repr(d)), "not an action dict ({'type': ..., fields})")
+    cls = _ACTION_CLASSES[d["type"]]
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if f.name in d:
+            v = d[f.name]
+            kw[f.name] = tuple(v) if isinstance(v, list) else v
+    for k, v in kw.items():
+        ok = (
+            (v is None or _num(v) is not None and not isinstance(v, str))
+            if k in ("x", "y", "start_x", "start_y", "dx", "dy", "seconds")
+            else v in BUTTONS
+            if k == "button"
+            else (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 3)
+            if k == "count"
+            else isinstance(v, tuple) and all(isinstance(x, str) for x in v)
+            if k == "keys"
+            else isinstance(v, str)
+        )
+        if not ok:
+            return InvalidAction(_clip(repr(d)), f"bad {d['type']} field {k}={v!r}")
+    try:
+        return cls(**kw)
+    except TypeError as e:
+        return InvalidAction(_clip(repr(d)), f"bad {d['type']} fields: {e}")

@@ -20,7 +20,7 @@ import time
 
 from cua_jax import actions as A
 from envs.browser import BrowserEnv, BrowserHost, suite
-from envs.browser.server import ORIGIN, handle_route
+from envs.browser.pages import ORIGIN, handle_route
 
 
 async def _rate(seconds: float, fns) -> float:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from playwright.async_api import Page
 
 from cua_jax.env_api import EnvError, Task
-from envs.browser import miniwob, server, suite
+from envs.browser import miniwob, pages, suite
 
 if TYPE_CHECKING:
     from envs.browser.env import BrowserEnv
@@ -29,7 +29,7 @@ class Adapter(Protocol):
 
 
 class Builtin:
-    PAGE = f"{server.ORIGIN}/builtin/task.html"
+    PAGE = f"{pages.ORIGIN}/builtin/task.html"
 
     async def start(self, env: BrowserEnv, page: Page, task: Task, seed: int) -> str:
         name = task.spec.get("template")
@@ -89,9 +89,9 @@ class PageKind:
         spec = task.spec
         if "html" in spec:
             key = hashlib.sha1(spec["html"].encode()).hexdigest()[:16]
-            url = server.register_inline(key, spec["html"])
+            url = pages.register_inline(key, spec["html"])
         else:
-            url = spec.get("url") or server.register_inline("blank", _BLANK)
+            url = spec.get("url") or pages.register_inline("blank", _BLANK)
         await page.goto(url, wait_until="load", timeout=env.reset_timeout_s * 1000)
         return task.instruction
 

@@ -52,7 +52,7 @@ from cua_jax.env_api import (
     StepResult,
     Task,
 )
-from envs.browser import miniwob, server
+from envs.browser import miniwob, pages
 from envs.browser.host import BrowserHost
 
 log = logging.getLogger(__name__)
@@ -237,6 +237,7 @@ class BrowserEnv:
         self._held_buttons: set[str] = set()
         self._oracle_plan: list[dict[str, Any]] | None = None
         self._api_result: str | None = None
+        self.last_screenshot_bytes: bytes | None = None
         self._oracle_i = 0
         self._steps = 0
         self._nav_loaded = asyncio.Event()
@@ -318,7 +319,7 @@ class BrowserEnv:
             reduced_motion="reduce",
         )
         self._ctx = ctx
-        await ctx.route("**/*", server.handle_route)
+        await ctx.route("**/*", pages.handle_route)
         # Pages report "episode over" by calling window.__cuaSignal(reward) (the built-in suite's
         # cua.finish(), MiniWoB's wrapped core.endEpisode): a push, so a step needs no extra
         # page round trip to learn whether the episode ended.
@@ -776,10 +777,10 @@ class BrowserEnv:
         match a:
             case A.OpenUrl(url):
                 full = urllib.parse.urljoin(page.url, url.strip())
-                if not full.startswith(server.ORIGIN + "/"):
+                if not full.startswith(pages.ORIGIN + "/"):
                     raise _ApiRefused(
                         f"open_url: {url!r} is not reachable (the network is closed; only "
-                        f"pages under {server.ORIGIN}/ open)"
+                        f"pages under {pages.ORIGIN}/ open)"
                     )
                 resp = await page.goto(full, wait_until="load", timeout=self.step_timeout_s * 1000)
                 return f"opened {full} (HTTP {resp.status if resp else '?'})"
@@ -874,6 +875,7 @@ class BrowserEnv:
         data = await self._with_nav_retry(
             lambda: page.screenshot(type=self.screenshot_type, timeout=self.step_timeout_s * 1000)
         )
+        self.last_screenshot_bytes = data  # the encoded image (the remote host sends it on)
         img = await asyncio.to_thread(decode_screenshot, data)
         text = None
         if self.text_state:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import functools
 
 from cua_jax.env_api import Task
-from envs.browser import server
+from envs.browser import pages
 
 
 @functools.cache
 def task_names() -> tuple[str, ...]:
     """Every MiniWoB++ task the package ships (file names under html/miniwob/)."""
-    d = server.miniwob_html_dir() / "miniwob"
+    d = pages.miniwob_html_dir() / "miniwob"
     return tuple(sorted(p.stem for p in d.glob("*.html")))
 
 
@@ -63,7 +63,7 @@ def make_task(name: str, seed: int = 0, split: str = "train") -> Task:
 
 
 def url(name: str) -> str:
-    return f"{server.ORIGIN}/miniwob/miniwob/{name}.html"
+    return f"{pages.ORIGIN}/miniwob/miniwob/{name}.html"
 
 
 # Seeds and starts one episode; returns the instruction. Args: [seed, max_time_ms].

@@ -1,103 +1,364 @@
-"""Serves the envs' own pages from memory through Playwright request routing; blocks the rest.
+"""A browser host: serves browser envs to trainers on other machines over HTTP.
 
-Every page an env shows lives under the fake origin ``http://cua.local`` and is answered by
-``route.fulfill`` from files on disk (cached in memory), so no HTTP server runs and no request
-ever leaves the machine. Any other URL (a model typing a web address, a script fetching a CDN)
-is aborted: that is the network isolation.
+    python -m envs.browser.server --port 9001                  # loopback; prints a made-up token
+    python -m envs.browser.server --host 0.0.0.0 --port 9001 --token T --capacity 32
 
-Paths:
-  /builtin/<file>   the built-in task suite (envs/browser/static/)
-  /miniwob/<path>   the `miniwob` package's html/ directory (core/, miniwob/, common/ ...)
-  /inline/<key>     HTML registered at run time with ``register_inline`` (custom tasks, tests)
+One Chromium, up to ``--capacity`` envs (one browser context each), leased to clients
+(``envs.browser.remote.RemoteBrowserEnv``; ``env.browser_endpoints`` in the trainer's config).
+The env API is small, so the protocol is the project's own JSON over aiohttp rather than
+Playwright's browser server (``launch_server`` is Node-only; Python Playwright cannot serve one)
+or Chromium's CDP endpoint (which would give a client the whole browser, and run the network
+isolation on the client, with the pages served from its memory):
+
+    GET  /health                 {"capacity", "free", "leases", "browser_connected", "version"}
+    POST /envs                   {"viewport": [w, h]} -> {"env": id, "lease_s"} (503: full)
+    POST /envs/{id}/reset        {"task": Task.to_dict(), "seed"} -> observation
+    POST /envs/{id}/step         {"action": actions.action_to_dict(a)} -> observation + result
+    POST /envs/{id}/evaluate     -> {"score"} (422 {"message"}: EnvError)
+    POST /envs/{id}/oracle_next  -> {"action"} (501 for tasks without an oracle)
+    POST /envs/{id}/close        gives the env back
+
+Every call renews its lease; a lease not renewed for ``--lease-s`` seconds (a client that
+died) is reclaimed. Built-in tasks, MiniWoB++ pages and inline HTML are served by this host's
+Chromium from this host's memory; every other request is aborted (``envs.browser.pages``), so a
+task cannot make the browser reach the network.
+
+Security, as ``envs.vm.server`` (whose request guard this reuses): loopback by default; a
+non-loopback ``--host`` needs ``--token``; without ``--token`` (or ``$CUA_BROWSER_TOKEN``) a
+token is made up and printed on stderr, ``--no-token`` opts out on loopback; requests from web
+pages (foreign ``Origin`` / ``Host`` / ``Sec-Fetch-Site``) are refused (403), a missing token
+is 401, JSON routes need ``Content-Type: application/json`` (415), and bodies are capped (413).
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
 import logging
-import mimetypes
-import pathlib
-import threading
-import urllib.parse
+import os
+import secrets
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
 
-from playwright.async_api import Route
+from aiohttp import web
+
+from cua_jax import actions as A
+from cua_jax.env_api import EnvError
+from envs.browser.env import BrowserEnv
+from envs.browser.host import BrowserHost
+from envs.browser.remote import (
+    OBS_CONTENT_TYPE,
+    PROTOCOL_VERSION,
+    encode_png,
+    pack_obs,
+    task_from_dict,
+)
+from envs.vm.server_http import (
+    JSON,
+    NONE,
+    RequestGuard,
+    Route,
+    error,
+    is_loopback,
+    is_wildcard,
+    json_body,
+)
 
 log = logging.getLogger(__name__)
 
-ORIGIN = "http://cua.local"
-STATIC_DIR = pathlib.Path(__file__).parent / "static"
+MiB = 1024**2
+ROUTES = (
+    Route("GET", "/health", "health"),
+    Route("POST", "/envs", "lease", JSON),
+    Route("POST", "/envs/{env}/reset", "reset", JSON, 4 * MiB),  # an inline page's HTML
+    Route("POST", "/envs/{env}/step", "step", JSON, 1 * MiB),
+    Route("POST", "/envs/{env}/evaluate", "evaluate", NONE),
+    Route("POST", "/envs/{env}/oracle_next", "oracle_next", NONE),
+    Route("POST", "/envs/{env}/close", "close", NONE),
+)
 
 
-def miniwob_html_dir() -> pathlib.Path:
-    """The html/ directory shipped inside the `miniwob` PyPI package."""
-    try:
-        import miniwob  # noqa: PLC0415 -- optional until a MiniWoB task is run
-    except ImportError as e:
-        raise ImportError(
-            "MiniWoB++ tasks need the `miniwob` package (pip install miniwob; it is in "
-            "pyproject.toml)"
-        ) from e
-    d = pathlib.Path(miniwob.__file__).parent / "html"
-    if not (d / "miniwob").is_dir():
-        raise FileNotFoundError(f"the miniwob package at {d.parent} ships no html/miniwob/")
-    return d
+@dataclasses.dataclass
+class _Lease:
+    env: BrowserEnv
+    deadline: float
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
 
-_cache: dict[str, tuple[bytes, str] | None] = {}
-_inline: dict[str, str] = {}
-_lock = threading.Lock()
+class BrowserServer:
+    """The host side: a ``BrowserHost`` and up to ``capacity`` leased ``BrowserEnv`` s.
+
+    Args:
+      capacity: the most envs leased at once.
+      token: the bearer token every request must carry (None: no check; loopback only).
+      allowed_hosts: ``Host`` names accepted besides loopback ones (None: any).
+      lease_s: a lease not renewed for this long is reclaimed.
+      executable_path: Chromium (autodetected when None).
+      **env_kwargs: passed to each ``BrowserEnv`` (step_timeout_s, screenshot_type, ...).
+    """
+
+    def __init__(
+        self,
+        capacity: int = 16,
+        *,
+        token: str | None = None,
+        allowed_hosts: Sequence[str] | None = (),
+        lease_s: float = 120.0,
+        executable_path: str | None = None,
+        **env_kwargs: Any,
+    ):
+        if capacity < 1:
+            raise ValueError(f"a browser host needs capacity >= 1, got {capacity}")
+        self.capacity = capacity
+        self.lease_s = lease_s
+        self.host = BrowserHost(executable_path)
+        self.env_kwargs = env_kwargs
+        self.leases: dict[str, _Lease] = {}
+        self._routes: dict[Any, Route] = {}
+        self.guard = RequestGuard(
+            token=token, allowed_hosts=allowed_hosts, route_of=self._routes.get
+        )
+        self._sweeper: asyncio.Task | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self.guard.middleware], client_max_size=4 * MiB)
+        for spec in ROUTES:
+            route = app.router.add_route(spec.method, spec.path, getattr(self, spec.handler))
+            self._routes[route] = spec
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _startup(self, _app: web.Application) -> None:
+        await self.host.browser()
+        self._sweeper = asyncio.create_task(self._sweep())
+
+    async def _cleanup(self, _app: web.Application) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        leases, self.leases = list(self.leases.values()), {}
+        await asyncio.gather(*(le.env.close() for le in leases), return_exceptions=True)
+        await self.host.close()
+
+    async def _sweep(self) -> None:
+        """Reclaims leases whose client stopped renewing them."""
+        while True:
+            await asyncio.sleep(max(self.lease_s / 4, 0.05))
+            now = time.monotonic()
+            for key, le in list(self.leases.items()):
+                if le.deadline < now and not le.lock.locked():
+                    log.warning("lease %s expired (client gone?): env reclaimed", key)
+                    self.leases.pop(key, None)
+                    await le.env.close()
+
+    # ---------------------------------------------------------------------------- handlers
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "capacity": self.capacity,
+                "free": self.capacity - len(self.leases),
+                "leases": len(self.leases),
+                "browser_connected": self.host.connected,
+                "version": PROTOCOL_VERSION,
+            }
+        )
+
+    async def lease(self, request: web.Request) -> web.Response:
+        data = await json_body(request)
+        if len(self.leases) >= self.capacity:
+            return error(f"all {self.capacity} envs of this host are leased", 503)
+        vp = data.get("viewport", [1280, 720])
+        try:
+            env = BrowserEnv(tuple(vp), host=self.host, **self.env_kwargs)
+        except (TypeError, ValueError) as e:
+            return error(f"bad viewport {vp!r}: {e}", 400)
+        key = secrets.token_urlsafe(12)
+        self.leases[key] = _Lease(env, time.monotonic() + self.lease_s)
+        return web.json_response({"env": key, "lease_s": self.lease_s})
+
+    def _lease_of(self, request: web.Request) -> _Lease:
+        le = self.leases.get(request.match_info["env"])
+        if le is None:
+            raise web.HTTPNotFound(
+                text=json.dumps({"status": "error", "message": "unknown or expired lease"}),
+                content_type="application/json",
+            )
+        le.deadline = time.monotonic() + self.lease_s
+        return le
+
+    def _obs_response(self, env: BrowserEnv, obs: Any, header: dict[str, Any]) -> web.Response:
+        raw = env.last_screenshot_bytes
+        image = raw if raw is not None and obs is env._last_obs else encode_png(obs.screenshot)
+        header = {"instruction": obs.instruction, "text": obs.text, "info": obs.info, **header}
+        return web.Response(body=pack_obs(header, image), content_type=OBS_CONTENT_TYPE)
+
+    async def reset(self, request: web.Request) -> web.Response:
+        le = self._lease_of(request)
+        data = await json_body(request)
+        try:
+            task = task_from_dict(dict(data["task"]))
+        except (KeyError, TypeError, ValueError) as e:
+            return error(f"reset needs {{'task': Task.to_dict()}}: {e}", 400)
+        seed = data.get("seed")
+        async with le.lock:
+            try:
+                obs = await le.env.reset(task, None if seed is None else int(seed))
+            except EnvError as e:
+                return error(str(e), 422)
+            return self._obs_response(le.env, obs, {})
+
+    async def step(self, request: web.Request) -> web.Response:
+        le = self._lease_of(request)
+        data = await json_body(request)
+        action = A.action_from_dict(data.get("action"))
+        async with le.lock:
+            res = await le.env.step(action)
+            return self._obs_response(
+                le.env, res.observation, {"done": res.done, "reward": res.reward, "info": res.info}
+            )
+
+    async def evaluate(self, request: web.Request) -> web.Response:
+        le = self._lease_of(request)
+        async with le.lock:
+            try:
+                return web.json_response({"score": await le.env.evaluate()})
+            except EnvError as e:
+                return error(str(e), 422)
+
+    async def oracle_next(self, request: web.Request) -> web.Response:
+        le = self._lease_of(request)
+        async with le.lock:
+            try:
+                a = await le.env.oracle_next()
+            except NotImplementedError as e:
+                return error(str(e) or "this task has no oracle", 501)
+            except RuntimeError as e:
+                return error(str(e), 409)
+            return web.json_response({"action": A.action_to_dict(a)})
+
+    async def close(self, request: web.Request) -> web.Response:
+        le = self.leases.pop(request.match_info["env"], None)
+        if le is not None:
+            async with le.lock:
+                await le.env.close()
+        return web.json_response({"ok": True})
 
 
-def register_inline(key: str, html: str) -> str:
-    """Serve ``html`` at ``/inline/<key>``; returns the full URL."""
-    with _lock:
-        _inline[key] = html
-    return f"{ORIGIN}/inline/{urllib.parse.quote(key)}"
+# ------------------------------------------------------------------------------------- CLI
 
 
-def _resolve(path: str) -> pathlib.Path | None:
-    """URL path -> a file inside one of the served roots (None for anything else)."""
-    for prefix, root_fn in (("/builtin/", lambda: STATIC_DIR), ("/miniwob/", miniwob_html_dir)):
-        if path.startswith(prefix):
-            root = root_fn().resolve()
-            f = (root / path[len(prefix) :]).resolve()
-            # No escaping the root with ../ tricks.
-            return f if f.is_file() and root in f.parents else None
-    return None
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m envs.browser.server",
+        description="Serve browser envs (one Chromium, many contexts) to trainers over HTTP.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (others need --token)")
+    p.add_argument("--port", type=int, default=9001, help="port (0 picks a free one)")
+    p.add_argument("--token", default=None, help="bearer token (default $CUA_BROWSER_TOKEN)")
+    p.add_argument("--no-token", action="store_true", help="no token check (loopback only)")
+    p.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a Host name clients use besides loopback and --host (repeatable)",
+    )
+    p.add_argument("--capacity", type=int, default=16, help="envs leased at once (default 16)")
+    p.add_argument("--lease-s", type=float, default=120.0, help="lease time-out in seconds")
+    p.add_argument("--step-timeout-s", type=float, default=20.0, help="BrowserEnv step timeout")
+    p.add_argument("--executable-path", default=None, help="Chromium (autodetected)")
+    args = p.parse_args(argv)
+    loopback = is_loopback(args.host)
+    if args.no_token and args.token is not None:
+        p.error("--no-token and --token contradict each other: give one")
+    if args.token is None and not args.no_token:
+        args.token = os.environ.get("CUA_BROWSER_TOKEN")
+    if not loopback and (args.no_token or not args.token):
+        p.error(
+            f"refusing to bind {args.host} without a token: a non-loopback address needs "
+            "--token T (or $CUA_BROWSER_TOKEN); clients then send 'Authorization: Bearer T'"
+        )
+    args.token_generated = False
+    if args.no_token:
+        args.token = None
+    elif not args.token:
+        args.token, args.token_generated = secrets.token_urlsafe(32), True
+    return args
 
 
-def lookup(url: str) -> tuple[bytes, str] | None:
-    """(body, content type) for one of our URLs, or None (-> 404)."""
-    parsed = urllib.parse.urlsplit(url)
-    path = urllib.parse.unquote(parsed.path)
-    if path.startswith("/inline/"):
-        html = _inline.get(path[len("/inline/") :])
-        return None if html is None else (html.encode(), "text/html; charset=utf-8")
-    if path in _cache:
-        return _cache[path]
-    f = _resolve(path)
-    item = None
-    if f is not None:
-        ctype = mimetypes.guess_type(f.name)[0] or "application/octet-stream"
-        if ctype.startswith("text/") or ctype.endswith("javascript"):
-            ctype += "; charset=utf-8"
-        item = (f.read_bytes(), ctype)
-    with _lock:
-        _cache[path] = item
-    return item
+async def serve(args: argparse.Namespace) -> None:
+    """Runs until SIGTERM/SIGINT; prints ``serving on http://HOST:PORT`` on stdout once bound
+    and the token (or where it came from) on stderr."""
+    hosts = (
+        None
+        if is_wildcard(args.host) and not args.allow_host
+        else [h for h in [args.host, *args.allow_host] if not is_wildcard(h)]
+    )
+    server = BrowserServer(
+        args.capacity,
+        token=args.token,
+        allowed_hosts=hosts,
+        lease_s=args.lease_s,
+        executable_path=args.executable_path,
+        step_timeout_s=args.step_timeout_s,
+    )
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    url = f"http://{args.host}:{port}"
+    print(f"serving on {url}", flush=True)
+    how = (
+        "with no token (--no-token)"
+        if args.token is None
+        else f"with token {args.token}"
+        if args.token_generated
+        else "with the token from --token / $CUA_BROWSER_TOKEN"
+    )
+    print(f"envs.browser.server: {url} {how}", file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
 
 
-async def handle_route(route: Route) -> None:
-    """The context-wide route handler: fulfil our origin, abort everything else."""
-    url = route.request.url
-    try:
-        if not url.startswith(ORIGIN + "/"):
-            await route.abort("blockedbyclient")
-            return
-        item = lookup(url)
-        if item is None:
-            await route.fulfill(status=404, body=f"not found: {url}", content_type="text/plain")
-            return
-        body, ctype = item
-        await route.fulfill(status=200, body=body, content_type=ctype)
-    except Exception as e:  # noqa: BLE001 -- the page/context may be closing under us
-        log.debug("route %s failed: %s", url, e)
+def main(argv: Sequence[str] | None = None) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    args = parse_args(argv)
+    os.environ.pop("CUA_BROWSER_TOKEN", None)
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()
+
+
+def start_host_process(
+    *, port: int = 0, token: str | None = None, capacity: int = 16, extra: Sequence[str] = ()
+) -> tuple[Any, str]:
+    """Starts ``python -m envs.browser.server`` on loopback in a child process (tests, benches);
+    returns (the ``subprocess.Popen``, its ``host:port``) once it serves."""
+    import subprocess  # noqa: PLC0415
+
+    cmd = [sys.executable, "-m", "envs.browser.server", "--port", str(port)]
+    cmd += ["--capacity", str(capacity), *(["--token", token] if token else ["--no-token"])]
+    proc = subprocess.Popen(
+        [*cmd, *extra], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    line = proc.stdout.readline() if proc.stdout else ""
+    if not line.startswith("serving on http://"):
+        proc.kill()
+        raise RuntimeError(f"the browser host did not start (exit {proc.wait()}): {line!r}")
+    return proc, line.strip().removeprefix("serving on http://")

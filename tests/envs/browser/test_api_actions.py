@@ -8,7 +8,7 @@ import pytest
 from cua_jax import actions as A
 from cua_jax.env_api import INFO_API_RESULT, INFO_INVALID_ACTION
 from envs.browser import BrowserPool, suite
-from envs.browser.server import ORIGIN
+from envs.browser.pages import ORIGIN
 
 VIEWPORT = (480, 360)
 ALL = A.BROWSER_API

@@ -1,0 +1,277 @@
+"""A fleet of env hosts: the local browser pool plus remote browser hosts, as one env pool.
+
+    fleet = BrowserFleet(local=BrowserPool(8, viewport=(640, 480)),
+                         endpoints=("10.0.0.5:9001", "10.0.0.6:9001"), token=T,
+                         viewport=(640, 480))
+    async with fleet:
+        async with fleet.acquire() as env:      # an env on the host with the most free capacity
+            obs = await env.reset(task)
+        fleet.env_hosts()                      # hosts answering now (the rollout/env_hosts metric)
+
+What the rollout loop needs from a pool (``acquire()``, ``len()``), spread over hosts by free
+capacity: each ``acquire`` takes an env on the host with the most free slots (the local pool
+counts as one host). A remote host that stops answering (a refused connection, a time-out, a
+5xx, a lost lease) is taken out at once: the episode it was running is an infrastructure fault
+(``EnvError`` from reset/evaluate, ``info["error"]`` from step; never a policy failure), no new
+episode goes to it, and a health check (``GET /health`` every ``health_interval_s``) puts it
+back when it answers again. Hosts may join (``add_host``) and leave (``remove_host``) during a
+run. With no host up, ``acquire`` waits up to ``acquire_timeout_s`` for one, then raises
+``EnvError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import aiohttp
+
+from cua_jax.env_api import EnvError
+
+log = logging.getLogger(__name__)
+
+LOCAL = "local"
+
+
+@dataclasses.dataclass
+class HostState:
+    """One host of the fleet: its capacity, what runs on it, and whether it answers."""
+
+    name: str
+    capacity: int
+    up: bool = True
+    in_use: int = 0
+    faults: int = 0
+    episodes: int = 0
+    last_error: str = ""
+    down_since: float | None = None
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.in_use if self.up else 0
+
+
+class BrowserFleet:
+    """The local ``BrowserPool`` (optional) and remote browser hosts as one env pool.
+
+    Args:
+      local: a ``BrowserPool`` run in this process (None: remote hosts only).
+      endpoints: ``host:port`` of browser hosts (``python -m envs.browser.server``).
+      token: their bearer token.
+      viewport: the screen size of remote envs (the local pool has its own).
+      capacity: envs per remote host (None: what its ``/health`` says).
+      health_interval_s: how often every host is checked.
+      request_timeout_s: the longest one remote env call may take.
+      acquire_timeout_s: how long ``acquire`` waits for a free env while no host is up.
+    """
+
+    def __init__(
+        self,
+        local: Any = None,
+        endpoints: Sequence[str] = (),
+        *,
+        token: str | None = None,
+        viewport: tuple[int, int] = (1280, 720),
+        capacity: int | None = None,
+        health_interval_s: float = 5.0,
+        request_timeout_s: float = 60.0,
+        acquire_timeout_s: float = 300.0,
+    ):
+        if local is None and not endpoints:
+            raise ValueError("a BrowserFleet needs a local pool or at least one endpoint")
+        self.local = local
+        self.token = token
+        self.viewport = viewport
+        self.capacity = capacity
+        self.health_interval_s = health_interval_s
+        self.request_timeout_s = request_timeout_s
+        self.acquire_timeout_s = acquire_timeout_s
+        self.hosts: dict[str, HostState] = {}
+        if local is not None:
+            self.hosts[LOCAL] = HostState(LOCAL, len(local))
+        self._endpoints = list(dict.fromkeys(endpoints))
+        self._session: aiohttp.ClientSession | None = None
+        self._changed: asyncio.Condition | None = None
+        self._health: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------------ lifecycle
+
+    def __len__(self) -> int:
+        """Envs the fleet can run at once now (hosts that answer), at least 1."""
+        return max(1, sum(h.capacity for h in self.hosts.values() if h.up))
+
+    async def __aenter__(self) -> BrowserFleet:
+        self._changed = asyncio.Condition()
+        self._session = aiohttp.ClientSession()
+        if self.local is not None:
+            await self.local.__aenter__()
+        for ep in self._endpoints:
+            await self.add_host(ep)
+        self._health = asyncio.create_task(self._health_loop())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health
+            self._health = None
+        if self.local is not None:
+            await self.local.close()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def add_host(self, endpoint: str) -> None:
+        """A remote host joins (down until its first health check answers)."""
+        if endpoint not in self.hosts:
+            self.hosts[endpoint] = HostState(endpoint, self.capacity or 0, up=False)
+        await self._check(endpoint)
+
+    async def remove_host(self, endpoint: str) -> None:
+        """A remote host leaves: no new episodes go to it (running ones finish or fault)."""
+        self.hosts.pop(endpoint, None)
+
+    # ------------------------------------------------------------------------ health
+
+    async def _check(self, endpoint: str) -> None:
+        from envs.browser.remote import HostUnavailable, host_health  # noqa: PLC0415
+
+        h = self.hosts.get(endpoint)
+        if h is None or self._session is None:
+            return
+        try:
+            info = await host_health(self._session, endpoint, self.token, timeout_s=5.0)
+        except HostUnavailable as e:
+            if h.up or not h.last_error:
+                self.mark_down(endpoint, str(e))
+            return
+        if not h.up:
+            log.warning("browser host %s answers again: back in the fleet", endpoint)
+        h.capacity = self.capacity or int(info.get("capacity", 0))
+        h.up, h.down_since, h.last_error = h.capacity > 0, None, ""
+        await self._notify()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            names = [n for n in self.hosts if n != LOCAL]
+            await asyncio.gather(*(self._check(n) for n in names), return_exceptions=True)
+
+    def mark_down(self, endpoint: str, reason: str) -> None:
+        """Takes a host out (its env failed to answer); the health check brings it back."""
+        h = self.hosts.get(endpoint)
+        if h is None:
+            return
+        if h.up:
+            log.warning("browser host %s taken out of the fleet: %s", endpoint, reason)
+        h.up, h.last_error = False, reason
+        h.down_since = h.down_since or time.monotonic()
+
+    async def _notify(self) -> None:
+        if self._changed is not None:
+            async with self._changed:
+                self._changed.notify_all()
+
+    # ------------------------------------------------------------------------ metrics
+
+    def env_hosts(self) -> int:
+        """Hosts answering now (local included): the ``rollout/env_hosts`` metric."""
+        return sum(1 for h in self.hosts.values() if h.up)
+
+    def report(self) -> dict[str, Any]:
+        """Per host: up, capacity, in use, episodes, faults, last error."""
+        return {
+            n: {
+                "up": h.up,
+                "capacity": h.capacity,
+                "in_use": h.in_use,
+                "episodes": h.episodes,
+                "faults": h.faults,
+                "last_error": h.last_error,
+            }
+            for n, h in self.hosts.items()
+        }
+
+    # ------------------------------------------------------------------------ acquire
+
+    def _pick(self) -> HostState | None:
+        best = None
+        for h in self.hosts.values():
+            if h.free > 0 and (best is None or h.free > best.free):
+                best = h
+        return best
+
+    @contextlib.asynccontextmanager
+    async def acquire(self) -> AsyncIterator[Any]:
+        """An env on the host with the most free capacity, for one ``async with`` block."""
+        if self._changed is None:
+            raise RuntimeError("use the fleet inside `async with BrowserFleet(...) as fleet`")
+        deadline = time.monotonic() + self.acquire_timeout_s
+        while True:
+            async with self._changed:
+                h = self._pick()
+                while h is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise EnvError(
+                            f"no browser host has a free env after {self.acquire_timeout_s:g}s: "
+                            f"{self.report()}"
+                        )
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+                    h = self._pick()
+                h.in_use += 1
+            try:
+                if h.name == LOCAL:
+                    async with self.local.acquire() as env:
+                        h.episodes += 1
+                        yield env
+                    return
+                env = await self._lease(h)
+                if env is None:
+                    continue  # the host failed to lease: taken out, try another
+                try:
+                    h.episodes += 1
+                    yield env
+                finally:
+                    await env.close()
+                return
+            finally:
+                h.in_use -= 1
+                await self._notify()
+
+    async def _lease(self, h: HostState) -> Any:
+        from envs.browser.remote import HostUnavailable, RemoteBrowserEnv  # noqa: PLC0415
+
+        def on_fault(endpoint: str, reason: str) -> None:
+            state = self.hosts.get(endpoint)
+            if state is not None:
+                state.faults += 1
+            self.mark_down(endpoint, reason)
+
+        env = RemoteBrowserEnv(
+            h.name,
+            self.token,
+            self.viewport,
+            session=self._session,
+            timeout_s=self.request_timeout_s,
+            on_fault=on_fault,
+        )
+        try:
+            await env.lease()
+        except HostUnavailable as e:
+            if "HTTP 503" in str(e):  # full (another trainer shares it): try again shortly
+                await asyncio.sleep(0.2)
+            else:
+                self.mark_down(h.name, str(e))
+            return None
+        return env

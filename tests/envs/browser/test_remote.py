@@ -1,0 +1,240 @@
+"""Remote browser hosts (``python -m envs.browser.server`` in child processes on loopback): the
+env API over HTTP, the request guard, leases, and a fleet that loses a host mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+
+from cua_jax import actions as A
+from cua_jax.env_api import INFO_ERROR, EnvError
+from envs.browser import BrowserPool, suite
+from envs.browser.remote import HostUnavailable, RemoteBrowserEnv
+from envs.browser.server import start_host_process
+from envs.fleet import LOCAL, BrowserFleet
+
+TOKEN = "test-token-123"
+VIEWPORT = (320, 240)
+
+
+@pytest.fixture(scope="module")
+def host():
+    proc, ep = start_host_process(token=TOKEN, capacity=3, extra=["--lease-s", "3"])
+    yield ep
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+
+
+async def _oracle_episode(env, task):
+    obs = await env.reset(task)
+    steps = 0
+    for _ in range(task.max_steps + 5):
+        res = await env.step(await env.oracle_next())
+        steps += 1
+        if res.info.get(INFO_ERROR):
+            raise EnvError(res.info[INFO_ERROR])
+        if res.done:
+            break
+    return obs, steps, await env.evaluate()
+
+
+def test_remote_env_runs_oracle_episodes_and_api_actions(host, run):
+    async def go():
+        async with RemoteBrowserEnv(host, TOKEN, VIEWPORT) as env:
+            out = []
+            for name in ("click-button", "enter-name-email", "nav-two-level"):
+                out.append(await _oracle_episode(env, suite.make_task(name, 5)))
+            api_task = suite.make_task("two-dropdowns", 3, api_actions=A.BROWSER_API)
+            _, steps, score = await _oracle_episode(env, api_task)
+            _, gui_steps, _ = await _oracle_episode(env, suite.make_task("two-dropdowns", 3))
+            await env.reset(api_task)
+            bad = await env.step(A.OpenUrl("https://example.com/"))
+            return out, (steps, gui_steps), score, bad
+
+    out, (api_steps, gui_steps), api_score, bad = run(go())
+    for obs, steps, score in out:
+        assert obs.screenshot.shape == (240, 320, 3) and obs.screenshot.dtype == np.uint8
+        assert obs.instruction and score == 1.0 and steps >= 1
+    assert api_score == 1.0 and api_steps < gui_steps  # select_option over the wire
+    assert "network is closed" in bad.info["invalid_action"]
+
+
+def test_remote_screens_equal_local_screens(host, run):
+    """The same task and seed, rendered by the remote host and by a local browser."""
+
+    async def go():
+        task = suite.make_task("click-color", 11)
+        async with RemoteBrowserEnv(host, TOKEN, VIEWPORT) as remote:
+            r = await remote.reset(task)
+        async with BrowserPool(1, viewport=VIEWPORT) as pool, pool.acquire() as env:
+            local = await env.reset(task)
+        return r, local
+
+    r, local = run(go())
+    assert r.instruction == local.instruction
+    assert np.array_equal(r.screenshot, local.screenshot)
+
+
+def test_miniwob_pages_come_from_the_host(host, run):
+    from envs.tasks import load_tasks
+
+    task = load_tasks({"source_type": "miniwob", "names": ["click-test"]})[0]
+
+    async def go():
+        async with RemoteBrowserEnv(host, TOKEN, VIEWPORT) as env:
+            obs = await env.reset(task)
+            return obs, await env.evaluate()
+
+    obs, score = run(go())
+    assert "click" in obs.instruction.lower() and obs.screenshot.std() > 0
+    assert score == -1.0  # unfinished MiniWoB episode, scored by the host
+
+
+async def _raw(ep, method, path, *, headers=None, data=None, json_body=None):
+    async with aiohttp.ClientSession() as s:
+        async with s.request(
+            method, f"http://{ep}{path}", headers=headers or {}, data=data, json=json_body
+        ) as r:
+            return r.status, await r.text()
+
+
+def test_guard_refuses_web_pages_missing_tokens_and_big_bodies(host, run):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    cases = [
+        ("GET", "/health", {}, None, None, 401),
+        ("GET", "/health", {"Authorization": "Bearer nope"}, None, None, 401),
+        ("GET", "/health", {**auth, "Origin": "http://evil.example"}, None, None, 403),
+        ("GET", "/health", {**auth, "Host": "evil.example"}, None, None, 403),
+        ("GET", "/health", {**auth, "Sec-Fetch-Site": "cross-site"}, None, None, 403),
+        ("POST", "/envs", {**auth, "Content-Type": "text/plain"}, b"{}", None, 415),
+        ("POST", "/envs/x/step", auth, None, {"action": {"text": "x" * (2 << 20)}}, 413),
+        ("POST", "/envs/nope/evaluate", auth, None, None, 404),
+        ("GET", "/health", auth, None, None, 200),
+    ]
+    for method, path, headers, data, body, want in cases:
+        status, text = run(_raw(host, method, path, headers=headers, data=data, json_body=body))
+        assert status == want, (method, path, headers.keys(), status, text[:200])
+
+
+def test_cli_binds_loopback_and_needs_a_token_elsewhere():
+    r = subprocess.run(
+        [sys.executable, "-m", "envs.browser.server", "--host", "0.0.0.0", "--no-token"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode != 0 and "needs --token" in r.stderr
+    from envs.browser.server import parse_args
+
+    a = parse_args([])
+    assert a.host == "127.0.0.1" and a.token and a.token_generated
+    assert parse_args(["--host", "0.0.0.0", "--token", "T"]).token == "T"
+
+
+def test_lease_expires_and_a_full_host_refuses(host, run):
+    async def go():
+        envs = [RemoteBrowserEnv(host, TOKEN, VIEWPORT) for _ in range(4)]
+        for e in envs[:3]:
+            await e.lease()
+        with pytest.raises(HostUnavailable, match="503"):
+            await envs[3].lease()
+        await envs[0].reset(suite.make_task("click-button", 1))
+        await asyncio.sleep(4.5)  # --lease-s 3: the sweeper reclaims idle leases
+        res = await envs[0].step(A.Click(10.0, 10.0))
+        with pytest.raises(HostUnavailable, match="404"):
+            await envs[1].evaluate()
+        async with aiohttp.ClientSession() as s:
+            from envs.browser.remote import host_health
+
+            health = await host_health(s, host, TOKEN)
+        for e in envs:
+            await e.close()
+        return res, health
+
+    res, health = run(go())
+    assert res.done and "unknown or expired lease" in res.info[INFO_ERROR]
+    assert health["free"] == 3 and health["leases"] == 0
+
+
+def test_fleet_spreads_episodes_and_survives_a_killed_host(run):
+    """16 envs over a local pool (4) and two hosts (6 each); one host is killed mid-run: its
+    episodes are infrastructure faults, every other episode finishes and scores 1, the host is
+    taken out, and a new host process on its port is taken back by the health check."""
+    p1, ep1 = start_host_process(token=TOKEN, capacity=6)
+    p2, ep2 = start_host_process(token=TOKEN, capacity=6)
+    tasks = [suite.make_task(n, s) for s in range(4) for n in ("nav-two-level", "type-word")] * 3
+
+    async def episode(fleet, task, i):
+        async with fleet.acquire() as env:
+            where = getattr(env, "endpoint", LOCAL)
+            try:
+                if i >= 16:  # the second wave starts once the host is dead
+                    await dead.wait()
+                _, _, score = await _oracle_episode(env, task)
+                return where, score
+            except EnvError as e:
+                return where, e
+
+    async def go():
+        nonlocal dead
+        dead = asyncio.Event()
+        fleet = BrowserFleet(
+            BrowserPool(4, viewport=VIEWPORT, step_timeout_s=60.0),
+            (ep1, ep2),
+            token=TOKEN,
+            viewport=VIEWPORT,
+            health_interval_s=0.5,
+        )
+        async with fleet:
+            assert len(fleet) == 16 and fleet.env_hosts() == 3
+            jobs = [asyncio.create_task(episode(fleet, t, i)) for i, t in enumerate(tasks)]
+            while fleet.hosts[ep2].in_use < 6:
+                await asyncio.sleep(0.05)
+            p2.send_signal(signal.SIGKILL)
+            p2.wait(10)
+            t0 = time.monotonic()
+            while fleet.hosts[ep2].up and time.monotonic() - t0 < 30:
+                await asyncio.sleep(0.1)
+            dead.set()
+            results = await asyncio.gather(*jobs)
+            hosts_after_kill = fleet.env_hosts()
+            report = fleet.report()
+            port = ep2.rsplit(":", 1)[1]
+            p3, _ = start_host_process(port=int(port), token=TOKEN, capacity=6)
+            try:
+                t0 = time.monotonic()
+                while fleet.env_hosts() < 3 and time.monotonic() - t0 < 30:
+                    await asyncio.sleep(0.1)
+                back = fleet.env_hosts()
+                async with fleet.acquire() as env:  # the fleet still runs episodes
+                    again = (await _oracle_episode(env, tasks[0]))[2]
+            finally:
+                p3.send_signal(signal.SIGTERM)
+                p3.wait(30)
+            return results, hosts_after_kill, report, back, again
+
+    dead = None
+    try:
+        results, hosts_after_kill, report, back, again = run(go())
+    finally:
+        for p in (p1, p2):
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+            p.wait(30)
+    on_dead = [r for w, r in results if w == ep2]
+    others = [r for w, r in results if w != ep2]
+    assert on_dead and all(isinstance(r, EnvError) for r in on_dead), on_dead
+    assert len(others) == len(tasks) - len(on_dead) and all(r == 1.0 for r in others), others
+    assert {w for w, _ in results} >= {LOCAL, ep1, ep2}
+    assert hosts_after_kill == 2 and not report[ep2]["up"] and report[ep2]["faults"] >= 1
+    assert json.dumps(report)  # plain data (the trainer logs it)
+    assert back == 3 and again == 1.0
