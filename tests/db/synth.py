@@ -104,7 +104,7 @@ def eval_batch(step: int, n: int = 6) -> tuple[list[Trajectory], list[FakeTask],
             f"{cat}-task/{i}",
             "",
             1 + i % 2,
-            float((i + step) % 2),
+            float((i + step // 2) % 2),
             step,
             seed=10_000 + step * 100 + i,
         )

@@ -111,23 +111,29 @@ def test_finished_run_pages(filled, browser_page, artifacts):
         assert page.locator("a.rollout").count() == GROUPS * GROUP_SIZE
         page.screenshot(path=os.path.join(artifacts, "step.png"), full_page=True)
 
-        page.locator("section.group").first.locator("a.rollout").first.click()
+        # member 1 of group 0: two turns, a click then a drag
+        page.locator("section.group").first.locator("a.rollout").nth(1).click()
         page.wait_for_url("**/rollouts/*")
-        shot = page.locator("section.turn").first.locator("svg.shot")
+        turns = page.locator("section.turn")
+        assert turns.count() == 2
+        shot = turns.first.locator("svg.shot")
         assert shot.locator("g.act.click circle").count() >= 1
+        assert turns.nth(1).locator("svg.shot g.act.drag line").count() == 1
         # the screenshot under the overlay really loaded (fetched through the guard)
-        status = page.evaluate(
+        loaded = page.evaluate(
             "async () => (await fetch(document.querySelector('svg.shot image')"
             ".getAttribute('href'))).status"
         )
-        assert status == 200
-        box = shot.bounding_box()
-        assert box["width"] > 300
+        assert loaded == 200
+        assert shot.bounding_box()["width"] > 300
         page.screenshot(path=os.path.join(artifacts, "rollout.png"), full_page=True)
-        if page.locator("section.turn").count() > 1:  # the player steps through turns
-            assert page.locator("section.turn").nth(1).is_hidden()
-            page.click("#next")
-            assert page.locator("section.turn").nth(1).is_visible()
+        # the player shows one turn at a time
+        assert turns.nth(1).is_hidden()
+        page.click("#next")
+        assert turns.nth(1).is_visible() and turns.first.is_hidden()
+        page.check("#show-all")
+        assert turns.first.is_visible()
+        page.screenshot(path=os.path.join(artifacts, "rollout_all_turns.png"), full_page=True)
 
         page.goto(f"{srv.base}/runs/1/evals/{STEPS}?vs=0")
         page.wait_for_selector("#categories")
