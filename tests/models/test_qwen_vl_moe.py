@@ -380,6 +380,11 @@ def test_routing_replay(pair):
     replayed, again = ours(ids, routes=other_routing.experts, return_routing=True)
     np.testing.assert_array_equal(np.asarray(again.experts), np.asarray(other_routing.experts))
     assert _rel(replayed, logits) > 1e-3
+    share = float(moe.routing_mismatch(routing.experts, other_routing.experts))
+    assert share == pytest.approx(
+        np.mean(np.any(np.sort(routing.experts, -1) != np.sort(other_routing.experts, -1), -1))
+    )
+    assert share > 0.05 and float(moe.routing_mismatch(routing.experts, routing.experts)) == 0
     # unrecorded tokens (negative ids) route by the current router
     partial = np.asarray(other_routing.experts).copy()
     partial[:, :, 5:] = -1

@@ -10,7 +10,12 @@ from cua_jax.models.qwen_vl.config import (
     tiny,
 )
 from cua_jax.models.qwen_vl.model import QwenVL, init_random
-from cua_jax.models.qwen_vl.moe import RoutingInfo, load_balancing_loss, set_expert_mesh
+from cua_jax.models.qwen_vl.moe import (
+    RoutingInfo,
+    load_balancing_loss,
+    routing_mismatch,
+    set_expert_mesh,
+)
 from cua_jax.models.qwen_vl.params import from_pretrained, save_pretrained
 from cua_jax.models.qwen_vl.rope import get_rope_index
 from cua_jax.models.qwen_vl.text import make_attention_mask, make_dense_attn_fn
@@ -31,6 +36,7 @@ __all__ = [
     "make_attention_mask",
     "make_dense_attn_fn",
     "published_config",
+    "routing_mismatch",
     "save_pretrained",
     "set_expert_mesh",
     "tiny",

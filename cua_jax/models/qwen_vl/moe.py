@@ -289,6 +289,22 @@ def load_balancing_loss(
     return jnp.sum(tokens_per_expert * prob_per_expert) * E
 
 
+def routing_mismatch(
+    experts_a_LBTK: jax.Array, experts_b_LBTK: jax.Array, mask_BT: jax.Array | None = None
+) -> jax.Array:
+    """Share f32[] of (layer, token) pairs whose chosen expert SETS differ between two forwards
+    (e.g. the sampler's recorded routes and the learner's), over tokens with mask 1. Negative
+    ids (unrecorded) count as agreeing."""
+    a = jnp.sort(jnp.asarray(experts_a_LBTK), axis=-1)
+    b = jnp.sort(jnp.asarray(experts_b_LBTK), axis=-1)
+    unrecorded = jnp.any(a < 0, axis=-1) | jnp.any(b < 0, axis=-1)
+    differ = jnp.any(a != b, axis=-1) & ~unrecorded  # [L, B, T]
+    L, B, T = differ.shape
+    m = jnp.ones((B, T), jnp.float32) if mask_BT is None else jnp.asarray(mask_BT, jnp.float32)
+    m_LBT = jnp.broadcast_to(m.reshape(1, B, T), (L, B, T))
+    return jnp.sum(differ * m_LBT) / jnp.maximum(jnp.sum(m_LBT), 1.0)
+
+
 def set_expert_mesh(model: nnx.Module, mesh: Mesh | None, rules: shd.Rules | None = None) -> int:
     """Run every MoE block of `model` expert-parallel on `mesh` under `rules` (None: on one
     device, no shard_map). Returns the number of MoE blocks set."""
