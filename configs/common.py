@@ -148,6 +148,10 @@ def base_config(family: str) -> ConfigDict:
     c.env.system_prompt = "tools"  # "tools" (the full tool schema) | "compact" (tiny models)
     c.env.vm_endpoints = ()  # for kind="vm" with remote VMs: base URLs
     c.env.vm_token = _str()
+    # kind="browser": remote browser hosts ('host:port' of `python -m envs.browser.server`);
+    # episodes spread over them and the local pool (env.concurrency envs)
+    c.env.browser_endpoints = ()
+    c.env.browser_token = _str()  # their bearer token (default $CUA_BROWSER_TOKEN)
 
     # ---- tasks -----------------------------------------------------------------------------------
     c.tasks = ({"source_type": "builtin", "split": "train", "seed": 0},)

@@ -38,13 +38,31 @@ def build_env_factory(config):
     if ec.kind == "browser":
         from envs.browser import BrowserPool
 
-        def env_factory():
+        def local_pool():
             return BrowserPool(
                 ec.concurrency,
                 viewport=(ec.viewport_width, ec.viewport_height),
                 executable_path=ec.executable_path,
                 step_timeout_s=ec.step_timeout_s,
             )
+
+        endpoints = tuple(ec.get("browser_endpoints", ()) or ())
+        if endpoints:
+            from envs.fleet import BrowserFleet
+
+            def env_factory():
+                # `fleet.env_hosts()` is the rollout/env_hosts metric (hosts answering now)
+                return BrowserFleet(
+                    local_pool() if ec.concurrency > 0 else None,
+                    endpoints,
+                    token=ec.get("browser_token") or os.environ.get("CUA_BROWSER_TOKEN"),
+                    viewport=(ec.viewport_width, ec.viewport_height),
+                    request_timeout_s=3 * ec.step_timeout_s,
+                )
+        else:
+
+            def env_factory():
+                return local_pool()
     elif ec.kind == "vm":
         from envs.vm import make_env_pool
 

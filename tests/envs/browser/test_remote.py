@@ -238,3 +238,22 @@ def test_fleet_spreads_episodes_and_survives_a_killed_host(run):
     assert hosts_after_kill == 2 and not report[ep2]["up"] and report[ep2]["faults"] >= 1
     assert json.dumps(report)  # plain data (the trainer logs it)
     assert back == 3 and again == 1.0
+
+
+def test_config_browser_endpoints_build_a_fleet(host, run):
+    from configs.qwen3vl_grpo import get_config
+    from launch.compose import build_env_factory
+
+    c = get_config("smoke")
+    c.env.concurrency = 1
+    assert build_env_factory(c)[0]().__class__.__name__ == "BrowserPool"
+    c.env.browser_endpoints = (host,)
+    c.env.browser_token = TOKEN
+    fleet = build_env_factory(c)[0]()
+    assert isinstance(fleet, BrowserFleet)
+
+    async def go():
+        async with fleet:
+            return len(fleet), fleet.env_hosts()
+
+    assert run(go()) == (4, 2)  # 1 local + the host's 3
