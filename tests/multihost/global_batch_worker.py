@@ -1,0 +1,79 @@
+"""One process of the global-batch check (`test_global_batch.py`): two GRPO steps of the smoke
+model on 8 fixed samples (half with a screenshot), this process packing its
+share (every process_count-th sample); prints the steps' metrics as one JSON line.
+
+    python -m tests.multihost.global_batch_worker AGG_MODE
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+from launch.tpu import maybe_initialize_distributed
+
+
+def samples(cfg, n=8, seed=0):
+    from cua_jax.rl.trajectory import Sample, rope_position_fn
+
+    rng = np.random.default_rng(seed)
+    v = cfg.vision
+    pos_fn = rope_position_fn(cfg)
+    dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+    out = []
+    for i in range(n):
+        text = rng.integers(16, 1000, 20 + 7 * i).astype(np.int32)
+        pv = grid = None
+        if i % 2:  # a 4x6-patch screenshot: 6 merged image tokens after the first 5 tokens
+            grid = np.array([[1, 4, 6]], np.int32)
+            k = int(grid.prod()) // v.spatial_merge_size**2
+            ids = np.concatenate(
+                [text[:5], [cfg.vision_start_token_id], [cfg.image_token_id] * k,
+                 [cfg.vision_end_token_id], text[5:]]
+            ).astype(np.int32)  # fmt: skip
+            pv = rng.standard_normal((int(grid.prod()), dim)).astype(np.float32)
+        else:
+            ids = text
+        mask = np.zeros(ids.size, bool)
+        mask[-12:] = True
+        out.append(
+            Sample(
+                input_ids=ids,
+                loss_mask=mask,
+                behaviour_logprobs=np.where(mask, -7.0, 0.0).astype(np.float32),
+                position_ids=pos_fn(ids, grid),
+                advantage=1.0 if i % 3 else -1.5,
+                pixel_values=pv,
+                image_grid_thw=grid,
+                episode=i // 2,  # two samples per episode (the seq-mean modes' unit)
+            )
+        )
+    return out
+
+
+def main():
+    maybe_initialize_distributed()
+    import jax
+
+    from configs.qwen3vl_grpo import get_config
+    from cua_jax import builders
+
+    c = get_config("smoke")
+    c.mesh.fsdp = -1
+    c.rl.loss_agg = sys.argv[1]
+    c.rl.learning_rate = 1e-3
+    mesh, rules = builders.mesh_and_rules(c)
+    model, _ = builders.build_model_and_processor(c, mesh, rules)
+    learner = builders.build_learner(model, c, mesh, rules, sft=False)
+    mine = samples(learner.config)[jax.process_index() :: jax.process_count()]
+    out = {}
+    for k in range(2):
+        m = learner.train_step(learner.pack(mine))
+        out.update({f"rl{k}/{key}": m[key] for key in ("loss", "grad_norm", "num_tokens")})
+    print("RESULT " + json.dumps(out), flush=True)
+    os._exit(0)  # no distributed shutdown handshake needed for a test worker
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The learner's global batch from several processes' rows equals one process's batch: the
+same 8 samples (half with a screenshot) trained as 2 processes x 2 CPU devices (each packing
+every other sample: its rows via make_array_from_process_local_data, the images of both
+gathered) and as 1 process x 4 devices give the same loss, gradient norm and token count for
+two GRPO steps (the second on the parameters the first wrote). The loss aggregation is
+seq-mean-token-mean: each share's weights are renormalised by its share of the job's episodes
+(token-mean, the default, by its share of tokens: the same code with another count)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _job(processes: int, devices: int, agg: str) -> list[dict]:
+    port = _free_port()
+    procs = []
+    for i in range(processes):
+        env = dict(os.environ)
+        env.update(
+            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu"
+        )
+        for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+            env.pop(k, None)
+        if processes > 1:
+            env.update(
+                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                JAX_NUM_PROCESSES=str(processes),
+                JAX_PROCESS_ID=str(i),
+            )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.multihost.global_batch_worker", agg],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=600)
+        assert p.returncode == 0, stderr[-3000:]
+        line = next(ln for ln in stdout.splitlines() if ln.startswith("RESULT "))
+        out.append(json.loads(line[len("RESULT ") :]))
+    return out
+
+
+def test_two_processes_train_on_the_batch_one_process_would():
+    agg = "seq-mean-token-mean"
+    (one,) = _job(1, 4, agg)
+    two = _job(2, 2, agg)
+    assert two[0] == two[1]  # every process sees the job's metrics
+    assert one.keys() == two[0].keys()
+    assert one["rl0/num_tokens"] == 8 * 12
+    for k, v in one.items():
+        assert two[0][k] == pytest.approx(v, rel=2e-4, abs=1e-6), k
