@@ -27,7 +27,8 @@ Writes OUT/eval.json (success overall and per category with a 95% Wilson interva
 results), OUT/episodes.html (screenshots with the clicks drawn on them, model outputs,
 feedback) and OSWorld-style per-episode folders under --result_dir (default OUT/results:
 `tools/show_results.py OUT/results` summarizes them, `--compare=OTHER` puts two agents side by
-side). OUT defaults to WORKDIR/eval/step_N.
+side). --samples=N plays every task N times with sampling (--temperature) and adds pass@k
+(unbiased, k = 1, 2, 4, ... N) to eval.json. OUT defaults to WORKDIR/eval/step_N.
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ _BASE_URL = flags.DEFINE_string(
 _MODEL = flags.DEFINE_string("model", None, "--agent=openai|anthropic: the model id to ask for.")
 _API_KEY = flags.DEFINE_string(
     "api_key", None, "The endpoint's key (default $OPENAI_API_KEY / $ANTHROPIC_API_KEY)."
+)
+_SAMPLES = flags.DEFINE_integer(
+    "samples", 0, "Sampled episodes per task, for pass@k up to it (0: one greedy episode)."
+)
+_TEMPERATURE = flags.DEFINE_float(
+    "temperature", None, "With --samples: the sampling temperature (default rl.temperature)."
 )
 _RESULT_DIR = flags.DEFINE_string(
     "result_dir", None, "OSWorld-style per-episode folders (default OUT/results)."
@@ -106,6 +113,26 @@ def _load_config():
     else:
         tasks = [dict(t) for t in config.eval_tasks]
     return config, tasks
+
+
+async def _sampled_episodes(agent, pool, played, seed, screens, on_episode):
+    """Sampled episodes of the checkpoint (one per entry of `played`, each its own seed)."""
+    import asyncio
+
+    from cua_jax.rl.rollout import episode_seed
+
+    per = [[] for _ in played]
+    screens.extend(per)
+
+    async def one(j, task):
+        async with pool.acquire() as env:
+            traj = await agent.run_episode(
+                env, task, seed=episode_seed(seed, j), group_id=f"eval/{j}", screens=per[j]
+            )
+        on_episode(traj)
+        return traj
+
+    return list(await asyncio.gather(*(one(j, t) for j, t in enumerate(played))))
 
 
 def main(argv: list[str]) -> None:
@@ -195,7 +222,21 @@ def main(argv: list[str]) -> None:
         agent = AgentLoop(engine, processor, settings)
         agent_name = f"checkpoint:{_WORKDIR.value or config.model.get('hf_path') or 'init'}"
 
-    bar = metrics_lib.Progress(len(tasks), desc="eval")
+    n_samples = _SAMPLES.value
+    if n_samples < 0:
+        raise EvalError(f"--samples={n_samples} must be >= 0")
+    temperature = settings.temperature if _TEMPERATURE.value is None else _TEMPERATURE.value
+    if n_samples:  # every task n times, sampled; pass@k from them
+        import dataclasses
+
+        played = [t for t in tasks for _ in range(n_samples)]
+        settings = dataclasses.replace(settings, temperature=temperature)
+        agent.settings = settings
+        if openai and hasattr(remote, "temperature"):
+            remote.temperature = temperature
+    else:
+        played = list(tasks)
+    bar = metrics_lib.Progress(len(played), desc="eval")
     done: list[float] = []
 
     def on_episode(traj) -> None:
@@ -209,7 +250,7 @@ def main(argv: list[str]) -> None:
                 try:
                     trajs, texts = await agent.evaluate_agent(
                         pool,
-                        tasks,
+                        played,
                         remote,
                         seed=config.seed,
                         screens=screens,
@@ -217,10 +258,15 @@ def main(argv: list[str]) -> None:
                     )
                 finally:
                     await remote.close()
+            elif n_samples:
+                trajs = await _sampled_episodes(
+                    agent, pool, played, config.seed, screens, on_episode
+                )
             else:
                 trajs = await agent.evaluate(
                     pool, tasks, seed=config.seed, screens=screens, on_episode=on_episode
                 )
+            if not openai:
                 stop = set(processor.tokenizer.stop_ids)
                 texts = [
                     [
@@ -237,12 +283,32 @@ def main(argv: list[str]) -> None:
     trajs, screens, texts = asyncio.run(run())
     bar.close()
     from cua_jax.evaluation import results as results_lib
-    from cua_jax.evaluation.stats import wilson_interval
+    from cua_jax.evaluation import stats
 
     result_dir = _RESULT_DIR.value or os.path.join(out_dir, "results")
-    for traj, task, shots, tx in zip(trajs, tasks, screens, texts, strict=True):
-        results_lib.write_episode(result_dir, task, traj, shots, tx, agent=agent_name)
+    for j, (traj, task, shots, tx) in enumerate(zip(trajs, played, screens, texts, strict=True)):
+        sample = j % n_samples if n_samples else None
+        results_lib.write_episode(
+            result_dir, task, traj, shots, tx, agent=agent_name, sample=sample
+        )
     ran = [t for t in trajs if not t.infra_fault]
+    extra = {}
+    if n_samples:
+        per_task = [
+            (sum(not t.infra_fault for t in g), sum(t.success for t in g if not t.infra_fault))
+            for g in (trajs[i : i + n_samples] for i in range(0, len(trajs), n_samples))
+        ]
+        per_task = [(n, c) for n, c in per_task if n > 0]
+        ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128, n_samples) if k <= n_samples})
+        extra = {
+            "samples": n_samples,
+            "temperature": temperature,
+            "pass_at_k": {
+                str(k): stats.mean_pass_at_k([(n, c) for n, c in per_task if n >= k], k)
+                for k in ks
+                if any(n >= k for n, _ in per_task)
+            },
+        }
     result = {
         "source": (
             agent_name
@@ -251,11 +317,12 @@ def main(argv: list[str]) -> None:
         ),
         "agent": agent_name,
         "result_dir": result_dir,
-        "success_ci95": list(wilson_interval(sum(t.success for t in ran), len(ran))),
+        "success_ci95": list(stats.wilson_interval(sum(t.success for t in ran), len(ran))),
+        **extra,
         "step": step,
         "tasks": task_sources,
         "num_tasks": len(tasks),
-        **train.success_by_category(trajs, tasks),
+        **train.success_by_category(trajs, played),
         "wall_s": time.perf_counter() - t0,
         "episodes": [
             {
@@ -267,7 +334,7 @@ def main(argv: list[str]) -> None:
                 "invalid_actions": t.timings.get("invalid_actions", 0.0),
                 "failure_reason": t.failure_reason,
             }
-            for t, task in zip(trajs, tasks, strict=True)
+            for t, task in zip(trajs, played, strict=True)
         ],
     }
     with open(os.path.join(out_dir, "eval.json"), "w") as f:

@@ -77,12 +77,15 @@ def write_episode(
     texts: Sequence[str],
     *,
     agent: str = "",
+    sample: int | None = None,
 ) -> str:
     """Writes one episode (a `Trajectory`, the screenshot of each turn and the model's text of
-    each turn) under RESULT_DIR/<domain>/<task_id>/; returns that directory."""
+    each turn) under RESULT_DIR/<domain>/<task_id>/ (<task_id>__s<sample> for one of several
+    samples of a task); returns that directory."""
     from PIL import Image
 
-    out = os.path.join(result_dir, domain_of(task), task_dirname(task.id))
+    name = task_dirname(task.id) + ("" if sample is None else f"__s{sample}")
+    out = os.path.join(result_dir, domain_of(task), name)
     os.makedirs(out, exist_ok=True)
     score = float(traj.score or 0.0)
     lines = []
@@ -120,6 +123,7 @@ def write_episode(
         "instruction": task.instruction,
         "category": getattr(task, "category", ""),
         "agent": agent,
+        "sample": sample,
         "score": score,
         "success": bool(traj.success),
         "failure_reason": traj.failure_reason,
