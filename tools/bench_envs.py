@@ -8,6 +8,15 @@ For each concurrency N, on ONE Chromium process, alternating ``--rounds`` times:
            decode + done check, i.e. a full agent step
 and prints screenshots/s, steps/s and the median of the per-round ratios (alternating rounds
 keep a drifting background load from favouring either side). Both show the same task page.
+
+    .venv/bin/python tools/bench_envs.py --fleet --concurrency 16 --hosts 2 --kill
+
+``--fleet``: N envs spread by ``envs.fleet.BrowserFleet`` over a local pool and ``--hosts``
+browser hosts (``python -m envs.browser.server`` child processes on loopback), against the same
+hosts' raw screenshot ceiling (local pages + each host's ``/bench/screenshots``, all at once),
+alternating as above. ``--kill``: then a run of oracle episodes (``--episodes``) over the same
+fleet in which the last host is SIGKILLed after ``--kill-after`` seconds: its episodes must be
+infrastructure faults and every other episode must finish.
 """
 
 from __future__ import annotations
@@ -18,8 +27,12 @@ import random
 import statistics
 import time
 
+import aiohttp
+
 from cua_jax import actions as A
-from envs.browser import BrowserEnv, BrowserHost, suite
+from cua_jax.env_api import INFO_ERROR, EnvError
+from envs.browser import BrowserEnv, BrowserHost, BrowserPool, suite
+from envs.browser.bench import loop_rate, raw_screenshot_rate
 from envs.browser.pages import ORIGIN, handle_route
 
 
@@ -77,6 +90,147 @@ async def bench(host: BrowserHost, n: int, seconds: float, rounds: int, viewport
         await e.close()
 
 
+TOKEN = "bench-envs-token"
+
+
+async def _remote_ceiling(session, ep: str, pages: int, seconds: float, viewport) -> float:
+    async with session.post(
+        f"http://{ep}/bench/screenshots",
+        json={"pages": pages, "seconds": seconds, "viewport": list(viewport)},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=aiohttp.ClientTimeout(total=seconds + 120),
+    ) as r:
+        d = await r.json()
+        if r.status != 200:
+            raise RuntimeError(f"{ep} /bench/screenshots: {d}")
+        return d["shots"] / d["seconds"]
+
+
+async def _oracle_episode(env, task) -> float:
+    await env.reset(task)
+    for _ in range(task.max_steps + 5):
+        res = await env.step(await env.oracle_next())
+        if res.info.get(INFO_ERROR):
+            raise EnvError(res.info[INFO_ERROR])
+        if res.done:
+            break
+    return await env.evaluate()
+
+
+async def bench_fleet(args, viewport) -> None:
+    """N envs over the local host and --hosts remote hosts vs the same hosts' raw ceiling."""
+    import contextlib  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    from envs.browser.server import start_host_process  # noqa: PLC0415
+    from envs.fleet import LOCAL, BrowserFleet  # noqa: PLC0415
+
+    n = int(args.concurrency.split(",")[0])
+    per = [
+        n // (args.hosts + 1) + (1 if i < n % (args.hosts + 1) else 0)
+        for i in range(args.hosts + 1)
+    ]
+    procs = [start_host_process(token=TOKEN, capacity=c) for c in per[1:]]
+    eps = [ep for _, ep in procs]
+    w, h = viewport
+    try:
+        fleet = BrowserFleet(
+            BrowserPool(per[0], viewport=viewport, step_timeout_s=60.0),
+            eps,
+            token=TOKEN,
+            viewport=viewport,
+            health_interval_s=1.0,
+            request_timeout_s=60.0,
+        )
+        async with fleet, aiohttp.ClientSession() as session:
+            print(f"{n} envs: local {per[0]}, hosts {dict(zip(eps, per[1:], strict=True))}")
+            async with contextlib.AsyncExitStack() as stack:
+                envs = [await stack.enter_async_context(fleet.acquire()) for _ in range(n)]
+                where = {}
+                steps = []
+                for i, e in enumerate(envs):
+                    await e.reset(suite.make_task("settings-panel", i))
+                    where[getattr(e, "endpoint", LOCAL)] = (
+                        where.get(getattr(e, "endpoint", LOCAL), 0) + 1
+                    )
+                    rng = random.Random(i)
+
+                    async def step(e=e, rng=rng):
+                        r = await e.step(A.Move(rng.uniform(0, w - 1), rng.uniform(0, h - 1)))
+                        assert not r.done, r.info
+
+                    await step()
+                    steps.append(step)
+                print(f"envs per host: {where}")
+                raws, envr = [], []
+                for _ in range(args.rounds):
+                    rates = await asyncio.gather(
+                        raw_screenshot_rate(fleet.local.host, per[0], args.seconds, viewport),
+                        *(
+                            _remote_ceiling(session, ep, c, args.seconds, viewport)
+                            for ep, c in zip(eps, per[1:], strict=True)
+                        ),
+                    )
+                    local_shots, local_s = rates[0]
+                    raws.append(local_shots / local_s + sum(rates[1:]))
+                    count, took = await loop_rate(args.seconds, steps)
+                    envr.append(count / took)
+                    print(
+                        f"  round: raw {raws[-1]:.1f} shots/s, env {envr[-1]:.1f} steps/s",
+                        flush=True,
+                    )
+            ratio = statistics.median(e / r for e, r in zip(envr, raws, strict=True))
+            print(f"{'envs':>5} {'raw shots/s':>12} {'env steps/s':>12} {'ratio':>7}")
+            print(
+                f"{n:>5} {statistics.median(raws):>12.1f} {statistics.median(envr):>12.1f} "
+                f"{ratio:>7.2f}"
+            )
+            if args.kill:
+                await _kill_run(fleet, procs[-1], args, signal)
+    finally:
+        for p, _ in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.terminate()
+            p.wait(30)
+
+
+async def _kill_run(fleet, victim, args, signal) -> None:
+    from envs.fleet import LOCAL  # noqa: PLC0415
+
+    proc, ep = victim
+    names = ("nav-two-level", "type-word", "enter-name-email", "click-sequence")
+    tasks = [suite.make_task(names[i % len(names)], i) for i in range(args.episodes)]
+    t0 = time.perf_counter()
+
+    async def one(task):
+        async with fleet.acquire() as env:
+            host = getattr(env, "endpoint", LOCAL)
+            try:
+                return host, await _oracle_episode(env, task)
+            except EnvError as e:
+                return host, e
+
+    async def killer():
+        await asyncio.sleep(args.kill_after)
+        proc.send_signal(signal.SIGKILL)
+        print(f"  killed {ep} at {time.perf_counter() - t0:.1f} s", flush=True)
+
+    k = asyncio.create_task(killer())
+    results = await asyncio.gather(*(one(t) for t in tasks))
+    await k
+    took = time.perf_counter() - t0
+    by_host: dict[str, list[int]] = {}
+    for host, r in results:
+        ok, fault = by_host.setdefault(host, [0, 0])
+        by_host[host] = [ok + (r == 1.0), fault + isinstance(r, EnvError)]
+    lost = sum(1 for _, r in results if not isinstance(r, EnvError) and r != 1.0)
+    print(
+        f"kill run: {len(tasks)} oracle episodes in {took:.1f} s; per host [solved, faults]: "
+        f"{by_host}; neither: {lost}; hosts up after: {fleet.env_hosts()}"
+    )
+    print(f"fleet report: {fleet.report()}")
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", default="1,4,16")
@@ -84,12 +238,20 @@ async def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--viewport", default="640x480")
     ap.add_argument("--executable-path", default=None)
+    ap.add_argument("--fleet", action="store_true", help="local + remote hosts (see above)")
+    ap.add_argument("--hosts", type=int, default=2, help="remote browser hosts (--fleet)")
+    ap.add_argument("--kill", action="store_true", help="then kill a host mid-run (--fleet)")
+    ap.add_argument("--kill-after", type=float, default=8.0)
+    ap.add_argument("--episodes", type=int, default=48)
     args = ap.parse_args()
     viewport = tuple(int(v) for v in args.viewport.split("x"))
     print(
         f"viewport {viewport[0]}x{viewport[1]}, PNG, {args.rounds} alternating rounds of "
         f"{args.seconds:g} s per side"
     )
+    if args.fleet:
+        await bench_fleet(args, viewport)
+        return
     print(f"{'envs':>5} {'raw shots/s':>12} {'env steps/s':>12} {'ratio':>7}")
     async with BrowserHost(args.executable_path) as host:
         for n in (int(x) for x in args.concurrency.split(",")):

@@ -183,6 +183,8 @@ class BrowserEnv:
       reuse_context: wipe and reuse the context between healthy episodes (storage and cookies
         cleared; our pages keep no other state) instead of making a new one, which costs
         ~0.3 s of CPU per reset. A fault always gets a brand-new context.
+      decode_screenshots: False leaves ``Observation.screenshot`` an undecoded stand-in of the
+        right shape (a browser host sends ``last_screenshot_bytes`` on as they are).
       miniwob_max_time_ms: MiniWoB's episode clock (its default 10 s is too short for a model
         generating on CPU; rewards that decay with time decay against this).
     """
@@ -201,6 +203,7 @@ class BrowserEnv:
         text_state: bool = False,
         miniwob_max_time_ms: int = 3_600_000,
         reuse_context: bool = True,
+        decode_screenshots: bool = True,
     ):
         w, h = viewport
         if not (isinstance(w, int) and isinstance(h, int) and 64 <= w <= 8192 and 64 <= h <= 8192):
@@ -218,6 +221,7 @@ class BrowserEnv:
         self.text_state = text_state
         self.miniwob_max_time_ms = miniwob_max_time_ms
         self.reuse_context = reuse_context
+        self.decode_screenshots = decode_screenshots
 
         self._ctx: BrowserContext | None = None
         self._page: Page | None = None
@@ -876,7 +880,11 @@ class BrowserEnv:
             lambda: page.screenshot(type=self.screenshot_type, timeout=self.step_timeout_s * 1000)
         )
         self.last_screenshot_bytes = data  # the encoded image (the remote host sends it on)
-        img = await asyncio.to_thread(decode_screenshot, data)
+        if self.decode_screenshots:
+            img = await asyncio.to_thread(decode_screenshot, data)
+        else:  # no pixels: a read-only view of one black pixel, the screen's shape
+            w, h = self.viewport
+            img = np.broadcast_to(np.zeros((1, 1, 3), np.uint8), (h, w, 3))
         text = None
         if self.text_state:
             text = await self._with_nav_retry(

@@ -17,6 +17,8 @@ isolation on the client, with the pages served from its memory):
     POST /envs/{id}/evaluate     -> {"score"} (422 {"message"}: EnvError)
     POST /envs/{id}/oracle_next  -> {"action"} (501 for tasks without an oracle)
     POST /envs/{id}/close        gives the env back
+    POST /bench/screenshots      {"pages", "seconds", "viewport"} -> {"shots", "seconds"}: this
+                                 host's raw page.screenshot() rate (tools/bench_envs.py ceiling)
 
 Every call renews its lease; a lease not renewed for ``--lease-s`` seconds (a client that
 died) is reclaimed. Built-in tasks, MiniWoB++ pages and inline HTML are served by this host's
@@ -81,7 +83,9 @@ ROUTES = (
     Route("POST", "/envs/{env}/evaluate", "evaluate", NONE),
     Route("POST", "/envs/{env}/oracle_next", "oracle_next", NONE),
     Route("POST", "/envs/{env}/close", "close", NONE),
+    Route("POST", "/bench/screenshots", "bench_screenshots", JSON),
 )
+MAX_BENCH_SECONDS = 60.0
 
 
 @dataclasses.dataclass
@@ -120,6 +124,7 @@ class BrowserServer:
         self.host = BrowserHost(executable_path)
         self.env_kwargs = env_kwargs
         self.leases: dict[str, _Lease] = {}
+        self.idle: list[BrowserEnv] = []  # envs given back, kept for the next lease (cheap reset)
         self._routes: dict[Any, Route] = {}
         self.guard = RequestGuard(
             token=token, allowed_hosts=allowed_hosts, route_of=self._routes.get
@@ -145,7 +150,8 @@ class BrowserServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
         leases, self.leases = list(self.leases.values()), {}
-        await asyncio.gather(*(le.env.close() for le in leases), return_exceptions=True)
+        envs, self.idle = [le.env for le in leases] + self.idle, []
+        await asyncio.gather(*(e.close() for e in envs), return_exceptions=True)
         await self.host.close()
 
     async def _sweep(self) -> None:
@@ -178,7 +184,13 @@ class BrowserServer:
             return error(f"all {self.capacity} envs of this host are leased", 503)
         vp = data.get("viewport", [1280, 720])
         try:
-            env = BrowserEnv(tuple(vp), host=self.host, **self.env_kwargs)
+            vp = tuple(vp)
+            same = [e for e in self.idle if e.viewport == vp]
+            if same:
+                env = same[0]
+                self.idle.remove(env)
+            else:
+                env = BrowserEnv(vp, host=self.host, decode_screenshots=False, **self.env_kwargs)
         except (TypeError, ValueError) as e:
             return error(f"bad viewport {vp!r}: {e}", 400)
         key = secrets.token_urlsafe(12)
@@ -245,11 +257,34 @@ class BrowserServer:
                 return error(str(e), 409)
             return web.json_response({"action": A.action_to_dict(a)})
 
+    async def bench_screenshots(self, request: web.Request) -> web.Response:
+        """Raw ``page.screenshot()`` on ``pages`` fresh pages of this host's Chromium, looping
+        for ``seconds``: the host's screenshot ceiling, which ``tools/bench_envs.py`` sets
+        beside env steps/s (at most ``capacity`` pages, on top of the leased envs)."""
+        from envs.browser.bench import raw_screenshot_rate  # noqa: PLC0415
+
+        data = await json_body(request)
+        try:
+            n = int(data.get("pages", 1))
+            seconds = float(data.get("seconds", 5.0))
+            vp = tuple(int(v) for v in data.get("viewport", [640, 480]))
+        except (TypeError, ValueError) as e:
+            return error(f"bad bench arguments: {e}", 400)
+        if not (1 <= n <= self.capacity) or not 0 < seconds <= MAX_BENCH_SECONDS:
+            return error(f"pages must be 1..capacity, seconds in (0, {MAX_BENCH_SECONDS:g}]", 400)
+        shots, took = await raw_screenshot_rate(self.host, n, seconds, vp)
+        return web.json_response({"shots": shots, "seconds": took})
+
     async def close(self, request: web.Request) -> web.Response:
         le = self.leases.pop(request.match_info["env"], None)
         if le is not None:
             async with le.lock:
-                await le.env.close()
+                # kept for the next lease: its next reset wipes the context (or replaces it
+                # after a fault), as a local pool's env between episodes
+                le.env._active = False
+                self.idle.append(le.env)
+                while len(self.idle) > self.capacity:
+                    await self.idle.pop(0).close()
         return web.json_response({"ok": True})
 
 
