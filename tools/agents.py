@@ -177,6 +177,29 @@ class CheckpointAgent:
         return AgentReply(text, tokens, [float(x) for x in out.logprobs], int(out.version))
 
 
+class _Sessions:
+    """One aiohttp session per event loop (an agent may be used from several asyncio.run)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._by_loop: dict[int, Any] = {}
+
+    def get(self):
+        import aiohttp
+
+        loop = asyncio.get_running_loop()
+        s = self._by_loop.get(id(loop))
+        if s is None or s.closed:
+            s = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+            self._by_loop[id(loop)] = s
+        return s
+
+    async def close(self) -> None:
+        for s in self._by_loop.values():
+            await s.close()
+        self._by_loop.clear()
+
+
 class OpenAIAgent:
     """A model behind an OpenAI-compatible `/chat/completions` endpoint (aiohttp client).
 
@@ -206,22 +229,10 @@ class OpenAIAgent:
         self.temperature, self.top_p = temperature, top_p
         self.timeout_s, self.retries = timeout_s, retries
         self.name = name or f"openai:{model or base_url}"
-        self._sessions: dict[int, Any] = {}
-
-    def _session(self):
-        import aiohttp
-
-        loop = asyncio.get_running_loop()
-        s = self._sessions.get(id(loop))
-        if s is None or s.closed:
-            s = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
-            self._sessions[id(loop)] = s
-        return s
+        self._http = _Sessions(timeout_s)
 
     async def close(self) -> None:
-        for s in self._sessions.values():
-            await s.close()
-        self._sessions.clear()
+        await self._http.close()
 
     def request_body(self, turn: AgentTurn) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -245,7 +256,7 @@ class OpenAIAgent:
         last = ""
         for attempt in range(self.retries + 1):
             try:
-                async with self._session().post(self.url, json=body, headers=headers) as r:
+                async with self._http.get().post(self.url, json=body, headers=headers) as r:
                     text = await r.text()
                     if r.status >= 500 and attempt < self.retries:
                         last = f"HTTP {r.status}: {text[:300]}"
@@ -309,7 +320,7 @@ class AnthropicAgent:
         self.model, self.api_key = model, api_key
         self.tool_type, self.beta = tool_type, beta
         self.name = name or f"anthropic:{model}"
-        self._http = OpenAIAgent(base_url, timeout_s=timeout_s)  # its aiohttp session handling
+        self._http = _Sessions(timeout_s)
 
     async def close(self) -> None:
         await self._http.close()
@@ -471,7 +482,7 @@ class AnthropicAgent:
         if self.beta:
             headers["anthropic-beta"] = self.beta
         try:
-            async with self._http._session().post(
+            async with self._http.get().post(
                 self.url, json=self.request_body(turn), headers=headers
             ) as r:
                 text = await r.text()
