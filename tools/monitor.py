@@ -34,7 +34,11 @@ class MonitorError(SystemExit):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--db", required=True, help="SQLite file, a run's workdir, or a database URL")
+    p.add_argument(
+        "--db",
+        default=os.environ.get("DATABASE_URL"),
+        help="SQLite file, a run's workdir, or a database URL (default: $DATABASE_URL)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="Interface to serve on (default loopback)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--token", default=os.environ.get("CUA_MONITOR_TOKEN"), help="Access token")
@@ -85,6 +89,8 @@ def open_database(db: str):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if not args.db:
+        raise MonitorError("pass --db=WORKDIR (its trajectories.sqlite) or a database URL")
     from tools.monitor_app.app import make_app
     from tools.monitor_app.security import allowed_hosts, is_loopback
 
