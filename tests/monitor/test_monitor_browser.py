@@ -53,7 +53,14 @@ class Server:
             hosts=allowed_hosts("127.0.0.1", self.port),
             poll_ms=poll_ms,
         )
-        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        cfg = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            timeout_keep_alive=1,  # the browser's open connections do not hold up the end
+            timeout_graceful_shutdown=1,
+        )
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
