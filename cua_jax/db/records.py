@@ -134,7 +134,8 @@ def rollout_record(
                 "y": y,
                 "logprob_sum": _num(np.sum(turn.logprobs, dtype=np.float64)),
                 "generated_tokens": int(turn.generated_ids.size),
-                "timing_s": None,  # the episode loop times whole episodes (rollout timings)
+                # per-turn time when the episode loop records one (it times whole episodes now)
+                "timing_s": _num(getattr(turn, "timing_s", None)),
                 "feedback": turn.feedback or None,
                 "trained": bool(turn.trained),
                 "screenshot": shot,
