@@ -148,6 +148,11 @@ def base_config(family: str) -> ConfigDict:
     c.env.system_prompt = "tools"  # "tools" (the full tool schema) | "compact" (tiny models)
     c.env.vm_endpoints = ()  # for kind="vm" with remote VMs: base URLs
     c.env.vm_token = _str()
+    # how a remote VM is reset before each episode (envs.vm.providers.revert_hook):
+    # "" | "libvirt:DOMAIN@SNAPSHOT" | "qemu:MONITOR_SOCKET@SNAPSHOT" | "docker:CONTAINER" |
+    # "cmd:COMMAND" ({index}, {url}, {host}, {port} filled in per endpoint)
+    c.env.vm_revert = ""
+    c.env.vm_docker_image = ""  # kind="vm": desktops in containers of this image instead
     # kind="browser": remote browser hosts ('host:port' of `python -m envs.browser.server`);
     # episodes spread over them and the local pool (env.concurrency envs)
     c.env.browser_endpoints = ()

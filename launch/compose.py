@@ -72,6 +72,8 @@ def build_env_factory(config):
                 endpoints=tuple(ec.vm_endpoints),
                 token=ec.vm_token,
                 screen=(ec.viewport_width, ec.viewport_height),
+                revert=ec.get("vm_revert", ""),
+                docker_image=ec.get("vm_docker_image") or None,
             )
     else:
         raise ValueError(f"config.env.kind={ec.kind!r} is not one of 'browser', 'vm'")

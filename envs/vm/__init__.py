@@ -65,6 +65,8 @@ def make_env_pool(
     endpoints: Sequence[str] = (),
     token: str | None = None,
     screen: tuple[int, int] = (1280, 720),
+    revert: str = "",
+    docker_image: str | None = None,
     **env_kwargs: Any,
 ) -> Any:
     """An env pool for the trainer (``envs.vm.env.VMEnvPool``).
@@ -72,15 +74,28 @@ def make_env_pool(
     With ``endpoints`` (``"http://host:port"`` of OSWorld VMs or our servers, all sharing
     ``token``): one desktop per endpoint (a VM runs one episode at a time; ``concurrency`` caps
     how many are used). Without: ``concurrency`` local Xvfb desktops of size ``screen``.
+    ``revert``: how a remote desktop is reset before each episode (``env.vm_revert``; see
+    ``envs.vm.providers.revert_hook``: "libvirt:DOM@SNAP", "qemu:SOCK@SNAP", "docker:NAME",
+    "cmd:..."), then the task's setup steps run. ``docker_image``: ``concurrency`` desktops in
+    containers of that image (``envs/docker/Dockerfile``), restarted before each episode.
     ``env_kwargs`` go to every ``VMEnv`` (``observe_a11y``, ``pause_s``, ``action_timeout``).
     """
     from envs.vm.env import VMEnvPool
-    from envs.vm.providers import LocalDesktop, Remote
+    from envs.vm.providers import LocalDesktop, RemoteDesktop, revert_hook
 
     if concurrency < 1:
         raise ValueError(f"make_env_pool: concurrency must be >= 1, got {concurrency}")
+    if endpoints and docker_image:
+        raise ValueError("make_env_pool: give endpoints or docker_image, not both")
     if endpoints:
-        desktops: list[Any] = Remote([(e, token) for e in endpoints][:concurrency])
+        desktops: list[Any] = [
+            RemoteDesktop(e, token, revert=revert_hook(revert, i))
+            for i, e in enumerate(endpoints[:concurrency])
+        ]
+    elif docker_image:
+        from envs.docker.provider import DockerDesktop
+
+        desktops = [DockerDesktop(docker_image, token, screen=screen) for _ in range(concurrency)]
     else:
         desktops = [LocalDesktop(*screen, token=token) for _ in range(concurrency)]
     return VMEnvPool(desktops, **env_kwargs)

@@ -551,3 +551,105 @@ def _drain(proc: subprocess.Popen) -> None:
             pass
     except (OSError, ValueError):
         pass
+
+
+# ------------------------------------------------------------------------------------------
+# Reset between episodes: a revert hook per provider, chosen by a config string
+# ------------------------------------------------------------------------------------------
+
+REVERT_KINDS = ("libvirt", "qemu", "docker", "cmd")
+RevertHook = Callable[[RemoteDesktop], Awaitable[None]]
+
+
+def revert_hook(spec: str, index: int = 0) -> RevertHook | None:
+    """The ``revert`` of a remote desktop (restore its initial state before each episode; the
+    task's own OSWorld setup steps run after it), from a config string (``env.vm_revert``):
+
+      ""                            none: setup steps are all the reset
+      "libvirt:DOMAIN@SNAPSHOT"     ``virsh snapshot-revert DOMAIN SNAPSHOT --running``
+      "qemu:MONITOR_SOCKET@SNAPSHOT" QEMU's human monitor on a unix socket: ``loadvm SNAPSHOT``
+      "docker:CONTAINER"            container restart (Docker Engine API, $DOCKER_HOST or
+                                    /var/run/docker.sock)
+      "cmd:SHELL COMMAND"           any command (exit status 0 = reverted)
+
+    ``{index}`` (the desktop's position in ``env.vm_endpoints``), ``{url}``, ``{host}`` and
+    ``{port}`` in the string are filled in per desktop, e.g. ``"libvirt:osworld-{index}@init"``.
+    """
+    spec = (spec or "").strip()
+    if not spec:
+        return None
+    kind, sep, arg = spec.partition(":")
+    if not sep or kind not in REVERT_KINDS or not arg:
+        raise ValueError(
+            f"env.vm_revert={spec!r}: expected KIND:ARGUMENT with KIND one of "
+            f"{', '.join(REVERT_KINDS)} (e.g. 'libvirt:osworld-{{index}}@init')"
+        )
+
+    def fill(d: RemoteDesktop) -> str:
+        from urllib.parse import urlsplit  # noqa: PLC0415
+
+        u = urlsplit(d.url)
+        return arg.format(index=index, url=d.url, host=u.hostname or "", port=u.port or "")
+
+    if kind in ("libvirt", "qemu") and "@" not in arg:
+        raise ValueError(f"env.vm_revert={spec!r}: {kind} needs TARGET@SNAPSHOT")
+
+    async def revert(d: RemoteDesktop) -> None:
+        a = fill(d)
+        if kind == "libvirt":
+            dom, snap = a.rsplit("@", 1)
+            await run_revert_command(["virsh", "snapshot-revert", dom, snap, "--running"], d)
+        elif kind == "qemu":
+            sock, snap = a.rsplit("@", 1)
+            await qemu_monitor(sock, f"loadvm {snap}")
+        elif kind == "docker":
+            from envs.docker.provider import DockerAPI  # noqa: PLC0415
+
+            async with DockerAPI() as api:
+                await api.restart(a)
+        else:
+            await run_revert_command(a, d)
+
+    return revert
+
+
+async def run_revert_command(cmd: str | Sequence[str], d: RemoteDesktop) -> None:
+    """Runs a revert command here (not in the VM); VMError naming it when it fails."""
+    if isinstance(cmd, str):
+        proc = await asyncio.create_subprocess_shell(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+    else:
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+    out, _ = await proc.communicate()
+    if proc.returncode != 0:
+        raise VMError(
+            f"reverting {d.url} failed: {cmd!r} exited {proc.returncode}: "
+            f"{out.decode(errors='replace')[-500:]}"
+        )
+
+
+async def qemu_monitor(socket_path: str, command: str, timeout: float = 120.0) -> str:
+    """Sends one command to QEMU's human monitor (``-monitor unix:PATH,server,nowait``) and
+    returns its output; VMError when it reports an error."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(socket_path), 10)
+    except (OSError, TimeoutError) as e:
+        raise VMError(f"QEMU monitor {socket_path}: cannot connect ({e})") from e
+    try:
+        await asyncio.wait_for(reader.readuntil(b"(qemu) "), 10)  # the banner and prompt
+        writer.write(command.encode() + b"\n")
+        await writer.drain()
+        out = await asyncio.wait_for(reader.readuntil(b"(qemu) "), timeout)
+    except (OSError, TimeoutError, asyncio.IncompleteReadError) as e:
+        raise VMError(f"QEMU monitor {socket_path}: {command!r} got no answer ({e})") from e
+    finally:
+        writer.close()
+    text = out.decode(errors="replace").removesuffix("(qemu) ")
+    # the monitor echoes the command line first; errors read "Error: ..." / "... not found"
+    body = text.split("\n", 1)[1] if "\n" in text else ""
+    if "rror" in body or "not found" in body:
+        raise VMError(f"QEMU monitor {socket_path}: {command!r}: {body.strip()}")
+    return body
