@@ -157,6 +157,7 @@ def base_config(family: str) -> ConfigDict:
     # episodes spread over them and the local pool (env.concurrency envs)
     c.env.browser_endpoints = ()
     c.env.browser_token = _str()  # their bearer token (default $CUA_BROWSER_TOKEN)
+    c.env.page_memory_mb = 0  # per-page JavaScript heap cap of local browsers (0: V8's default)
 
     # ---- tasks -----------------------------------------------------------------------------------
     c.tasks = ({"source_type": "builtin", "split": "train", "seed": 0},)

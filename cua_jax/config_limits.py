@@ -139,6 +139,7 @@ LIMITS: dict[str, Limit] = {
     "env.viewport_width": _int(64, 8192, why="screen pixels"),
     "env.viewport_height": _int(64, 8192, why="screen pixels"),
     "env.step_timeout_s": _POS,
+    "env.page_memory_mb": _int(0, why="MiB of JavaScript heap per page; 0: no cap"),
     # ---- ckpt
     "ckpt.save_every": _int(1),
     "ckpt.keep": _int(1),

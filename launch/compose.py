@@ -44,6 +44,7 @@ def build_env_factory(config):
                 viewport=(ec.viewport_width, ec.viewport_height),
                 executable_path=ec.executable_path,
                 step_timeout_s=ec.step_timeout_s,
+                page_memory_mb=ec.get("page_memory_mb") or None,
             )
 
         endpoints = tuple(ec.get("browser_endpoints", ()) or ())

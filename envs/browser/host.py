@@ -111,6 +111,10 @@ class BrowserHost:
       executable_path: Chromium binary; autodetected when None (see ``find_chromium``).
       extra_args: more Chromium switches (their --disable-features are merged into ours).
       launch_timeout_s: how long a launch may take before it counts as failed.
+      page_memory_mb: a per-page cap on JavaScript heap memory (V8's old space, in every
+        renderer process): a page that allocates without end crashes its own renderer (a
+        fault of that episode; the next reset gets a fresh context) instead of swapping the
+        machine that runs the other envs. None: V8's default.
     """
 
     def __init__(
@@ -118,9 +122,15 @@ class BrowserHost:
         executable_path: str | None = None,
         extra_args: Sequence[str] = (),
         launch_timeout_s: float = 60.0,
+        page_memory_mb: int | None = None,
     ):
         self.executable_path = find_chromium(executable_path)
-        self.extra_args = tuple(extra_args)
+        if page_memory_mb is not None and page_memory_mb < 16:
+            raise ValueError(f"page_memory_mb must be >= 16 (MiB), got {page_memory_mb}")
+        limits = (
+            (f"--js-flags=--max-old-space-size={int(page_memory_mb)}",) if page_memory_mb else ()
+        )
+        self.extra_args = tuple(extra_args) + limits
         self.launch_timeout_s = launch_timeout_s
         self._pw: Playwright | None = None
         self._browser: Browser | None = None

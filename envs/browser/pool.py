@@ -27,6 +27,7 @@ class BrowserPool:
       n: number of envs (concurrent episodes).
       viewport: (width, height) of every env's screen.
       executable_path: Chromium binary (autodetected when None).
+      page_memory_mb: per-page JavaScript heap cap (``BrowserHost``; None: V8's default).
       **env_kwargs: passed to each :class:`BrowserEnv` (step_timeout_s, text_state, ...).
     """
 
@@ -35,11 +36,12 @@ class BrowserPool:
         n: int,
         viewport: tuple[int, int] = (1280, 720),
         executable_path: str | None = None,
+        page_memory_mb: int | None = None,
         **env_kwargs: Any,
     ):
         if n < 1:
             raise ValueError(f"BrowserPool needs n >= 1 envs, got {n}")
-        self.host = BrowserHost(executable_path)
+        self.host = BrowserHost(executable_path, page_memory_mb=page_memory_mb)
         self.envs = [BrowserEnv(viewport, host=self.host, **env_kwargs) for _ in range(n)]
         self._free: asyncio.Queue[BrowserEnv] | None = None
 

@@ -115,13 +115,14 @@ class BrowserServer:
         allowed_hosts: Sequence[str] | None = (),
         lease_s: float = 120.0,
         executable_path: str | None = None,
+        page_memory_mb: int | None = None,
         **env_kwargs: Any,
     ):
         if capacity < 1:
             raise ValueError(f"a browser host needs capacity >= 1, got {capacity}")
         self.capacity = capacity
         self.lease_s = lease_s
-        self.host = BrowserHost(executable_path)
+        self.host = BrowserHost(executable_path, page_memory_mb=page_memory_mb)
         self.env_kwargs = env_kwargs
         self.leases: dict[str, _Lease] = {}
         self.idle: list[BrowserEnv] = []  # envs given back, kept for the next lease (cheap reset)
@@ -311,6 +312,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lease-s", type=float, default=120.0, help="lease time-out in seconds")
     p.add_argument("--step-timeout-s", type=float, default=20.0, help="BrowserEnv step timeout")
     p.add_argument("--executable-path", default=None, help="Chromium (autodetected)")
+    p.add_argument(
+        "--page-memory-mb",
+        type=int,
+        default=None,
+        help="per-page JavaScript heap cap in MiB (a runaway page crashes alone)",
+    )
     args = p.parse_args(argv)
     loopback = is_loopback(args.host)
     if args.no_token and args.token is not None:
@@ -344,6 +351,7 @@ async def serve(args: argparse.Namespace) -> None:
         allowed_hosts=hosts,
         lease_s=args.lease_s,
         executable_path=args.executable_path,
+        page_memory_mb=args.page_memory_mb,
         step_timeout_s=args.step_timeout_s,
     )
     runner = web.AppRunner(server.app(), access_log=None)
