@@ -153,6 +153,7 @@ def base_config(family: str) -> ConfigDict:
     # "cmd:COMMAND" ({index}, {url}, {host}, {port} filled in per endpoint)
     c.env.vm_revert = ""
     c.env.vm_docker_image = ""  # kind="vm": desktops in containers of this image instead
+    c.env.desktop_memory_mb = 0  # address-space cap of a local desktop's processes (0: none)
     # kind="browser": remote browser hosts ('host:port' of `python -m envs.browser.server`);
     # episodes spread over them and the local pool (env.concurrency envs)
     c.env.browser_endpoints = ()

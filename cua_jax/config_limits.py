@@ -140,6 +140,7 @@ LIMITS: dict[str, Limit] = {
     "env.viewport_height": _int(64, 8192, why="screen pixels"),
     "env.step_timeout_s": _POS,
     "env.page_memory_mb": _int(0, why="MiB of JavaScript heap per page; 0: no cap"),
+    "env.desktop_memory_mb": _int(0, why="MiB of address space per desktop process; 0: no cap"),
     # ---- ckpt
     "ckpt.save_every": _int(1),
     "ckpt.keep": _int(1),

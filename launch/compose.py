@@ -75,6 +75,7 @@ def build_env_factory(config):
                 screen=(ec.viewport_width, ec.viewport_height),
                 revert=ec.get("vm_revert", ""),
                 docker_image=ec.get("vm_docker_image") or None,
+                memory_mb=ec.get("desktop_memory_mb") or None,
             )
     else:
         raise ValueError(f"config.env.kind={ec.kind!r} is not one of 'browser', 'vm'")

@@ -67,6 +67,7 @@ def make_env_pool(
     screen: tuple[int, int] = (1280, 720),
     revert: str = "",
     docker_image: str | None = None,
+    memory_mb: int | None = None,
     **env_kwargs: Any,
 ) -> Any:
     """An env pool for the trainer (``envs.vm.env.VMEnvPool``).
@@ -78,6 +79,7 @@ def make_env_pool(
     ``envs.vm.providers.revert_hook``: "libvirt:DOM@SNAP", "qemu:SOCK@SNAP", "docker:NAME",
     "cmd:..."), then the task's setup steps run. ``docker_image``: ``concurrency`` desktops in
     containers of that image (``envs/docker/Dockerfile``), restarted before each episode.
+    ``memory_mb``: the address-space cap of each local desktop's processes (None: none).
     ``env_kwargs`` go to every ``VMEnv`` (``observe_a11y``, ``pause_s``, ``action_timeout``).
     """
     from envs.vm.env import VMEnvPool
@@ -97,5 +99,7 @@ def make_env_pool(
 
         desktops = [DockerDesktop(docker_image, token, screen=screen) for _ in range(concurrency)]
     else:
-        desktops = [LocalDesktop(*screen, token=token) for _ in range(concurrency)]
+        desktops = [
+            LocalDesktop(*screen, token=token, memory_mb=memory_mb) for _ in range(concurrency)
+        ]
     return VMEnvPool(desktops, **env_kwargs)

@@ -100,6 +100,10 @@ class LocalDesktop:
       start_timeout: seconds to wait for each process to come up.
       warm_pyautogui: the server runs pyautogui actions in a warm worker (False: a new
         ``python -c`` process per action, exactly like OSWorld's server).
+      memory_mb: a cap on the address space of the server and of every process it starts
+        (the apps, the commands of run_shell / execute; ``RLIMIT_AS``, inherited): a runaway
+        command in one desktop fails with out-of-memory instead of taking the machine's
+        memory from the other desktops. None: no cap.
     """
 
     def __init__(
@@ -114,6 +118,7 @@ class LocalDesktop:
         start_timeout: float = 30.0,
         name: str | None = None,
         warm_pyautogui: bool = True,
+        memory_mb: int | None = None,
     ):
         if width < 64 or height < 64:
             raise ValueError(f"LocalDesktop screen {width}x{height} is too small (min 64x64)")
@@ -126,6 +131,9 @@ class LocalDesktop:
         self.window_manager = list(window_manager) if window_manager else None
         self.start_timeout = start_timeout
         self.warm_pyautogui = warm_pyautogui
+        if memory_mb is not None and memory_mb < 256:
+            raise ValueError(f"LocalDesktop memory_mb must be >= 256 (MiB), got {memory_mb}")
+        self.memory_mb = memory_mb
         self._name = name
         self.display: str | None = None
         self.home: Path | None = None
@@ -286,6 +294,7 @@ class LocalDesktop:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_address_space_limit(self.memory_mb) if self.memory_mb else None,
         )
         try:
             line = await asyncio.wait_for(
@@ -522,6 +531,17 @@ class DesktopPool:
             "episodes": {s.desktop.name: s.episodes for s in self._slots},
             "faults": {s.desktop.name: s.faults for s in self._slots},
         }
+
+
+def _address_space_limit(memory_mb: int) -> Callable[[], None]:
+    """A ``preexec_fn`` that caps the child's address space (its children inherit the cap)."""
+    import resource  # noqa: PLC0415
+
+    def apply() -> None:
+        n = int(memory_mb) * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (n, n))
+
+    return apply
 
 
 def _read_line_fd(fd: int) -> str:

@@ -204,3 +204,26 @@ def test_api_oracle_solves_every_task_in_fewer_steps(pool, aio):
     assert not failed, failed
     assert all(a < g for g, a in table.values()), table
     assert all(any(A.api_name(x) for x in api[k].oracle) for k in covered)
+
+
+def test_memory_cap_fails_a_runaway_command_not_the_desktop(xserver, aio):
+    """LocalDesktop(memory_mb=...): a command that allocates past the cap fails alone; the
+    desktop's server and later commands go on."""
+    hog = "python3 -c 'b = bytearray(3 << 30); print(len(b))'"
+
+    async def go():
+        d = LocalDesktop(320, 240, memory_mb=1024)
+        pool = DesktopPool([d])
+        await pool.start()
+        try:
+            async with VMEnv(pool) as env:
+                await env.reset(_task())
+                r = await _steps(env, [A.RunShell(hog), A.RunShell("echo alive")])
+                return r, await env.client.ping()
+        finally:
+            await pool.stop()
+
+    (hogged, alive), ping = aio(go())
+    assert "MemoryError" in hogged.info[INFO_API_RESULT], hogged.info
+    assert not hogged.info[INFO_API_RESULT].startswith("exit code 0")
+    assert alive.info[INFO_API_RESULT] == "exit code 0\nalive\n" and ping
