@@ -102,6 +102,20 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(x)
 
 
+def _moe_model_def(model: nnx.Module, mesh: Mesh | None, rules: shd.Rules) -> steps.ModelDef:
+    """The ModelDef of a MoE model whose sparse blocks run expert-parallel on the engine's own
+    mesh (a sampler sub-mesh may differ from the learner's; None: one device, no shard_map).
+
+    The blocks' mesh is static module state (part of the graphdef), so it is set on a merged
+    copy of the model: the caller's model (the learner's) keeps its own mesh."""
+    from cua_jax.models import qwen_vl  # the model package; lazily (steps imports vision only)
+
+    graphdef, params, other = nnx.split(model, nnx.Param, ...)
+    copy = nnx.merge(graphdef, params, other)
+    qwen_vl.set_expert_mesh(copy, mesh if mesh is not None and mesh.size > 1 else None, rules)
+    return steps.ModelDef.of(copy)[0]
+
+
 class Engine:
     """Continuous-batching sampler over a paged KV cache. See the module docstring.
 
@@ -162,6 +176,7 @@ class Engine:
             share_prefix=share_prefix,
             static_batching=static_batching,
             detokenize=detokenize,
+            route_shape=steps.route_shape(cfg),
         )
         self.max_slots, self.page_size, self.num_pages = max_slots, page_size, num_pages
         self.max_seq_len, self.decode_chunk = max_seq_len, decode_chunk
@@ -170,6 +185,8 @@ class Engine:
         self._model_def, params = steps.ModelDef.of(model)
         mesh = mesh or placement.params_mesh(params)
         self.mesh = mesh
+        if t.is_moe:
+            self._model_def = _moe_model_def(model, mesh, rules)
         if mesh is not None:
             placement.check_mesh(mesh, t.num_key_value_heads, t.num_attention_heads)
             params, param_sh = placement.place_params(params, mesh, rules)
@@ -595,7 +612,7 @@ class Engine:
         # Attention reads only the page-table columns the longest sequence reaches in this chunk.
         table = self.alloc.table()[:, : self._pages_bucket(plan.longest)]
         # Host arrays go to the jitted call as numpy (cheaper than jnp.asarray each).
-        self.cache, out_tok, out_lp, out_mlp = self._decode_fn(
+        self.cache, out_tok, out_lp, out_mlp, *routes = self._decode_fn(
             self._state,
             self.cache,
             table,
@@ -608,6 +625,7 @@ class Engine:
             SlotSampling.from_params(plan.params),
         )
         out_tok, out_lp, out_mlp = map(_to_host, (out_tok, out_lp, out_mlp))
+        out_routes = _to_host(routes[0]) if routes else None  # MoE: i32[S, C, L, K]
         self.stats["decode_calls"] += 1
         self.stats["slot_steps"] += self.max_slots * self.decode_chunk
-        self.sched.apply_decode(out_tok, out_lp, out_mlp, self.version)
+        self.sched.apply_decode(out_tok, out_lp, out_mlp, self.version, out_routes)

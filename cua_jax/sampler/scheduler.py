@@ -62,6 +62,10 @@ class GenerateOutput:
       "error" (see `error`). version: the oldest weights version that produced any token.
     num_prompt_tokens / num_cached_tokens: prompt length and how many of its tokens were served
       from the cache (session reuse or group prefix sharing) instead of being prefilled.
+    routes: MoE models only (None for dense ones): i32[len(tokens), L, K], the experts each of
+      the L sparse layers chose for generated token i when it was fed back as the next decode
+      input (what routing replay gives the learner at that token's position); -1 where not
+      recorded (the last token, never fed; tokens recomputed after a preemption keep theirs).
     """
 
     tokens: list[int]
@@ -73,6 +77,7 @@ class GenerateOutput:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     error: str | None = None
+    routes: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -93,6 +98,7 @@ class Request:
     generated: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     model_logprobs: list[float] = dataclasses.field(default_factory=list)
+    routes: list[np.ndarray] = dataclasses.field(default_factory=list)  # MoE: i32[L, K] each
     slot: int = -1
     version: int = -1
     cached_tokens: int = -1
@@ -185,6 +191,8 @@ class Scheduler:
       share_prefix: fork the pages of a running request with an identical prompt.
       static_batching: admit only when the batch has drained.
       detokenize: ids -> text, for stop strings.
+      route_shape: (sparse layers L, top-k K) of a MoE model whose decode steps return each
+        fed token's experts (recorded per generated token); None for a dense model.
     """
 
     def __init__(
@@ -198,7 +206,9 @@ class Scheduler:
         share_prefix: bool = True,
         static_batching: bool = False,
         detokenize: Callable[[Sequence[int]], str] | None = None,
+        route_shape: tuple[int, int] | None = None,
     ):
+        self.route_shape = route_shape
         self.max_slots, self.page_size, self.num_pages = max_slots, page_size, num_pages
         self.max_seq_len = max_seq_len
         self.pages_per_seq = -(-max_seq_len // page_size)
@@ -430,25 +440,43 @@ class Scheduler:
             params,
         )
 
-    def apply_decode(self, out_tok: np.ndarray, out_lp, out_mlp, version: int) -> None:
-        """Takes a decode chunk's output (i32[S, C], -1 after each slot's last token)."""
+    def apply_decode(
+        self, out_tok: np.ndarray, out_lp, out_mlp, version: int, out_routes=None
+    ) -> None:
+        """Takes a decode chunk's output (i32[S, C], -1 after each slot's last token).
+
+        `out_routes` (MoE): i32[S, C, L, K], the experts of the token fed at step i: the slot's
+        last generated token before the chunk, then the chunk's own tokens but its last."""
         for slot, req in list(self.running.items()):
             k = int(np.sum(out_tok[slot] >= 0))
             self.alloc.set_length(slot, int(self.alloc.lengths[slot]) + k)
             self.next_tok[slot] = out_tok[slot, k - 1] if k else self.next_tok[slot]
             req.version = min(req.version, version)
+            fed = None if out_routes is None else np.asarray(out_routes[slot, :k], np.int32)
             self.append(
-                req, out_tok[slot, :k].tolist(), out_lp[slot, :k], out_mlp[slot, :k], version
+                req, out_tok[slot, :k].tolist(), out_lp[slot, :k], out_mlp[slot, :k], version, fed
             )
 
     # ----------------------------------------------------------------------------- finish
-    def append(self, req: Request, toks: list[int], lps, mlps, version: int) -> None:
-        """Adds tokens to a running request and finishes it if a stop condition is met."""
+    def append(
+        self, req: Request, toks: list[int], lps, mlps, version: int, fed_routes=None
+    ) -> None:
+        """Adds tokens to a running request and finishes it if a stop condition is met.
+
+        `fed_routes` (MoE decode): i32[len(toks), L, K], row j the experts of the token fed at
+        step j (row 0: the request's last token so far; row j: toks[j - 1])."""
         p = req.params
+        if fed_routes is not None and len(fed_routes) and req.routes:
+            req.routes[-1] = fed_routes[0]
         for j, t in enumerate(toks):
             req.generated.append(int(t))
             req.logprobs.append(float(lps[j]))
             req.model_logprobs.append(float(mlps[j]))
+            if self.route_shape is not None:
+                if fed_routes is not None and j + 1 < len(fed_routes):
+                    req.routes.append(fed_routes[j + 1])
+                else:
+                    req.routes.append(np.full(self.route_shape, -1, np.int32))
             self.stats["useful_tokens"] += 1
             if t in p.stop_token_ids:
                 return self.finish(req, "stop", version)
@@ -488,8 +516,17 @@ class Scheduler:
                 num_cached_tokens=max(req.cached_tokens, 0),
                 num_preemptions=req.preemptions,
                 error=error,
+                routes=self._routes_of(req),
             )
         )
+
+    def _routes_of(self, req: Request) -> np.ndarray | None:
+        if self.route_shape is None:
+            return None
+        out = np.full((len(req.generated), *self.route_shape), -1, np.int32)
+        if req.routes:
+            out[: len(req.routes)] = np.stack(req.routes)
+        return out
 
     def drop_session(self, session_id: Any) -> None:
         sess = self.sessions.pop(session_id, None)

@@ -71,6 +71,20 @@ class ModelDef:
     def merge(self, params: nnx.State) -> nnx.Module:
         return nnx.merge(self.graphdef, params, self.other)
 
+    @property
+    def route_shape(self) -> tuple[int, int] | None:
+        """(sparse layers L, experts per token K) of a MoE model (the decode steps then also
+        return each token's chosen experts); None for a dense model."""
+        return route_shape(self.config)
+
+
+def route_shape(config: Any) -> tuple[int, int] | None:
+    """(L, K) of a MoE config's recorded routes (L sparse layers, top-K); None when dense."""
+    t = config.text
+    if not t.is_moe:
+        return None
+    return sum(t.is_sparse_layer(i) for i in range(t.num_hidden_layers)), t.num_experts_per_tok
+
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
@@ -200,16 +214,23 @@ def _decode_loop(
     chunk: int,
 ):
     """The decode while_loop shared by both layouts; `attend(kv, li, q, k, v, active, lengths)`
-    writes the step's K/V of layer li into `kv` and returns (kv, attention output)."""
+    writes the step's K/V of layer li into `kv` and returns (kv, attention output).
+
+    Returns (kv, lengths, out_tok, out_lp, out_mlp, out_routes): out_routes is None for a dense
+    model; for a MoE model i32[S, C, L, K], the experts each sparse layer chose for the token
+    fed at step i (-1 where the slot was inactive)."""
     m = model.merge(params)
     S, C = tok_S.shape[0], chunk
+    moe = model.route_shape
+    # Dense models carry a [S, C, 0, 0] placeholder (no extra work), dropped at the end.
+    L, K = moe if moe is not None else (0, 0)
 
     def cond(carry):
         i, done = carry[0], carry[4]
         return (i < C) & jnp.any(~done & (i < steps_S))
 
     def body(carry):
-        i, kv, lengths, tok, done, out_tok, out_lp, out_mlp = carry
+        i, kv, lengths, tok, done, out_tok, out_lp, out_mlp, out_routes = carry
         active = (~done) & (i < steps_S)
         pos_S = lengths + delta_S
         pos = jnp.broadcast_to(pos_S[None, :, None], (3, S, 1))
@@ -220,7 +241,12 @@ def _decode_loop(
             return o[:, None].astype(q_BTNH.dtype)
 
         embeds, _, _ = m.embed(tok[:, None])
-        hidden = m.decode(embeds, pos, attn_fn)
+        if moe is not None:
+            hidden, info = m.decode(embeds, pos, attn_fn, return_routing=True)
+            e_SLK = jnp.transpose(info.experts[:, :, 0], (1, 0, 2)).astype(jnp.int32)
+            out_routes = out_routes.at[:, i].set(jnp.where(active[:, None, None], e_SLK, -1))
+        else:
+            hidden = m.decode(embeds, pos, attn_fn)
         logits = m.logits(hidden)[:, 0]
         new, lp, mlp = sample_tokens(logits, sampling, gen_S + i)
         is_stop = jnp.any(new[:, None] == stop_SX, axis=1)
@@ -233,6 +259,7 @@ def _decode_loop(
             out_tok.at[:, i].set(jnp.where(active, new, -1)),
             out_lp.at[:, i].set(lp),
             out_mlp.at[:, i].set(mlp),
+            out_routes,
         )
 
     init = (
@@ -244,10 +271,13 @@ def _decode_loop(
         jnp.full((S, C), -1, jnp.int32),
         jnp.zeros((S, C), jnp.float32),
         jnp.zeros((S, C), jnp.float32),
+        jnp.full((S, C, L, K), -1, jnp.int32),
     )
     # while_loop, not fori_loop: the chunk ends early once every slot has stopped.
-    _, kv, lengths, _, _, out_tok, out_lp, out_mlp = jax.lax.while_loop(cond, body, init)
-    return kv, lengths, out_tok, out_lp, out_mlp
+    _, kv, lengths, _, _, out_tok, out_lp, out_mlp, out_routes = jax.lax.while_loop(
+        cond, body, init
+    )
+    return kv, lengths, out_tok, out_lp, out_mlp, out_routes if moe is not None else None
 
 
 def decode_paged(
@@ -302,7 +332,7 @@ def decode_paged(
         )
         return kv_cache.KVCache(tuple(k_bufs), tuple(v_bufs)), o
 
-    kv, _, out_tok, out_lp, out_mlp = _decode_loop(
+    kv, _, out_tok, out_lp, out_mlp, out_routes = _decode_loop(
         model,
         params,
         cache,
@@ -317,7 +347,14 @@ def decode_paged(
         sampling,
         cfg.decode_chunk,
     )
-    return kv, out_tok, out_lp, out_mlp
+    return _decode_outputs(kv, out_tok, out_lp, out_mlp, out_routes)
+
+
+def _decode_outputs(kv, out_tok, out_lp, out_mlp, out_routes) -> tuple:
+    """(cache, tok, lp, mlp) for a dense model; + routes i32[S, C, L, K] for a MoE one."""
+    if out_routes is None:
+        return kv, out_tok, out_lp, out_mlp
+    return kv, out_tok, out_lp, out_mlp, out_routes
 
 
 def contiguous_bytes(cache: kv_cache.KVCache, num_slots: int, table_cols: int) -> int:
@@ -383,7 +420,7 @@ def decode_contiguous(
         )
         return (tuple(k_bufs), tuple(v_bufs)), o
 
-    kv, lengths, out_tok, out_lp, out_mlp = _decode_loop(
+    kv, lengths, out_tok, out_lp, out_mlp, out_routes = _decode_loop(
         model,
         params,
         (tuple(ks), tuple(vs)),
@@ -415,7 +452,8 @@ def decode_contiguous(
             page,
             off,
         )
-    return kv_cache.KVCache(tuple(k_pools), tuple(v_pools)), out_tok, out_lp, out_mlp
+    cache = kv_cache.KVCache(tuple(k_pools), tuple(v_pools))
+    return _decode_outputs(cache, out_tok, out_lp, out_mlp, out_routes)
 
 
 def sample_first(logits_XV, idx_B, sampling, step_B):
@@ -461,6 +499,8 @@ def build_step_fns(
       decode_*(params, cache, table i32[S, P], lengths i32[S], tok i32[S], delta i32[S],
                steps i32[S], gen i32[S], stop i32[S, MAX_STOP_IDS], sampling SlotSampling[S])
         -> (cache, tok i32[S, C], lp f32[S, C], mlp f32[S, C])
+           MoE models (`model.route_shape` not None) also return routes i32[S, C, L, K]: the
+           experts of the L sparse layers for the token fed at each step, -1 where inactive.
       prefill(grid)(params, cache, ids i32[B, T], pix f32[n_patches, D] | None,
                pos i32[3, B, T], table i32[B, P], start i32[B], n i32[B]) -> (cache, f32[B, V])
       sample_first(logits f32[X, V], idx i32[B], sampling SlotSampling[B], step i32[B])
@@ -471,7 +511,7 @@ def build_step_fns(
     small = sh.small
     decode_kw = dict(
         in_shardings=(sh.params, cache_sh, *[small] * 8),
-        out_shardings=(cache_sh, small, small, small),
+        out_shardings=(cache_sh, small, small, small, *[small] * (model.route_shape is not None)),
         donate_argnums=(1,),
         compiler_options=compiler_options,
     )
