@@ -260,3 +260,40 @@ def test_make_env_pool_wires_revert_and_docker():
     assert len({d.name for d in ds}) == 3 and json.dumps([d.name for d in ds])
     with pytest.raises(ValueError, match="env.vm_revert"):
         make_env_pool(1, endpoints=["http://x:1"], revert="bogus")
+
+
+def test_vmenv_reverts_a_remote_desktop_before_each_episodes_setup(xserver, tmp_path):
+    """A desktop reached by URL (a LocalDesktop's server standing in for a remote VM) with a
+    revert command: every episode reverts first, then runs the task's setup steps, and the
+    oracle solves it; the revert ran once per episode."""
+    from envs.vm import osworld
+    from envs.vm.env import VMEnv, task_from_osworld
+    from envs.vm.providers import DesktopPool, LocalDesktop
+
+    marks = tmp_path / "reverts.log"
+    task = task_from_osworld(
+        next(t for t in osworld.load_builtin() if t.id == "terminal-mkdir"), "desktop"
+    )
+
+    async def go():
+        local = LocalDesktop(640, 480)
+        await local.start()
+        try:
+            hook = revert_hook(f"cmd:echo {{index}} {{port}} >> {marks}", index=0)
+            remote = RemoteDesktop(local.url, local.token, revert=hook)
+            scores = []
+            async with DesktopPool([remote]) as pool, VMEnv(pool) as env:
+                for _ in range(2):
+                    await env.reset(task)
+                    for a in task.oracle:
+                        if (await env.step(a)).done:
+                            break
+                    scores.append(await env.evaluate())
+            return scores, local.url
+        finally:
+            await local.stop()
+
+    scores, url = asyncio.run(go())
+    port = url.rsplit(":", 1)[1]
+    assert scores == [1.0, 1.0]
+    assert marks.read_text().splitlines() == [f"0 {port}", f"0 {port}"]
