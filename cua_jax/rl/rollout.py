@@ -111,6 +111,10 @@ COMPACT_SYSTEM_PROMPT = (
     "</tool_call>. Actions: left_click, double_click, right_click, mouse_move, left_click_drag, "
     "type, key, scroll, wait, terminate. Coordinates are {coords}."
 )
+COMPACT_API_LINE = (
+    " This task also allows these tools, called the same way with their own name and string "
+    "arguments: {tools}."
+)
 
 
 def episode_seed(*parts: Any) -> int:
@@ -283,15 +287,25 @@ class AgentLoop:
             self.chat, instruction, system, records, self.settings.max_history_images
         )
 
-    def system_prompt(self, space: A.CoordinateSpace) -> str:
+    def system_prompt(self, space: A.CoordinateSpace, api_actions: Sequence[str] = ()) -> str:
+        """The action schema for the prompt; the task's allowed API actions (`Task.api_actions`)
+        are listed too, as tools of their own."""
         if self.settings.system_prompt == "tools" or not isinstance(self.fmt, A.QwenComputerUse):
-            return self.fmt.system_prompt(space)
+            return self.fmt.system_prompt(space, api_actions)
         coords = (
             "0-1000 relative to the screen"
             if self.fmt.version == "3"
             else f"pixels of a {space.model_w:.0f}x{space.model_h:.0f} screen"
         )
-        return COMPACT_SYSTEM_PROMPT.format(coords=coords)
+        text = COMPACT_SYSTEM_PROMPT.format(coords=coords)
+        if api_actions:
+            text += COMPACT_API_LINE.format(
+                tools="; ".join(
+                    f"{n}({', '.join(p for p, _ in A.API_TOOLS[n].params)})"
+                    for n in A.check_api_names(api_actions)
+                )
+            )
+        return text
 
     def feedback_for(self, results: Sequence[Any]) -> str:
         """The user text after a step: what went wrong, or a neutral continuation."""
@@ -384,7 +398,7 @@ class AgentLoop:
         transcript = _Transcript(
             self.processor,
             obs.instruction or task.instruction,
-            self.system_prompt(space),
+            self.system_prompt(space, task.api_actions),
             self.settings.max_history_images,
         )
         invalid = 0
@@ -430,6 +444,7 @@ class AgentLoop:
                     action=acts,
                     feedback=feedback,
                     trained=reply.trained,
+                    routes=reply.routes,
                 )
             )
             obs = results[-1].observation if results else obs

@@ -429,3 +429,17 @@ def test_a_scripted_policy_plays_through_the_loop(proc):
     assert traj.failure_reason is None and traj.success and traj.policy_version == 11
     assert traj.reward == 1.0 and traj.group_id == "own"  # shaped, but no invalid action
     assert [type(a) for a in env.actions] == [A.Click, A.Click]
+
+
+@pytest.mark.parametrize("system_prompt", ["tools", "compact"])
+def test_the_tasks_api_actions_are_in_the_prompt_and_only_then(engine, proc, system_prompt):
+    """A task that allows API actions shows them to the policy (in the prompt the episode's turns
+    were sampled from); a task that allows none shows none."""
+    loop = _loop(engine, proc, max_history_images=4, system_prompt=system_prompt)
+    api_task = dataclasses.replace(TASK, api_actions=("run_shell", "fill"))
+    (with_api,) = asyncio.run(loop.demonstrations(Pool(1), [api_task]))
+    (plain,) = asyncio.run(loop.demonstrations(Pool(1), [TASK]))
+    tok = proc.tokenizer
+    first = tok.decode(with_api.turns[0].prompt_ids)
+    assert "run_shell" in first and "fill" in first
+    assert "run_shell" not in tok.decode(plain.turns[0].prompt_ids)
