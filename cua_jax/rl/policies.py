@@ -47,11 +47,13 @@ class TurnContext:
 @dataclasses.dataclass(frozen=True)
 class Reply:
     """A policy's turn: the ids it wrote (the end-of-turn id included) and their behaviour
-    log-probs; `trained=False` makes the turn context only (no loss on its tokens)."""
+    log-probs; `trained=False` makes the turn context only (no loss on its tokens); `routes`:
+    a MoE sampler's experts per generated token (GenerateOutput.routes), for routing replay."""
 
     generated_ids: Sequence[int]
     logprobs: np.ndarray  # f32[G]
     trained: bool = True
+    routes: np.ndarray | None = None  # i32[G, L, K]; None for dense models
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +136,11 @@ class SamplerPolicy:
         if out.finish_reason == "error":
             return Stop(f"sampler_error: {getattr(out, 'error', '')}")
         self.versions.append(int(out.version))
-        return Reply([int(t) for t in out.tokens], np.asarray(out.logprobs, np.float32))
+        return Reply(
+            [int(t) for t in out.tokens],
+            np.asarray(out.logprobs, np.float32),
+            routes=getattr(out, "routes", None),
+        )
 
     def finish(self) -> int:
         """The oldest weights that produced any token (the engine's version if none did)."""

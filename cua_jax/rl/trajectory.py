@@ -14,6 +14,12 @@ previous turn's full sequence (prompt + generated) becomes ONE sample — the la
 sequence, with the loss on the generated tokens of every turn of the chain and the observation /
 template tokens masked. When a history window dropped old screenshots (``extends_previous``
 False) a new chain starts, so each such turn is trained with the exact context the sampler saw.
+
+MoE routing replay: ``Turn.routes`` (from the sampler's `GenerateOutput.routes`) holds the
+experts each sparse layer chose for each generated token when it was fed back; a `Sample` of a
+MoE policy carries them token-aligned in ``Sample.routes`` i32[T, L, K], -1 wherever nothing was
+recorded (prompt and observation tokens, each turn's last token), where the learner lets its own
+router choose.
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ class Turn:
     # False: the turn is context only, its tokens get no loss (the scripted wrong first step
     # of a recovery demonstration).
     trained: bool = True
+    # MoE samplers: i32[G, L, K] the experts of the L sparse layers chosen for each generated
+    # token when it was fed back (-1: not recorded); None for dense models.
+    routes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt_ids, np.int32).reshape(-1)
@@ -54,6 +63,14 @@ class Turn:
                 f"Turn.logprobs has {self.logprobs.size} entries but generated_ids has "
                 f"{self.generated_ids.size}; pass one behaviour log-prob per generated token"
             )
+        if self.routes is not None:
+            self.routes = np.asarray(self.routes, np.int32)
+            if self.routes.ndim != 3 or self.routes.shape[0] != self.generated_ids.size:
+                raise ValueError(
+                    f"Turn.routes has shape {self.routes.shape} but needs "
+                    f"[G={self.generated_ids.size}, L, K]: one row of experts per generated token "
+                    "(GenerateOutput.routes)"
+                )
         if (self.pixel_values is None) != (self.image_grid_thw is None):
             raise ValueError("Turn needs both pixel_values and image_grid_thw, or neither")
         if self.image_grid_thw is not None:
@@ -83,6 +100,14 @@ class Trajectory:
     # The task's position in the training task order (`cua_jax.rl.sources.TaskCursor`) when a
     # rollout source took it from there; None for eval episodes and demonstrations.
     task_position: int | None = None
+
+    @property
+    def route_shape(self) -> tuple[int, int] | None:
+        """(L, K) of the turns' recorded MoE routes; None when no turn has routes."""
+        shapes = {t.routes.shape[1:] for t in self.turns if t.routes is not None}
+        if len(shapes) > 1:
+            raise ValueError(f"the turns' routes have different [L, K] shapes: {sorted(shapes)}")
+        return next(iter(shapes), None)
 
     @property
     def num_tokens(self) -> int:
@@ -128,6 +153,8 @@ class Sample:
     # The rollout this sample came from (>= 0): samples of one episode (its chains, when the
     # history window splits it) are one sequence for the seq-mean loss modes. -1: on its own.
     episode: int = -1
+    # MoE: i32[T, L, K] the sampler's experts for token t (fed at position t), -1 unrecorded.
+    routes: np.ndarray | None = None
 
     @property
     def length(self) -> int:
@@ -203,6 +230,7 @@ def trajectory_to_samples(
     """Training samples of one trajectory (one per chain of extending turns; see module doc),
     all with the same fresh `Sample.episode` id."""
     episode = next(_EPISODE_IDS)
+    route_shape = traj.route_shape
     samples = []
     for chain in turn_chains(traj):
         if not any(turn.trained for turn in chain):
@@ -211,12 +239,15 @@ def trajectory_to_samples(
         ids = last.full_ids
         mask = np.zeros(ids.size, bool)
         blp = np.zeros(ids.size, np.float32)
+        routes = None if route_shape is None else np.full((ids.size, *route_shape), -1, np.int32)
         for turn in chain:
             # Each turn's generated tokens sit right after its prompt in the final sequence.
             start = turn.prompt_ids.size
             end = start + turn.generated_ids.size
             mask[start:end] = turn.trained
             blp[start:end] = turn.logprobs
+            if routes is not None and turn.routes is not None:
+                routes[start:end] = turn.routes
         if ids.size and mask[0]:
             raise ValueError("a sample cannot start with a generated token (empty prompt)")
         pv, grid = _concat_images(chain)
@@ -232,6 +263,7 @@ def trajectory_to_samples(
                 policy_version=traj.policy_version,
                 task_id=traj.task_id,
                 episode=episode,
+                routes=routes,
             )
         )
     return samples
