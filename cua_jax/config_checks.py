@@ -34,6 +34,7 @@ ENUMS = {
     "sampler.backend": ("auto", "tpu", "gpu", "interpret", "reference"),
 }
 
+
 class ConfigError(ValueError):
     """A config value that type-checks but means nothing; names the key and the valid values."""
 
