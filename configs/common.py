@@ -183,6 +183,10 @@ def base_config(family: str) -> ConfigDict:
     c.log.num_groups_to_log = 2
     c.log.tensorboard = True
     c.log.progress = True
+    # the trajectory database (runs, steps, groups, rollouts, turns, evals; tools/monitor.py):
+    # db_url "" -> $DATABASE_URL if set, else the SQLite file WORKDIR/trajectories.sqlite
+    c.log.db = True
+    c.log.db_url = _str()  # e.g. postgresql://user@host/cua
     return c
 
 

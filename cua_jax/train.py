@@ -31,6 +31,7 @@ from absl import logging
 from etils import epath
 
 from cua_jax import builders, multihost
+from cua_jax import db as db_lib
 from cua_jax import metrics as metrics_lib
 from cua_jax.builders import init_model_weights
 from cua_jax.checkpoint.orbax_io import Checkpointer
@@ -98,17 +99,29 @@ async def run(
     run_sft = resume_from is None and config.sft.steps > 0
     learner = builders.build_learner(model, config, mesh, rules, sft=run_sft)
     del model
+    # The trajectory database (tools/monitor.py shows it): never slows or fails the run.
+    db = db_lib.open_run(
+        workdir,
+        config.log.db_url or None,
+        run_name=os.path.basename(os.path.abspath(workdir)),
+        config=config.to_dict(),
+        decode=decode,
+        advantage=learner.advantage_config,
+        enabled=is_main and config.log.db,
+    )
     step, meta = 0, None
     if resume_from is not None:
         state, meta = resume_from.restore(learner.abstract_state())
         learner.load_state_dict(state)
         step = int(meta["step"])
         writer.truncate_after(step)
+        db.truncate_after(step)
         logging.info("resumed from %s at step %d", resume_from.directory, step)
         if resume_from is not ckpt:
             resume_from.close()
     else:  # a rerun of a run that died before its first checkpoint starts its metrics afresh
         writer.truncate_after(-1)
+        db.truncate_after(-1)
     engine = builders.build_engine(
         learner.model, config, processor.tokenizer, mesh=mesh, rules=rules
     )
@@ -127,7 +140,7 @@ async def run(
         if meta is not None:
             source.load_state_dict(_process_meta(meta))
 
-        async def evaluate(tag: str) -> dict[str, float]:
+        async def evaluate(tag: str, at_step: int) -> dict[str, float]:
             out = await evaluate_policy(
                 agent,
                 pool,
@@ -137,15 +150,19 @@ async def run(
                 episodes_dir=episodes_dir,
                 num_logged=n_logged,
                 decode=decode,
+                db=db,
+                step=at_step,
             )
             progress.write(f"eval {tag}: success {out['eval/success']:.3f}")
             return out
 
+        db_status = "finished"
         try:
             # ---- eval at step 0 (before any training) ------------------------------------------
             if resume_from is None:
-                last_eval = await evaluate("step0")
+                last_eval = await evaluate("step0", 0)
                 writer.write(0, {**last_eval, "phase_sft": 0.0})
+                db.log_step(0, {**last_eval, "phase_sft": 0.0})
 
             # ---- SFT warm-up -------------------------------------------------------------------
             if run_sft:
@@ -157,8 +174,10 @@ async def run(
                 del learner  # its optimizer state goes before the RL learner makes its own
                 learner = builders.build_learner(policy, config, mesh, rules, sft=False)
                 engine.update_params(builders.sampler_params(learner), learner.version)
-                last_eval = await evaluate("after_sft")
+                last_eval = await evaluate("after_sft", 0)
                 writer.write(0, {**sft_metrics, **last_eval, "phase_sft": 1.0})
+                db.log_sft(sft_metrics, source=config.sft.source, steps=config.sft.steps)
+                db.log_step(0, {**sft_metrics, **last_eval, "phase_sft": 1.0})
                 save_checkpoint(ckpt, step, learner, source.state_dict(), force=True)
 
             # ---- GRPO steps -------------------------------------------------------------------
@@ -201,9 +220,12 @@ async def run(
                     )
                 row = _job_metrics(row)  # multi-host: one row for the job (process 0 writes it)
                 if step % config.log.eval_every == 0 or step == config.total_steps:
-                    last_eval = await evaluate(f"step{step}")
+                    last_eval = await evaluate(f"step{step}", step)
                     row.update(last_eval)
                 writer.write(step, row)
+                db.log_step(
+                    step, row, rollouts.groups, screens=rollouts.screens, version=learner.version
+                )
                 shown = {"reward": row.get("rollout/reward", 0.0)}
                 if "eval/success" in last_eval:
                     shown["eval"] = last_eval["eval/success"]
@@ -212,10 +234,14 @@ async def run(
                     ckpt, step, learner, source.state_dict(), force=step == config.total_steps
                 )
             source.faults.check_run()
+        except BaseException as e:
+            db_status = f"failed: {type(e).__name__}: {e}"
+            raise
         finally:
             await source.close()
             ckpt.close()  # waits for a save in flight: the last good checkpoint is complete
             writer.close()
+            db.close(db_status)
 
     # ---- finish: curves, summary --------------------------------------------------------------
     if is_main:
@@ -398,9 +424,12 @@ async def evaluate_policy(
     episodes_dir: str | None,
     num_logged: int,
     decode: Callable,
+    db: Any = None,
+    step: int = 0,
 ) -> dict[str, float]:
     """Greedy episodes of `tasks`: `success_by_category` + time/eval; the first `num_logged`
-    episodes go to EPISODES_DIR/eval_TAG.html when `episodes_dir` is given.
+    episodes go to EPISODES_DIR/eval_TAG.html when `episodes_dir` is given, and every episode
+    of this process to the trajectory database `db` (at `step`) when it is given.
 
     Multi-host: each process plays its share of the tasks (`multihost.task_share`) and the
     results of all are counted together (the same metrics on every process); greedy episodes
@@ -415,6 +444,8 @@ async def evaluate_policy(
     else:
         out = success_by_category(_gather_outcomes(trajs, len(tasks)), tasks)
     out["time/eval"] = time.perf_counter() - t0
+    if db is not None:
+        db.log_eval(step, tag, trajs, share, screens=screens, metrics=out)
     if episodes_dir is not None:
         write_episodes(
             os.path.join(episodes_dir, f"eval_{tag}.html"),

@@ -464,6 +464,13 @@ def open_run(
     delays or fails this call."""
     if not enabled:
         return NullDB()
+    if "://" in os.fspath(workdir):  # gs://...: the run id, screenshots and spill file are files
+        logging.warning(
+            "trajectory database: off for this run, its workdir %s is not a local path (the "
+            "database keeps its run id, screenshots and spill file in the workdir)",
+            workdir,
+        )
+        return NullDB()
     workdir = os.path.abspath(workdir)
     uid, existed = run_uid(workdir)
     resolved = resolve_url(workdir, url)
