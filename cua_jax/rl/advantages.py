@@ -23,6 +23,28 @@ import numpy as np
 
 ZeroVariance = Literal["filter", "keep"]
 
+# `rl.advantage` names -> `group_advantages` options (the estimator of each paper above).
+ESTIMATORS: dict[str, dict[str, bool]] = {
+    "grpo": {"normalize_std": True, "leave_one_out": False},
+    "drgrpo": {"normalize_std": False, "leave_one_out": False},
+    "rloo": {"normalize_std": False, "leave_one_out": True},
+}
+
+
+def estimator_options(name: str, *, std_normalize: bool = True) -> dict[str, bool]:
+    """`group_advantages` keyword options of the estimator `name` ("grpo" | "drgrpo" | "rloo").
+
+    ``std_normalize=False`` (the older `rl.std_normalize` key) turns "grpo" into Dr. GRPO; the
+    other two never divide by the std.
+    """
+    if name not in ESTIMATORS:
+        raise ValueError(
+            f"unknown advantage estimator {name!r}; use one of {', '.join(ESTIMATORS)}"
+        )
+    opts = dict(ESTIMATORS[name])
+    opts["normalize_std"] = opts["normalize_std"] and std_normalize
+    return opts
+
 
 def group_advantages(
     rewards_NG: np.ndarray,

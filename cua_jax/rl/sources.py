@@ -20,6 +20,21 @@ training on nothing:
 - `max_faulty_steps` steps in a row in which no group kept two healthy episodes;
 - async: the same exception from `max_faulty_steps` x `groups_per_batch` groups in a row
   (sync: an exception out of a rollout stops the run at once).
+
+Levers (`SourceSettings`, config keys `rl.*`):
+
+- dynamic sampling (DAPO, Yu et al. 2025; `dynamic_sampling`): a group whose episodes all got
+  the same reward carries no signal (every advantage is 0). Such groups are dropped and new
+  groups of the next tasks are rolled out in their place until `groups_per_batch` informative
+  groups are there, or `max_sampling_rounds` rounds (sync) / `max_sampling_rounds` x
+  `groups_per_batch` groups (async) have been sampled for the step; then the step trains on
+  what it has (fewer groups, or none). `rollout/groups_sampled` and `rollout/groups_kept` are
+  logged either way (without the lever, kept = the informative groups among those trained on).
+- success replay (ARPO, Lu et al. 2025; `replay_successes`): the store's keep-best replay: a
+  group whose episodes all failed gets the best stored success of the same task in place of one
+  episode, if that success is at most `replay_max_staleness` learner versions old.
+- persisting (`persist_dir`): every rollout put into the store is written there
+  (`TrajectoryWriter`; `--config.sft.source=DIR` trains on such a directory).
 """
 
 from __future__ import annotations
@@ -62,16 +77,27 @@ class SourceSettings:
     max_faulty_steps: int = 3  # see the module docstring
     put_timeout_s: float = 3600.0
     get_timeout_s: float = 3600.0
+    dynamic_sampling: bool = False  # see the module docstring
+    max_sampling_rounds: int = 3  # dynamic sampling's bound
+    replay_successes: bool = False
+    replay_max_staleness: int | None = None  # None: max_steps_off_policy
+    persist_dir: str | None = None  # every rollout is written here (None: nowhere)
+
+    def __post_init__(self) -> None:
+        if self.max_sampling_rounds < 1:
+            raise ValueError(f"max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}")
 
 
 @dataclasses.dataclass
 class Rollouts:
     """One learner step's groups, with what the loop logs about them."""
 
-    groups: Groups
-    screens: list = dataclasses.field(default_factory=list)  # per episode of the first groups
+    groups: Groups  # to train on
+    screens: list = dataclasses.field(default_factory=list)  # per episode of sampled[:k]
     timings: dict[str, float] = dataclasses.field(default_factory=dict)  # rollout, idle (s)
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # rollout/...
+    # every group rolled out for the step (dynamic sampling drops some; default: `groups`)
+    sampled: Groups = dataclasses.field(default_factory=list)
 
 
 class TaskCursor:
@@ -145,11 +171,19 @@ class StalenessGate:
         self.limit = (max_steps_off_policy + 1) * groups_per_batch
         self.groups_per_batch = groups_per_batch
         self.steps_done = 0  # learner steps finished since the producer started
+        self.settled = 0  # groups taken since then that are trained on or dropped
         self._event = asyncio.Event()
 
-    def step_done(self) -> None:
-        """The learner finished a step on its batch and published the next version."""
+    def step_done(self, num_groups: int | None = None) -> None:
+        """The learner finished a step on its batch of `num_groups` groups (default
+        `groups_per_batch`) and published the next version."""
         self.steps_done += 1
+        self.settled += self.groups_per_batch if num_groups is None else num_groups
+        self._event.set()
+
+    def discard(self, num_groups: int = 1) -> None:
+        """Groups the learner took and dropped (dynamic sampling): no longer ahead of anything."""
+        self.settled += num_groups
         self._event.set()
 
     def poke(self) -> None:
@@ -159,7 +193,7 @@ class StalenessGate:
     def running(self, groups_taken: int) -> int:
         """Groups the learner took for the step it is running now, of `groups_taken` taken
         since the producer started."""
-        return groups_taken - self.steps_done * self.groups_per_batch
+        return groups_taken - self.settled
 
     async def wait_open(self, ahead: Callable[[], int]) -> None:
         """Returns once fewer than `limit` groups are ahead (one waiter: the producer)."""
@@ -243,6 +277,13 @@ class FaultMonitor:
             )
 
 
+def informative(group: Sequence[Trajectory]) -> bool:
+    """Whether a group carries a learning signal: at least `MIN_LIVE_EPISODES` episodes free of
+    infrastructure faults, and not all of them with the same reward (the learner's filter)."""
+    live = live_episodes(list(group))
+    return len(live) >= MIN_LIVE_EPISODES and any(t.reward != live[0].reward for t in live)
+
+
 def rollout_metrics(groups: Groups, version: int) -> dict[str, float]:
     """Per-step statistics of the trajectories of `groups` (learner at `version`)."""
     trajs = [t for g in groups for t in g]
@@ -271,21 +312,46 @@ class RolloutSource(abc.ABC):
     ) -> None:
         s = settings
         self.agent, self.pool, self.cursor, self.settings = agent, pool, cursor, s
+        self.store = self._make_store(version)
+        self.faults = FaultMonitor(s.max_faulty_steps, s.groups_per_batch)
+
+    def _make_store(self, version: int) -> TrajectoryStore:
+        s = self.settings
         in_flight = max(1, s.concurrency // s.group_size) + s.groups_per_batch
-        self.store = TrajectoryStore(
+        if s.dynamic_sampling:  # a step may take up to max_sampling_rounds batches
+            in_flight += (s.max_sampling_rounds - 1) * s.groups_per_batch
+        store = TrajectoryStore(
             capacity=s.group_size * (in_flight + s.groups_per_batch),
             group_size=s.group_size,
             max_steps_off_policy=s.max_steps_off_policy,
+            replay_best=s.replay_successes,
+            replay_max_staleness=s.replay_max_staleness,
+            persist_dir=s.persist_dir,
         )
-        self.store.set_version(version)
-        self.faults = FaultMonitor(s.max_faulty_steps, s.groups_per_batch)
+        store.set_version(version)
+        return store
+
+    def use_levers(self, **levers: Any) -> None:
+        """Sets `SourceSettings` lever fields (dynamic_sampling, max_sampling_rounds,
+        replay_successes, replay_max_staleness, persist_dir) on a source that has not rolled
+        anything out yet; the store is rebuilt with them (before `load_state_dict`)."""
+        if self.store.stats()["put"]:
+            raise RuntimeError("use_levers must be called before the first rollout")
+        self.store.close()
+        self.settings = dataclasses.replace(self.settings, **levers)
+        self.store = self._make_store(self.store.version)
 
     async def next_groups(self, step: int) -> Rollouts:
-        """The `groups_per_batch` groups of learner step `step` (0-based), fault-checked."""
+        """The groups of learner step `step` (0-based), fault-checked: `groups_per_batch` of
+        them, or with dynamic sampling up to that many informative ones."""
         out = await self._next(step)
+        sampled = out.sampled or out.groups
+        out.sampled = sampled
         out.metrics = {
-            **rollout_metrics(out.groups, self.store.version),
-            **self.faults.check_step(step, out.groups),
+            **rollout_metrics(sampled, self.store.version),
+            **self.faults.check_step(step, sampled),
+            "rollout/groups_sampled": float(len(sampled)),
+            "rollout/groups_kept": float(sum(informative(g) for g in out.groups)),
         }
         return out
 
@@ -320,19 +386,39 @@ class SyncRollouts(RolloutSource):
 
     async def _next(self, step: int) -> Rollouts:
         s = self.settings
-        t0 = time.perf_counter()
+        t_start = time.perf_counter()
         screens: list = []
-        picked = self.cursor.take(s.groups_per_batch)
+        sampled: Groups = []
+        kept: Groups = []
+        t_rollout = 0.0
+        for _ in range(s.max_sampling_rounds if s.dynamic_sampling else 1):
+            t0 = time.perf_counter()
+            got = await self._round(step, s.groups_per_batch - len(kept), len(sampled), screens)
+            t_rollout += time.perf_counter() - t0
+            sampled += got
+            kept += [g for g in got if informative(g)] if s.dynamic_sampling else got
+            if len(kept) >= s.groups_per_batch:
+                break
+        # The learner waits for the whole rollout: its idle time.
+        idle = time.perf_counter() - t_start
+        return Rollouts(kept, screens, {"rollout": t_rollout, "idle": idle}, sampled=sampled)
+
+    async def _round(self, step: int, n: int, offset: int, screens: list) -> Groups:
+        """Rolls out `n` groups of the next tasks (group ids and seeds numbered from `offset`
+        within the step) and takes them from the store (where success replay applies)."""
+        s = self.settings
+        picked = self.cursor.take(n)
         first = self.cursor.position - len(picked)
 
         async def group(i: int, task: Task) -> list[Trajectory]:
+            k = offset + i  # the group's number within the step
             g = await self.agent.run_group(
                 self.pool,
                 task,
                 s.group_size,
-                seed=episode_seed(s.seed, step, i),
-                group_id=f"{step}/{i}",
-                screens=screens if i < s.groups_to_log else None,
+                seed=episode_seed(s.seed, step, k),
+                group_id=f"{step}/{k}",
+                screens=screens if k < s.groups_to_log else None,
             )
             for traj in g:
                 traj.task_position = first + i
@@ -345,12 +431,7 @@ class SyncRollouts(RolloutSource):
         for g in groups:
             for traj in g:
                 await self.store.put_async(traj, timeout=60)
-        t_rollout = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        groups = await self.store.get_groups_async(s.groups_per_batch, timeout=s.get_timeout_s)
-        # The learner waits for the whole rollout: its idle time.
-        idle = t_rollout + time.perf_counter() - t0
-        return Rollouts(groups, screens, {"rollout": t_rollout, "idle": idle})
+        return await self.store.get_groups_async(n, timeout=s.get_timeout_s)
 
 
 class AsyncRollouts(RolloutSource):
@@ -377,13 +458,39 @@ class AsyncRollouts(RolloutSource):
             self.store.close()  # wakes the waiting get
             await asyncio.gather(get, return_exceptions=True)
             raise self._producer_error(step)
+        groups = self._result(get, step)
+        s = self.settings
+        if not s.dynamic_sampling:
+            return Rollouts(groups, [], {"idle": time.perf_counter() - t0})
+        sampled, kept = list(groups), []
+        budget = s.max_sampling_rounds * s.groups_per_batch
+        while True:
+            for g in groups:
+                if informative(g):
+                    kept.append(g)
+                else:  # dropped: its task is done, and it no longer counts as ahead
+                    self.cursor.done(g[0].task_position)
+                    self.gate.discard()
+            need = min(s.groups_per_batch - len(kept), budget - len(sampled))
+            if need <= 0:
+                break
+            get = asyncio.ensure_future(self.store.get_groups_async(need, s.get_timeout_s))
+            await asyncio.wait({get, self._producer}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                self.store.close()
+                await asyncio.gather(get, return_exceptions=True)
+                raise self._producer_error(step)
+            groups = self._result(get, step)
+            sampled += groups
+        return Rollouts(kept, [], {"idle": time.perf_counter() - t0}, sampled=sampled)
+
+    def _result(self, get: asyncio.Future, step: int) -> Groups:
         try:
-            groups = get.result()
+            return get.result()
         except StoreClosed:
             raise self._producer_error(step) from None
         except TimeoutError as e:  # rollouts run but no group completes (or all arrive stale)
             raise RolloutError(f"step {step + 1}: {e}") from e
-        return Rollouts(groups, [], {"idle": time.perf_counter() - t0})
 
     def _producer_error(self, step: int) -> RolloutError:
         if self._failure is not None:
@@ -396,7 +503,7 @@ class AsyncRollouts(RolloutSource):
         for g in groups:  # trained on: nothing to replay after a resume
             self.cursor.done(g[0].task_position)
         super().trained(groups, version)
-        self.gate.step_done()
+        self.gate.step_done(len(groups))
 
     async def _produce(self) -> None:
         """Keeps up to `concurrency` episodes going, group by group; `gate` keeps every group
@@ -480,6 +587,7 @@ __all__ = [
     "StalenessGate",
     "SyncRollouts",
     "TaskCursor",
+    "informative",
     "make_source",
     "rollout_metrics",
 ]

@@ -12,7 +12,8 @@ accounted exactly once:
 ``trained`` counts trajectories handed to the consumer; ``replaced`` counts those swapped out of
 an all-equal-reward group by keep-best replay (ARPO, Lu et al. 2025: a group whose rollouts all
 failed gets one stored success of the same task, so it carries a learning signal; only a
-success within ``max_steps_off_policy`` versions of the learner is replayed);
+success within ``replay_max_staleness`` versions of the learner, by default
+``max_steps_off_policy``, is replayed);
 ``lost_on_restore`` counts what was pending when a checkpointed state was saved (pending
 trajectories live only in memory).
 
@@ -59,6 +60,7 @@ class TrajectoryStore:
         *,
         replay_best: bool = False,
         replay_max_tasks: int = 10_000,
+        replay_max_staleness: int | None = None,
         persist_dir: str | None = None,
         persist_images: bool = True,
         max_dropped_groups_tracked: int = 100_000,
@@ -76,6 +78,12 @@ class TrajectoryStore:
         self.group_size = group_size
         self.max_steps_off_policy = max_steps_off_policy
         self.replay_best = replay_best
+        # how many learner versions old a replayed success may be (default: the groups' bound)
+        self.replay_max_staleness = (
+            max_steps_off_policy if replay_max_staleness is None else replay_max_staleness
+        )
+        if self.replay_max_staleness < 0:
+            raise ValueError(f"replay_max_staleness must be >= 0, got {replay_max_staleness}")
         self._replay_max_tasks = replay_max_tasks
         self._slots: list[Trajectory | None] = [None] * capacity  # preallocated, never grows
         self._free: list[int] = list(range(capacity - 1, -1, -1))
@@ -346,8 +354,8 @@ class TrajectoryStore:
         best = self._best.get(group[0].task_id)
         if best is None or best.reward == rewards[0] or any(t is best for t in group):
             return group
-        if self._version - best.policy_version > self.max_steps_off_policy:
-            return group  # the staleness bound holds for replayed successes too
+        if self._version - best.policy_version > self.replay_max_staleness:
+            return group  # a staleness bound holds for replayed successes too
         # Swap the last rollout for the stored success; the swapped one is accounted "replaced".
         self._counts["trained"] -= 1
         self._counts["replaced"] += 1
