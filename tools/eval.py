@@ -29,6 +29,9 @@ feedback) and OSWorld-style per-episode folders under --result_dir (default OUT/
 `tools/show_results.py OUT/results` summarizes them, `--compare=OTHER` puts two agents side by
 side). --samples=N plays every task N times with sampling (--temperature) and adds pass@k
 (unbiased, k = 1, 2, 4, ... N) to eval.json. OUT defaults to WORKDIR/eval/step_N.
+The episodes also go to the trajectory database (`tools/monitor.py`, tag tools_step_N or
+tools_agent_MODEL): with --workdir the run's own, else OUT/trajectories.sqlite (or
+`log.db_url` / $DATABASE_URL) as a run of kind "eval"; none when the config has `log.db=False`.
 """
 
 from __future__ import annotations
@@ -339,6 +342,7 @@ def main(argv: list[str]) -> None:
     }
     with open(os.path.join(out_dir, "eval.json"), "w") as f:
         json.dump(result, f, indent=2)
+    _log_to_database(config, out_dir, step, tag, trajs, played, screens, result, processor)
     n = _LOG_EPISODES.value
     train.write_episodes(
         os.path.join(out_dir, "episodes.html"),
@@ -356,6 +360,28 @@ def main(argv: list[str]) -> None:
         f"wrote {out_dir}/eval.json and episodes.html; per-episode folders in {result_dir} "
         f"(tools/show_results.py {result_dir})"
     )
+
+
+def _log_to_database(config, out_dir, step, tag, trajs, played, screens, result, processor):
+    """The eval's episodes in the trajectory database (tools/monitor.py): with --workdir, the
+    training run's database and run row (its status untouched), else OUT's own run of kind
+    "eval"; `config.log.db=False` writes none."""
+    from cua_jax import db as db_lib
+
+    workdir = _WORKDIR.value or out_dir
+    db = db_lib.open_run(
+        workdir,
+        config.log.db_url or None,
+        run_name=os.path.basename(os.path.abspath(workdir)),
+        config=config.to_dict(),
+        kind="eval",
+        decode=processor.tokenizer.decode,
+        enabled=config.log.db,
+    )
+    metrics = {k: v for k, v in result.items() if k.startswith("eval/")}
+    metrics.update({f"pass_at_k/{k}": v for k, v in result.get("pass_at_k", {}).items()})
+    db.log_eval(step or 0, f"tools_{tag}", trajs, played, screens=screens, metrics=metrics)
+    db.close("finished")
 
 
 if __name__ == "__main__":
