@@ -1,0 +1,687 @@
+"""SDPO for screens: the policy, shown feedback on a failed episode, is its own teacher.
+
+Self-Distillation Policy Optimization (Hübotter et al. 2026, "Reinforcement Learning via
+Self-Distillation", arXiv 2601.20802; reference code lasgroup/SDPO on verl). For each failed
+episode of a GRPO group the current (or EMA) policy reads a *teacher context*: the episode's own
+conversation with a feedback message inserted before the task. Its next-token distribution at
+every token the student generated is distilled back into the student (stop-gradient on the
+teacher), so one scalar reward becomes dense per-token credit:
+
+    L_SDPO = Σ_t w_t D(π_θ(· | x, o_<t) , sg π_T(· | f, x, o_<t))     over the failed episodes'
+                                                                        generated tokens t
+
+On screens the feedback f is what the environment can show (`FEEDBACK_KINDS`):
+  final_screenshot  the last screen of the failed attempt (the screen its last action was taken
+                    on; `Trajectory` does not record the screen after that action)
+  checker_message   the task checker's message (`Trajectory.checker_message` where the episode
+                    loop records one) or why the episode ended (`failure_reason`)
+  peer_success      the tool calls of a successful episode of the same group, as decoded text
+A successful episode never gets a teacher (there is nothing to correct, and its own success
+would be its feedback).
+
+Teacher sequence. The student's sample is `[system] [user: screenshot, task] [assistant] ...`
+(`rollout.render_transcript`). The teacher's is the same ids with one user message rendered by
+the same `ChatRenderer` inserted right after the system message:
+
+    [system] [user: feedback text, final screenshot] [user: screenshot, task] [assistant] ...
+
+so every student token at position p >= s (s = end of the system message) sits at p + F in the
+teacher sequence (F = the feedback message's length), and the teacher's images are the
+feedback screenshot followed by the sample's own. M-RoPE positions are recomputed for it.
+
+Divergences (per token, over the teacher's top-k ids plus one tail bucket holding the rest of
+the probability, or over the whole vocabulary with ``topk=0``); p_S student, p_T teacher:
+  "kl"   forward KL(p_T || p_S) = Σ_v p_T (log p_T - log p_S)
+  "rkl"  reverse KL(p_S || p_T)
+  "js"   generalised Jensen-Shannon with β: M = (1 - β) p_S + β p_T,
+         JS_β = (1 - β) KL(p_S || M) + β KL(p_T || M)   (β = 0.5: the usual JS)
+as `compute_self_distillation_loss` in lasgroup/SDPO (its alpha is our β; alpha = 0 / 1 are
+the forward / reverse KL).
+
+Pipeline (one train step, `SelfDistiller.train_step`): the GRPO batch is packed as usual
+(`Learner.prepare_batch`); the failed episodes' samples are found in it (`locate`), their
+teacher sequences are packed with the learner's packing and run through the teacher params
+without gradient (`teacher_topk`: chunked logits, top-k only, never f32[rows, L, V] at once),
+and the teacher's top-k ids and log-probs are scattered onto the student's packed positions
+(`TeacherTargets`). The learner's step then adds λ · L_SDPO to (1 - λ) · L_GRPO.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cua_jax.rl.trajectory import PositionFn, Sample, Trajectory, trajectory_to_samples
+
+Divergence = Literal["kl", "rkl", "js"]
+DIVERGENCES = ("kl", "rkl", "js")
+FEEDBACK_KINDS = ("final_screenshot", "checker_message", "peer_success")
+TEACHERS = ("current", "ema")
+
+FEEDBACK_HEADER = "Feedback on an earlier attempt at the task below: it failed."
+PEER_HEADER = "A successful attempt at the same task made these tool calls, in order:"
+SCREEN_HEADER = "The screen at the end of the failed attempt:"
+FEEDBACK_FOOTER = "Now solve the task below correctly."
+
+
+# ---------------------------------------------------------------------------------------------
+# Divergences (pure jnp; log-probabilities over the same support in the last axis)
+# ---------------------------------------------------------------------------------------------
+
+
+def add_tail(logp_BTK: jax.Array) -> jax.Array:
+    """Appends log(1 - Σ_k p_k): top-k log-probs become a distribution over k + 1 buckets."""
+    log_s = jnp.minimum(jax.nn.logsumexp(logp_BTK, axis=-1, keepdims=True), -1e-7)
+    return jnp.concatenate([logp_BTK, jnp.log(-jnp.expm1(log_s))], axis=-1)
+
+
+def _kl(logp_a: jax.Array, logp_b: jax.Array) -> jax.Array:
+    """KL(a || b) = Σ a (log a - log b) over the last axis; 0 · log 0 = 0."""
+    p_a = jnp.exp(logp_a)
+    return jnp.sum(jnp.where(p_a > 0, p_a * (logp_a - logp_b), 0.0), axis=-1)
+
+
+def token_divergence(
+    student_logp_BTK: jax.Array,
+    teacher_logp_BTK: jax.Array,
+    divergence: Divergence = "js",
+    js_beta: float = 0.5,
+) -> jax.Array:
+    """Per-token divergence f32[B, T] between the student's and the (stop-gradient) teacher's
+    distributions, both given as log-probabilities over the same K outcomes."""
+    s = student_logp_BTK.astype(jnp.float32)
+    t = jax.lax.stop_gradient(teacher_logp_BTK.astype(jnp.float32))
+    if divergence == "kl":
+        return _kl(t, s)
+    if divergence == "rkl":
+        return _kl(s, t)
+    if divergence == "js":
+        if not 0.0 < js_beta < 1.0:
+            raise ValueError(f"js_beta={js_beta} must be in (0, 1) (0 / 1: use 'rkl' / 'kl')")
+        m = jnp.logaddexp(s + np.log1p(-js_beta), t + np.log(js_beta))
+        return (1.0 - js_beta) * _kl(s, m) + js_beta * _kl(t, m)
+    raise ValueError(f"unknown divergence {divergence!r}; use one of {DIVERGENCES}")
+
+
+def student_support_logp(
+    logits_BTV: jax.Array, teacher_ids_BTK: jax.Array, teacher_logp_BTK: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """(student, teacher) log-probs over the teacher's K ids, each with a tail bucket when K is
+    less than the vocabulary (over the whole vocabulary the tail is empty and left out)."""
+    logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    s = jnp.take_along_axis(logp_BTV, teacher_ids_BTK.astype(jnp.int32), axis=-1)
+    t = teacher_logp_BTK.astype(jnp.float32)
+    if teacher_ids_BTK.shape[-1] < logits_BTV.shape[-1]:
+        return add_tail(s), add_tail(t)
+    return s, t
+
+
+def distill_loss(
+    divergence_BT: jax.Array, weights_BT: jax.Array, mask_BT: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Σ_t w_t D_t (w from `distill_weights`: a token mean over the distilled tokens of the whole
+    batch) and metrics (the masked mean divergence of this call, its token count)."""
+    mask = mask_BT.astype(jnp.float32)
+    loss = jnp.sum(divergence_BT * weights_BT.astype(jnp.float32))
+    n = mask.sum()
+    return loss, {
+        "sdpo_loss": loss,
+        "sdpo_divergence": jnp.sum(divergence_BT * mask) / jnp.maximum(n, 1.0),
+        "sdpo_tokens": n,
+    }
+
+
+def distill_weights(mask_RL: np.ndarray) -> np.ndarray:
+    """Token-mean weights f32[R, L]: 1 / (distilled tokens in the batch) on each of them."""
+    mask = np.asarray(mask_RL, bool)
+    w = np.zeros(mask.shape, np.float32)
+    if mask.any():
+        w[mask] = 1.0 / mask.sum()
+    return w
+
+
+def chunked_stats_and_divergence(
+    logits_fn: Callable[[jax.Array], jax.Array],
+    hidden_BTD: jax.Array,
+    targets_BT: jax.Array,
+    teacher_ids_BTK: jax.Array,
+    teacher_logp_BTK: jax.Array,
+    *,
+    chunk: int = 0,
+    entropy: bool = True,
+    divergence: Divergence = "js",
+    js_beta: float = 0.5,
+) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """(log π(target), entropy or None, SDPO divergence), each f32[B, T], from one log-softmax
+    per chunk of ``chunk`` positions (rematerialised in the backward pass, as
+    `losses.chunked_token_stats`): the student's f32[B, T, V] logits never exist at once."""
+
+    def stats(h, tg, tid, tlp):
+        logits = logits_fn(h).astype(jnp.float32)
+        logp_V = jax.nn.log_softmax(logits, axis=-1)
+        lp = jnp.take_along_axis(logp_V, tg[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        ent = -jnp.sum(jnp.exp(logp_V) * logp_V, axis=-1) if entropy else jnp.zeros_like(lp)
+        s, t = student_support_logp(logits, tid, tlp)
+        return lp, ent, token_divergence(s, t, divergence, js_beta)
+
+    b, t = targets_BT.shape
+    if chunk <= 0 or chunk >= t:
+        lp, ent, div = stats(hidden_BTD, targets_BT, teacher_ids_BTK, teacher_logp_BTK)
+        return lp, ent if entropy else None, div
+    n = -(-t // chunk)
+    pad = n * chunk - t
+
+    def split(x):  # [B, T, ...] -> [n, B, c, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return x.reshape(b, n, chunk, *x.shape[2:]).swapaxes(0, 1)
+
+    xs = tuple(split(x) for x in (hidden_BTD, targets_BT, teacher_ids_BTK, teacher_logp_BTK))
+    lp, ent, div = jax.lax.map(lambda a: jax.checkpoint(stats)(*a), xs)
+
+    def unchunk(x):
+        return x.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+
+    return unchunk(lp), unchunk(ent) if entropy else None, unchunk(div)
+
+
+# ---------------------------------------------------------------------------------------------
+# Teacher context (host numpy)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Feedback:
+    """What a failed episode's teacher is shown (each part optional)."""
+
+    screenshot: tuple[np.ndarray, np.ndarray] | None = None  # (pixel_values, grid i32[1, 3])
+    checker_message: str = ""
+    peer_actions: list[str] = dataclasses.field(default_factory=list)
+
+    def empty(self) -> bool:
+        return self.screenshot is None and not self.checker_message and not self.peer_actions
+
+
+def last_screenshot(traj: Trajectory) -> tuple[np.ndarray, np.ndarray] | None:
+    """(pixel_values, grid i32[1, 3]) of the last screen the episode's policy saw: the last image
+    of the last turn that added images."""
+    for turn in reversed(traj.turns):
+        if turn.image_grid_thw is None or not len(turn.image_grid_thw):
+            continue
+        grid = np.asarray(turn.image_grid_thw, np.int32)
+        rows = int(np.prod(grid[-1]))
+        return np.asarray(turn.pixel_values)[-rows:], grid[-1:]
+    return None
+
+
+def successful_peer(traj: Trajectory, group: Sequence[Trajectory]) -> Trajectory | None:
+    """The group's successful episode (not `traj` itself, not an infrastructure fault) with the
+    fewest turns; the first of those on a tie."""
+    peers = [t for t in group if t is not traj and t.success and not t.infra_fault and t.turns]
+    return min(peers, key=lambda t: len(t.turns)) if peers else None
+
+
+def episode_feedback(
+    traj: Trajectory,
+    group: Sequence[Trajectory],
+    decode: Callable[[Sequence[int]], str],
+    kinds: Sequence[str] = FEEDBACK_KINDS,
+) -> Feedback | None:
+    """The feedback a failed episode's teacher reads; None for a success, an infrastructure
+    fault, or when none of `kinds` has anything to say."""
+    bad = [k for k in kinds if k not in FEEDBACK_KINDS]
+    if bad:
+        raise ValueError(f"unknown SDPO feedback {bad}; use some of {FEEDBACK_KINDS}")
+    if traj.success or traj.infra_fault or not traj.turns:
+        return None
+    fb = Feedback()
+    if "final_screenshot" in kinds:
+        fb.screenshot = last_screenshot(traj)
+    if "checker_message" in kinds:
+        message = getattr(traj, "checker_message", None) or ""
+        if not message and traj.failure_reason:
+            message = f"The episode ended: {traj.failure_reason}."
+        fb.checker_message = message
+    if "peer_success" in kinds:
+        peer = successful_peer(traj, group)
+        if peer is not None:
+            fb.peer_actions = [decode(t.generated_ids) for t in peer.turns if t.generated_ids.size]
+    return None if fb.empty() else fb
+
+
+def feedback_message(fb: Feedback) -> tuple[dict[str, Any], np.ndarray]:
+    """(the user message of the feedback, its image grids i32[I, 3])."""
+    lines = [FEEDBACK_HEADER]
+    if fb.checker_message:
+        lines.append(f"The task checker says: {fb.checker_message}")
+    if fb.peer_actions:
+        lines.append(PEER_HEADER)
+        lines += [f"{i + 1}. {a.strip()}" for i, a in enumerate(fb.peer_actions)]
+    content: list[dict[str, Any]] = []
+    grid = np.zeros((0, 3), np.int32)
+    if fb.screenshot is not None:
+        lines.append(SCREEN_HEADER)
+        content.append({"type": "text", "text": "\n".join(lines)})
+        content.append({"type": "image"})
+        content.append({"type": "text", "text": FEEDBACK_FOOTER})
+        grid = np.asarray(fb.screenshot[1], np.int32).reshape(-1, 3)
+    else:
+        lines.append(FEEDBACK_FOOTER)
+        content.append({"type": "text", "text": "\n".join(lines)})
+    return {"role": "user", "content": content}, grid
+
+
+def system_end(ids: np.ndarray, chat: Any) -> int:
+    """The position right after the leading system message (its <|im_end|> and "\\n"), 0 when
+    the sequence does not start with one."""
+    tok = chat.tokenizer
+    ids = np.asarray(ids)
+    header = [tok.im_start_id, *tok.encode("system")]
+    if ids.size < len(header) or list(ids[: len(header)]) != header:
+        return 0
+    ends = np.flatnonzero(ids == tok.im_end_id)
+    if not ends.size:
+        raise ValueError("the sample's system message has no <|im_end|>")
+    newline = tok.encode("\n")
+    e = int(ends[0]) + 1
+    if list(ids[e : e + len(newline)]) != newline:
+        raise ValueError("the sample's system message is not followed by a newline")
+    return e + len(newline)
+
+
+@dataclasses.dataclass
+class TeacherSample:
+    """A teacher sequence (a `Sample` whose loss mask marks the tokens to distill) and where the
+    student's tokens are in it: student position p >= `start` is teacher position p + `shift`."""
+
+    sample: Sample
+    start: int
+    shift: int
+
+
+def teacher_sample(
+    sample: Sample, fb: Feedback, chat: Any, position_fn: PositionFn
+) -> TeacherSample:
+    """The teacher sequence of one student sample: the feedback message (rendered by `chat`, the
+    rollouts' renderer) inserted after the system message; images: the feedback's, then the
+    sample's; the loss mask is the student's, moved with its tokens."""
+    from cua_jax.data.chat import RenderedChat
+
+    ids = np.asarray(sample.input_ids, np.int32)
+    s = system_end(ids, chat)
+    if np.any(ids[:s] == chat.tokenizer.vision_start_id):
+        raise ValueError("the sample has an image in its system message; SDPO cannot place one")
+    msg, grid = feedback_message(fb)
+    prefix = RenderedChat(
+        input_ids=ids[:s],
+        loss_mask=np.zeros(s, bool),
+        image_grid_thw=np.zeros((0, 3), np.int32),
+        text="",
+        open_assistant=False,
+    )
+    fb_ids = chat.extend(prefix, [msg], grid, add_generation_prompt=False).input_ids[s:]
+    f = int(fb_ids.size)
+    t_ids = np.concatenate([ids[:s], fb_ids, ids[s:]]).astype(np.int32)
+    mask = np.concatenate([np.zeros(s + f, bool), np.asarray(sample.loss_mask[s:], bool)])
+    pvs = [fb.screenshot[0]] if fb.screenshot is not None else []
+    grids = [grid] if len(grid) else []
+    if sample.pixel_values is not None:
+        pvs.append(np.asarray(sample.pixel_values))
+        grids.append(np.asarray(sample.image_grid_thw, np.int32))
+    pv = np.concatenate(pvs).astype(np.float32) if pvs else None
+    g = np.concatenate(grids).astype(np.int32) if grids else None
+    if mask[:s].any():
+        raise ValueError("a student sample has generated tokens inside its system message")
+    teacher = Sample(
+        input_ids=t_ids,
+        loss_mask=mask,
+        behaviour_logprobs=np.zeros(t_ids.size, np.float32),
+        position_ids=np.asarray(position_fn(t_ids, g), np.int32),
+        advantage=0.0,
+        pixel_values=pv,
+        image_grid_thw=g,
+        policy_version=sample.policy_version,
+        task_id=sample.task_id,
+    )
+    return TeacherSample(teacher, s, f)
+
+
+def teacher_samples(
+    groups: Sequence[Sequence[Trajectory]],
+    chat: Any,
+    position_fn: PositionFn,
+    kinds: Sequence[str] = FEEDBACK_KINDS,
+) -> list[tuple[Sample, TeacherSample]]:
+    """(student sample, its teacher) for every sample of every failed episode with feedback;
+    the student samples are `trajectory_to_samples`' (the same ids the learner packs)."""
+
+    def decode(ids: Sequence[int]) -> str:  # the peer's tool calls, without <|im_end|>
+        return chat.tokenizer.decode(ids, skip_special_tokens=True)
+
+    out = []
+    for group in groups:
+        for traj in group:
+            fb = episode_feedback(traj, group, decode, kinds)
+            if fb is None:
+                continue
+            for s in trajectory_to_samples(traj, 0.0, position_fn):
+                out.append((s, teacher_sample(s, fb, chat, position_fn)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Samples in a packed batch
+# ---------------------------------------------------------------------------------------------
+
+
+def _digest(a: np.ndarray | None) -> bytes:
+    if a is None:
+        return b""
+    return hashlib.blake2b(np.ascontiguousarray(a).tobytes(), digest_size=16).digest()
+
+
+def locate(
+    batch: Any, samples: Sequence[Sample], image_token_id: int, merge: int
+) -> list[tuple[int, int] | None]:
+    """(row, first position) of each sample in a packed batch, None for one not in it.
+
+    `packing.pack` places samples by length; this finds them by content: ids, then images (a
+    segment with n image-pad tokens takes n x merge² patches of the batch, in row-major segment
+    order). Samples with equal ids and images are interchangeable, so which of them takes which
+    slot does not matter."""
+    by_ids: dict[bytes, list[int]] = {}
+    for i, s in enumerate(samples):
+        by_ids.setdefault(_digest(np.asarray(s.input_ids, np.int32)), []).append(i)
+    out: list[tuple[int, int] | None] = [None] * len(samples)
+    seg = np.asarray(batch.segment_ids)
+    ids = np.asarray(batch.input_ids)
+    pv = batch.pixel_values
+    patch = 0  # offset of the current segment's first patch in the batch's patches
+    for r in range(seg.shape[0]):
+        row = seg[r]
+        starts = np.flatnonzero((row != 0) & np.r_[True, row[1:] != row[:-1]])
+        for st in starts:
+            end = st + int(np.sum(row == row[st]))
+            seg_ids = ids[r, st:end]
+            n_patch = int(np.sum(seg_ids == image_token_id)) * merge * merge
+            for i in by_ids.get(_digest(seg_ids), []):
+                spv = samples[i].pixel_values
+                if out[i] is None and (
+                    spv is None or np.array_equal(np.asarray(pv[patch : patch + n_patch]), spv)
+                ):
+                    out[i] = (r, int(st))
+                    break
+            patch += n_patch
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The teacher pass and its targets on the student's packed positions
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TeacherTargets:
+    """The teacher's distribution at each distilled token of a packed student batch; entry
+    [r, t] is about token t of row r (the learner's targets are input_ids[:, 1:])."""
+
+    ids: np.ndarray  # i32[R, L, K] the teacher's top-k ids (the vocabulary when K = V)
+    logp: np.ndarray  # f32[R, L, K] their teacher log-probs (normalised over the vocabulary)
+    mask: np.ndarray  # bool[R, L] the token is distilled
+    weights: np.ndarray  # f32[R, L] `distill_weights(mask)`
+    divergence: Divergence = "js"
+    js_beta: float = 0.5
+    weight: float = 1.0  # λ: the step minimises (1 - λ) L_GRPO + λ L_SDPO
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {
+            "sdpo_ids": self.ids,
+            "sdpo_logp": self.logp,
+            "sdpo_mask": self.mask,
+            "sdpo_weights": self.weights,
+        }
+
+    @property
+    def mode(self) -> str:
+        """The learner's jit key: one compiled step per loss variant."""
+        return f"sdpo:{self.divergence}:{self.js_beta}:{self.weight}"
+
+
+def micro_loss(
+    pg_loss: jax.Array,
+    pg_metrics: dict[str, jax.Array],
+    divergence_BT: jax.Array,
+    mb: dict[str, jax.Array],
+    weight: float,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(1 - λ) L_GRPO + λ L_SDPO of one micro-batch from the GRPO loss and its metrics, the
+    per-token divergence f32[B, L-1] and the micro-batch's SDPO arrays (`TeacherTargets`)."""
+    sd_loss, sd_metrics = distill_loss(
+        divergence_BT, mb["sdpo_weights"][:, 1:], mb["sdpo_mask"][:, 1:]
+    )
+    loss = (1.0 - weight) * pg_loss + weight * sd_loss
+    return loss, {**pg_metrics, **sd_metrics, "loss": loss}
+
+
+def teacher_topk(
+    learner: Any, params: Any, batch: Any, k: int, cache: dict | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The policy `params`' top-k next-token (ids i32[R, L, K], log-probs f32[R, L, K]) on a
+    packed batch, at the learner's temperature with its banned ids masked; entry [r, q] is the
+    distribution of token q given tokens < q (q = 0: zeros). ``k <= 0`` or ``k >= V``: the
+    whole vocabulary in id order. Logits are made `learner.logits_chunk` positions at a time;
+    no gradient. One compile per batch shape (kept in `cache`)."""
+    cache = {} if cache is None else cache
+    fn = cache.get(k)
+    if fn is None:
+        fn = jax.jit(lambda *a: _teacher_topk_fn(learner, k, *a))
+        cache[k] = fn
+    xs, images = learner._device_batch(batch, substeps=1)
+    ids, logp = fn(params, learner._frozen, learner._rest, xs, images)
+    return np.asarray(ids), np.asarray(logp)
+
+
+def _teacher_topk_fn(learner, k, params, frozen, rest, xs, images):
+    from cua_jax.models.qwen_vl.text import make_dense_attn_fn
+
+    params = jax.lax.stop_gradient(params)
+    (emb, ds), vmask = learner._embed(params, frozen, rest, xs["input_ids"], images)
+    model = learner._merge(params, frozen, rest)
+    attn = make_dense_attn_fn(None, xs["segment_ids"])
+    hidden_BTD = model.decode(emb, xs["position_ids"], attn, vmask, ds)[:, :-1]
+    banned = jnp.asarray(learner._banned, jnp.int32) if learner._banned else None
+    temperature = learner.loss_config.temperature
+
+    def top(h):
+        logits = model.logits(h).astype(jnp.float32)
+        if banned is not None:
+            logits = logits.at[..., banned].set(-1e30)
+        logp = jax.nn.log_softmax(logits / temperature, axis=-1)
+        v = logp.shape[-1]
+        if k <= 0 or k >= v:
+            return jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), logp.shape), logp
+        vals, idx = jax.lax.top_k(logp, k)
+        return idx.astype(jnp.int32), vals
+
+    b, t = hidden_BTD.shape[:2]
+    chunk = learner.logits_chunk
+    if chunk <= 0 or chunk >= t:
+        ids, logp = top(hidden_BTD)
+    else:
+        n = -(-t // chunk)
+        h = jnp.pad(hidden_BTD, ((0, 0), (0, n * chunk - t), (0, 0)))
+        h = h.reshape(b, n, chunk, h.shape[-1]).swapaxes(0, 1)
+        ids, logp = jax.lax.map(top, h)
+        ids = ids.swapaxes(0, 1).reshape(b, n * chunk, -1)[:, :t]
+        logp = logp.swapaxes(0, 1).reshape(b, n * chunk, -1)[:, :t]
+    pad = ((0, 0), (1, 0), (0, 0))  # entry q is about token q: q = 0 has no distribution
+    return jnp.pad(ids, pad), jnp.pad(logp, pad)
+
+
+def scatter_targets(
+    student_batch: Any,
+    pairs: Sequence[tuple[Sample, TeacherSample]],
+    student_at: Sequence[tuple[int, int] | None],
+    teacher_at: Sequence[tuple[int, int] | None],
+    teacher_ids: np.ndarray,
+    teacher_logp: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, logp, mask) on the student's packed positions from the teacher batch's: student
+    token p of a sample is teacher token p + shift of its teacher sequence."""
+    r_, l_ = student_batch.shape
+    k = teacher_ids.shape[-1]
+    ids = np.zeros((r_, l_, k), np.int32)
+    logp = np.zeros((r_, l_, k), np.float32)
+    mask = np.zeros((r_, l_), bool)
+    for (s, ts), sa, ta in zip(pairs, student_at, teacher_at, strict=True):
+        if sa is None or ta is None:
+            continue
+        p = np.flatnonzero(np.asarray(s.loss_mask, bool))
+        p = p[p >= ts.start]
+        (rs, os_), (rt, ot) = sa, ta
+        ids[rs, os_ + p] = teacher_ids[rt, ot + p + ts.shift]
+        logp[rs, os_ + p] = teacher_logp[rt, ot + p + ts.shift]
+        mask[rs, os_ + p] = True
+    return ids, logp, mask
+
+
+class SelfDistiller:
+    """SDPO's teacher side for a learner: builds each step's `TeacherTargets` from the step's
+    groups and keeps the EMA teacher.
+
+        distiller = SelfDistiller(processor.chat, weight=1.0, divergence="js", topk=64)
+        metrics = distiller.train_step(learner, batch, groups)   # instead of learner.train_step
+
+    teacher: "current" runs the learner's parameters at the start of the step; "ema" an
+    exponential moving average of them, θ_T <- (1 - ema) θ_T + ema θ after every step (started
+    from the parameters of the first step it sees, or of a new learner: after the SFT warm-up).
+    """
+
+    def __init__(
+        self,
+        chat: Any,
+        *,
+        weight: float = 1.0,
+        divergence: Divergence = "js",
+        js_beta: float = 0.5,
+        topk: int = 64,
+        teacher: str = "current",
+        ema: float = 0.05,
+        feedback: Sequence[str] = FEEDBACK_KINDS,
+    ):
+        if divergence not in DIVERGENCES:
+            raise ValueError(f"sdpo divergence={divergence!r}; use one of {DIVERGENCES}")
+        if teacher not in TEACHERS:
+            raise ValueError(f"sdpo teacher={teacher!r}; use one of {TEACHERS}")
+        if not 0.0 <= weight <= 1.0:
+            raise ValueError(f"sdpo weight={weight} must be in [0, 1]")
+        if teacher == "ema" and not 0.0 < ema <= 1.0:
+            raise ValueError(f"sdpo ema={ema} must be in (0, 1]")
+        if divergence == "js" and not 0.0 < js_beta < 1.0:
+            raise ValueError(f"sdpo js_beta={js_beta} must be in (0, 1)")
+        bad = [k for k in feedback if k not in FEEDBACK_KINDS]
+        if bad or not feedback:
+            raise ValueError(f"sdpo feedback={list(feedback)}; use some of {FEEDBACK_KINDS}")
+        self.chat = chat
+        self.weight = float(weight)
+        self.divergence = divergence
+        self.js_beta = float(js_beta)
+        self.topk = int(topk)
+        self.teacher = teacher
+        self.ema = float(ema)
+        self.feedback = tuple(feedback)
+        self._ema_params = None
+        self._ema_owner = None
+        self._jit: dict = {}
+        self._jit_owner = None
+
+    def teacher_params(self, learner: Any) -> Any:
+        if self.teacher == "current":
+            return learner._trainable
+        if self._ema_owner is not learner:
+            self._ema_params = jax.tree.map(jnp.copy, learner._trainable)
+            self._ema_owner = learner
+        return self._ema_params
+
+    def update_teacher(self, learner: Any) -> None:
+        """The EMA step after a train step (nothing for the current-policy teacher)."""
+        if self.teacher == "ema" and self._ema_owner is learner:
+            r = self.ema
+            self._ema_params = jax.tree.map(
+                lambda e, p: e + r * (p - e), self._ema_params, learner._trainable
+            )
+
+    def targets(
+        self, learner: Any, batch: Any, groups: Sequence[Sequence[Trajectory]]
+    ) -> tuple[TeacherTargets, dict[str, float]]:
+        """The step's teacher targets on `batch` (packed from `groups` by
+        `learner.prepare_batch`) and info; all-zero targets when no failed episode of the
+        batch has feedback."""
+        if jax.process_count() > 1:
+            raise NotImplementedError("SDPO's teacher pass runs on one process only")
+        if self._jit_owner is not learner:
+            self._jit, self._jit_owner = {}, learner
+        cfg = learner.config
+        pairs = teacher_samples(groups, self.chat, learner.position_fn(), self.feedback)
+        merge = cfg.vision.spatial_merge_size
+        student_at = locate(batch, [s for s, _ in pairs], cfg.image_token_id, merge)
+        pairs = [p for p, a in zip(pairs, student_at, strict=True) if a is not None]
+        student_at = [a for a in student_at if a is not None]
+        vocab = cfg.text.vocab_size
+        k = vocab if self.topk <= 0 or self.topk >= vocab else self.topk
+        info = {"sdpo/teacher_samples": float(len(pairs)), "sdpo/teacher_rows": 0.0}
+        if pairs:
+            tbatch = learner.pack([t.sample for _, t in pairs])
+            teacher_at = locate(tbatch, [t.sample for _, t in pairs], cfg.image_token_id, merge)
+            t_ids, t_logp = teacher_topk(
+                learner, self.teacher_params(learner), tbatch, self.topk, self._jit
+            )
+            ids, logp, mask = scatter_targets(batch, pairs, student_at, teacher_at, t_ids, t_logp)
+            info["sdpo/teacher_rows"] = float(tbatch.shape[0])
+            info["sdpo/teacher_row_len"] = float(tbatch.shape[1])
+        else:
+            r_, l_ = batch.shape
+            ids = np.zeros((r_, l_, k), np.int32)
+            logp = np.zeros((r_, l_, k), np.float32)
+            mask = np.zeros((r_, l_), bool)
+        info["sdpo/distilled_tokens"] = float(mask.sum())
+        targets = TeacherTargets(
+            ids, logp, mask, distill_weights(mask), self.divergence, self.js_beta, self.weight
+        )
+        return targets, info
+
+    def train_step(
+        self, learner: Any, batch: Any, groups: Sequence[Sequence[Trajectory]]
+    ) -> dict[str, float]:
+        """The teacher pass, then one learner step on (1 - λ) GRPO + λ SDPO, then the EMA."""
+        import time
+
+        t0 = time.perf_counter()
+        targets, info = self.targets(learner, batch, groups)
+        t_teacher = time.perf_counter() - t0
+        metrics = learner.train_step(batch, teacher=targets)
+        self.update_teacher(learner)
+        return {**metrics, **info, "sdpo/teacher_s": t_teacher}
+
+
+def from_config(rl: Any, chat: Any) -> SelfDistiller | None:
+    """The `SelfDistiller` of `config.rl` (None for rl.algorithm = "grpo")."""
+    if rl.algorithm == "grpo":
+        return None
+    if rl.algorithm != "sdpo":
+        raise ValueError(f"rl.algorithm={rl.algorithm!r}; use 'grpo' or 'sdpo'")
+    return SelfDistiller(
+        chat,
+        weight=rl.sdpo_weight,
+        divergence=rl.sdpo_divergence,
+        js_beta=rl.sdpo_js_beta,
+        topk=rl.sdpo_topk,
+        teacher=rl.sdpo_teacher,
+        ema=rl.sdpo_ema,
+        feedback=tuple(k.strip() for k in rl.sdpo_feedback.split(",") if k.strip()),
+    )
