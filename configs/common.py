@@ -102,7 +102,24 @@ def base_config(family: str) -> ConfigDict:
     c.rl.loss_norm = 0.0
     c.rl.std_normalize = True
     c.rl.filter_zero_variance = True
+    # micro-batches of gradient accumulation (memory only: one optimizer update per batch)
     c.rl.num_substeps = 1
+    # ---- levers of RL that learns (#24; cua_jax.rl.advantages / cua_jax.rl.sources)
+    c.rl.advantage = "grpo"  # "grpo" | "drgrpo" | "rloo"
+    # PPO updates per batch: the step's groups are split into ppo_minibatches mini-batches and
+    # each gets an optimizer update, ppo_epochs times over (needs old_logprobs="behaviour": the
+    # ratio is against the sampler's log-probs, so it moves off 1 after the first update)
+    c.rl.ppo_epochs = 1
+    c.rl.ppo_minibatches = 1
+    # DAPO dynamic sampling: zero-variance groups are replaced by new ones, at most
+    # max_sampling_rounds x groups_per_batch groups sampled per step
+    c.rl.dynamic_sampling = False
+    c.rl.max_sampling_rounds = 3
+    # ARPO success replay: an all-failed group gets a stored success of its task at most
+    # replay_max_staleness learner steps old (-1: max_steps_off_policy)
+    c.rl.replay_successes = False
+    c.rl.replay_max_staleness = -1
+    c.rl.persist_rollouts = False  # every rollout -> WORKDIR/rollouts (a source for SFT)
     c.rl.max_steps_off_policy = 1
     c.rl.entropy_coef = 0.0
     c.rl.row_lengths = (1024, 2048, 4096)  # packing buckets

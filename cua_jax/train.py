@@ -53,6 +53,7 @@ def main(
 ) -> dict[str, float]:
     """Runs the job described by `config` in `workdir`; returns the last eval metrics."""
     validate_config(config)
+    check_levers(config)
     tasks = load_tasks([dict(t) for t in config.tasks])
     eval_tasks = load_tasks([dict(t) for t in config.eval_tasks])
     _warn_if_turns_cut(tasks + eval_tasks, config.env.max_turns)
@@ -98,6 +99,7 @@ async def run(
     resume_from = _resume_source(config, ckpt)
     run_sft = resume_from is None and config.sft.steps > 0
     learner = builders.build_learner(model, config, mesh, rules, sft=run_sft)
+    use_advantage_estimator(learner, config)
     del model
     # The trajectory database (tools/monitor.py shows it): never slows or fails the run.
     db = db_lib.open_run(
@@ -137,6 +139,7 @@ async def run(
     async with env_factory() as pool:
         # multi-host: this process's share of the tasks, and of each step's groups
         source = builders.build_rollout_source_share(config, agent, pool, tasks, learner.version)
+        source.use_levers(**source_levers(config, workdir))
         if meta is not None:
             source.load_state_dict(_process_meta(meta))
 
@@ -173,6 +176,7 @@ async def run(
                 policy = learner.model
                 del learner  # its optimizer state goes before the RL learner makes its own
                 learner = builders.build_learner(policy, config, mesh, rules, sft=False)
+                use_advantage_estimator(learner, config)
                 engine.update_params(builders.sampler_params(learner), learner.version)
                 last_eval = await evaluate("after_sft", 0)
                 writer.write(0, {**sft_metrics, **last_eval, "phase_sft": 1.0})
@@ -185,9 +189,14 @@ async def run(
                 t_step = time.perf_counter()
                 rollouts = await _next_groups(source, step)
                 t0 = time.perf_counter()
-                batch, info = learner.prepare_batch(rollouts.groups)
-                if batch is not None:
-                    train_metrics = await asyncio.to_thread(learner.train_step, batch)
+                info, train_metrics = await asyncio.to_thread(
+                    ppo_update,
+                    learner,
+                    rollouts.groups,
+                    epochs=rl.ppo_epochs,
+                    minibatches=rl.ppo_minibatches,
+                )
+                if train_metrics is not None:
                     check_finite(
                         train_metrics,
                         step=step + 1,
@@ -211,7 +220,7 @@ async def run(
                     **{f"store/{k}": float(v) for k, v in source.store.stats().items()},
                 }
                 if episodes_dir is not None and rollouts.screens:
-                    trajs = [t for g in rollouts.groups for t in g]
+                    trajs = [t for g in rollouts.sampled for t in g]
                     write_episodes(
                         os.path.join(episodes_dir, f"train_step{step:05d}.html"),
                         list(zip(trajs, rollouts.screens, strict=False)),
@@ -352,6 +361,107 @@ def _job_metrics(row: dict[str, Any]) -> dict[str, float]:
 def _last_checkpoint(ckpt: Checkpointer) -> str | None:
     latest = ckpt.latest_step()
     return None if latest is None else os.path.join(ckpt.directory, str(latest))
+
+
+def check_levers(config: Any) -> None:
+    """Raises `ConfigError` for RL lever settings that cannot work together (#24)."""
+    from cua_jax.rl.advantages import ESTIMATORS
+
+    rl = config.rl
+    if rl.advantage not in ESTIMATORS:
+        raise ConfigError(
+            f"config.rl.advantage={rl.advantage!r} is not one of {', '.join(ESTIMATORS)}"
+        )
+    if rl.ppo_epochs * rl.ppo_minibatches > 1 and rl.old_logprobs != "behaviour":
+        raise ConfigError(
+            f"config.rl.ppo_epochs={rl.ppo_epochs} x ppo_minibatches={rl.ppo_minibatches} "
+            "optimizer updates per batch need config.rl.old_logprobs='behaviour': with "
+            "'learner' the PPO ratio is taken against the current update's own log-probs and "
+            "stays 1, so nothing would be clipped"
+        )
+    if rl.ppo_minibatches > 1 and jax.process_count() > 1:
+        raise ConfigError(
+            "config.rl.ppo_minibatches > 1 is single-process only (each process would split "
+            "its own groups into mini-batches of different sizes)"
+        )
+
+
+def use_advantage_estimator(learner: Any, config: Any) -> None:
+    """Sets the learner's advantage estimator from `config.rl.advantage`."""
+    import dataclasses
+
+    from cua_jax.rl.advantages import estimator_options
+
+    opts = estimator_options(config.rl.advantage, std_normalize=config.rl.std_normalize)
+    learner.advantage_config = dataclasses.replace(learner.advantage_config, **opts)
+
+
+def source_levers(config: Any, workdir: str) -> dict[str, Any]:
+    """The rollout source's lever settings (`RolloutSource.use_levers`) from `config.rl`;
+    rollouts are persisted under WORKDIR/rollouts (multi-host: .../p{process index})."""
+    rl = config.rl
+    persist = None
+    if rl.persist_rollouts:
+        persist = os.path.join(workdir, "rollouts")
+        if jax.process_count() > 1:
+            persist = os.path.join(persist, f"p{jax.process_index()}")
+        if not metrics_lib.is_local(persist):
+            raise ConfigError(
+                f"config.rl.persist_rollouts writes local files only; workdir {workdir!r} is not "
+                "a local path"
+            )
+    return {
+        "dynamic_sampling": bool(rl.dynamic_sampling),
+        "max_sampling_rounds": int(rl.max_sampling_rounds),
+        "replay_successes": bool(rl.replay_successes),
+        "replay_max_staleness": None if rl.replay_max_staleness < 0 else rl.replay_max_staleness,
+        "persist_dir": persist,
+    }
+
+
+def ppo_update(
+    learner: Any, groups: Sequence[Sequence[Trajectory]], *, epochs: int = 1, minibatches: int = 1
+) -> tuple[dict[str, float], dict[str, float] | None]:
+    """The learner step on one batch of groups: `epochs` passes over `minibatches` mini-batches
+    of whole groups (groups i, i + M, i + 2M, ... form mini-batch i), one optimizer update per
+    mini-batch and pass (PPO). Advantages are per group, so a mini-batch's are the batch's;
+    each mini-batch's loss weights are normalised over its own tokens. The PPO ratio is against
+    the sampler's log-probs (`rl.old_logprobs="behaviour"`): 1 at the first update (up to
+    sampler/learner numerics), off 1 afterwards, where the clip then bounds the update.
+
+    However many updates, the learner's version moves by one per call (a version is a learner
+    step: the staleness bounds count steps). Returns (prepare_batch's info, the updates'
+    metrics: means over updates, `*_max` the max, `ratio_mean_first`/`_last`, the last update's
+    clip fractions, `updates`), or metrics None when no group carried a signal."""
+    if not groups:  # dynamic sampling kept nothing
+        return {"groups": 0.0, "samples": 0.0}, None
+    batch, info = learner.prepare_batch(groups)
+    if batch is None:
+        return info, None
+    m = min(minibatches, len(groups))
+    if m > 1:
+        chunks = [learner.prepare_batch(groups[i::m])[0] for i in range(m)]
+        batches = [b for b in chunks if b is not None]
+    else:
+        batches = [batch]
+    version = learner.version
+    per_update = []
+    for _ in range(epochs):
+        for b in batches:
+            per_update.append(learner.train_step(b))
+    learner.version = version + 1
+    out: dict[str, float] = {}
+    for k in per_update[0]:
+        vals = [u[k] for u in per_update if k in u]
+        out[k] = float(max(vals)) if k.endswith("_max") else float(np.mean(vals))
+    out["version"] = float(learner.version)
+    out["updates"] = float(len(per_update))
+    if "ratio_mean" in per_update[0]:
+        out["ratio_mean_first"] = per_update[0]["ratio_mean"]
+        out["ratio_mean_last"] = per_update[-1]["ratio_mean"]
+        out["clip_frac_high_last"] = per_update[-1]["clip_frac_high"]
+        out["clip_frac_low_last"] = per_update[-1]["clip_frac_low"]
+    return info, out
 
 
 async def _sft_warmup(
@@ -514,8 +624,10 @@ def _warn_if_turns_cut(tasks: Sequence[Task], max_turns: int) -> None:
 
 
 __all__ = [
+    "check_levers",
     "evaluate_policy",
     "main",
+    "ppo_update",
     "run",
     "save_checkpoint",
     "success_by_category",
