@@ -254,21 +254,17 @@ async def run(
 
     # ---- finish: curves, summary --------------------------------------------------------------
     if is_main:
+        from cua_jax.viz import plot_run_curves
+
         rows = metrics_lib.read_metrics(writer.path)
-        metrics_lib.plot_curves(
+        plot_run_curves(
             rows,
             ["eval/success", "rollout/reward", "rollout/success", "train/loss"],
             os.path.join(workdir, "curves.png"),
             title=f"{config.model.family} {config.preset}",
         )
         summary = {
-            "eval_success_step0": next(
-                (r["eval/success"] for r in rows if r["step"] == 0 and "eval/success" in r), None
-            ),
-            # the last eval logged (a rerun of a finished run evaluates nothing new)
-            "eval_success_final": next(
-                (r["eval/success"] for r in reversed(rows) if "eval/success" in r), None
-            ),
+            **run_summary(rows),
             "steps": step,
             "wall_s": time.perf_counter() - t_job,
         }
@@ -361,6 +357,25 @@ def _job_metrics(row: dict[str, Any]) -> dict[str, float]:
 def _last_checkpoint(ckpt: Checkpointer) -> str | None:
     latest = ckpt.latest_step()
     return None if latest is None else os.path.join(ckpt.directory, str(latest))
+
+
+def run_summary(rows: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """Eval success of a run from its metrics rows: at step 0 before any training
+    (`eval_success_step0`), after the SFT warm-up (`eval_success_after_sft`, the step-0
+    checkpoint's policy; None without an SFT phase), the last eval logged
+    (`eval_success_final`; a rerun of a finished run evaluates nothing new), and the RL
+    phase's own gain `eval_success_rl_gain` = final - after SFT."""
+    evals = [r for r in rows if "eval/success" in r]
+    step0 = next((r["eval/success"] for r in evals if r["step"] == 0), None)
+    after_sft = next((r["eval/success"] for r in evals if r.get("phase_sft") == 1.0), None)
+    final = evals[-1]["eval/success"] if evals else None
+    gain = None if after_sft is None or final is None else final - after_sft
+    return {
+        "eval_success_step0": step0,
+        "eval_success_after_sft": after_sft,
+        "eval_success_final": final,
+        "eval_success_rl_gain": gain,
+    }
 
 
 def check_levers(config: Any) -> None:
@@ -628,6 +643,7 @@ __all__ = [
     "evaluate_policy",
     "main",
     "ppo_update",
+    "run_summary",
     "run",
     "save_checkpoint",
     "success_by_category",

@@ -97,3 +97,73 @@ def episodes_html(
             parts.append("</div>")
         parts.append("</div>")
     return "\n".join(parts)
+
+
+# --- training curves -----------------------------------------------------------------------------
+
+
+def sft_end(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """Where the SFT warm-up ended in a run's metrics rows (`train.py` writes the after-SFT
+    eval at step 0 with ``phase_sft=1``): {"step", "sft_steps", "eval_success"}, or None when
+    the run had no SFT phase."""
+    for r in rows:
+        if r.get("phase_sft") == 1.0:
+            return {
+                "step": r["step"],
+                "sft_steps": r.get("sft/steps"),
+                "eval_success": r.get("eval/success"),
+            }
+    return None
+
+
+def plot_run_curves(
+    rows: Sequence[dict[str, Any]], keys: Sequence[str], out_png: str, title: str = ""
+) -> str | None:
+    """One panel per key with data (x = GRPO step), with the end of the SFT warm-up marked: a
+    dashed vertical line at its step labelled with its SFT steps, the before-SFT point (random
+    init) drawn apart as a cross, and on eval/success a dotted level at the after-SFT success,
+    so the RL phase's own gain reads off the plot. Returns the PNG's path (None: no data)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from etils import epath
+
+    def num(v: Any) -> bool:
+        return isinstance(v, float | int) and not isinstance(v, bool)
+
+    present = [k for k in keys if any(num(r.get(k)) for r in rows)]
+    if not present:
+        return None
+    end = sft_end(rows)
+    fig, axes = plt.subplots(1, len(present), figsize=(4.2 * len(present), 3.2), squeeze=False)
+    for ax, key in zip(axes[0], present, strict=True):
+        before = [
+            (r["step"], r[key]) for r in rows if r.get("phase_sft") == 0.0 and num(r.get(key))
+        ]
+        pts = [(r["step"], r[key]) for r in rows if r.get("phase_sft") != 0.0 and num(r.get(key))]
+        if end is None:  # no SFT phase: the step-0 point is where the run started
+            pts, before = before + pts, []
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, ys, marker="o", ms=3)
+        if before:
+            bx, by = zip(*before, strict=True)
+            ax.plot(bx, by, "x", color="gray", ms=6, label="before SFT")
+        if end is not None:
+            n = end["sft_steps"]
+            label = f"SFT ends ({int(n)} steps)" if num(n) else "SFT ends"
+            ax.axvline(end["step"], color="tab:red", ls="--", lw=1, label=label)
+            if key == "eval/success" and num(end["eval_success"]):
+                ax.axhline(end["eval_success"], color="tab:red", ls=":", lw=1, label="after SFT")
+            ax.legend(fontsize=7, loc="best")
+        ax.set_title(key)
+        ax.set_xlabel("GRPO step")
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    with epath.Path(out_png).open("wb") as f:
+        fig.savefig(f, dpi=110, format="png")
+    plt.close(fig)
+    return out_png

@@ -1,0 +1,48 @@
+"""summary.json's eval fields and curves.png's SFT marker, from a run's metrics rows as train.py
+writes them (random-init eval and after-SFT eval both at step 0, GRPO evals after)."""
+
+import json
+
+from PIL import Image
+
+from cua_jax.train import run_summary
+from cua_jax.viz import plot_run_curves, sft_end
+
+ROWS = [
+    {"step": 0, "eval/success": 0.0, "phase_sft": 0.0},
+    {"step": 0, "eval/success": 0.4375, "phase_sft": 1.0, "sft/steps": 150.0},
+    {"step": 1, "rollout/reward": 0.25, "train/loss": 0.1},
+    {"step": 4, "eval/success": 0.5, "rollout/reward": 0.5},
+    {"step": 8, "eval/success": 0.625, "rollout/reward": 0.5},
+]
+
+
+def test_summary_has_after_sft_final_and_the_rl_gain():
+    s = run_summary(ROWS)
+    assert s == {
+        "eval_success_step0": 0.0,
+        "eval_success_after_sft": 0.4375,
+        "eval_success_final": 0.625,
+        "eval_success_rl_gain": 0.1875,
+    }
+    json.dumps(s)  # summary.json
+
+
+def test_summary_without_sft_or_evals():
+    no_sft = [{"step": 0, "eval/success": 0.25, "phase_sft": 0.0}, {"step": 2, "eval/success": 0.5}]
+    assert run_summary(no_sft) == {
+        "eval_success_step0": 0.25,
+        "eval_success_after_sft": None,
+        "eval_success_final": 0.5,
+        "eval_success_rl_gain": None,
+    }
+    assert run_summary([{"step": 1, "train/loss": 1.0}])["eval_success_final"] is None
+
+
+def test_curves_mark_where_sft_ended(tmp_path):
+    assert sft_end(ROWS) == {"step": 0, "sft_steps": 150.0, "eval_success": 0.4375}
+    assert sft_end(ROWS[2:]) is None
+    for name, rows in (("with_sft.png", ROWS), ("without.png", ROWS[2:])):
+        out = plot_run_curves(rows, ["eval/success", "rollout/reward"], str(tmp_path / name))
+        assert Image.open(out).size[0] > 400
+    assert plot_run_curves(ROWS, ["missing/key"], str(tmp_path / "none.png")) is None
