@@ -61,6 +61,7 @@ class MetricsWriter:
         self._local = is_local(self.path)
         self._lines: list[str] | None = None  # object storage: the file's lines, rewritten whole
         self._tb = None
+        self._tb_dir: str | None = None
         self._wandb = None
         if not enabled:
             return
@@ -68,10 +69,9 @@ class MetricsWriter:
         if not self._local:
             path = epath.Path(self.path)
             self._lines = path.read_text().splitlines(keepends=True) if path.exists() else []
-        if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+        # TensorBoard's writer starts at the first row: a run that fails during set-up leaves
+        # no writer whose exit-time flush (a thread at interpreter shutdown) would print noise.
+        self._tb_dir = os.path.join(workdir, "tb") if tensorboard else None
         if wandb_project:
             try:
                 import wandb
@@ -99,6 +99,10 @@ class MetricsWriter:
         if not self.enabled:
             return
         row: dict[str, Any] = {"step": int(step), "time": time.time()}
+        if self._tb is None and self._tb_dir is not None:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(self._tb_dir)
         for k, v in metrics.items():
             f = _to_float(v)
             if f is None:

@@ -20,6 +20,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
+
+class MeshError(ValueError):
+    """A mesh that does not fit the devices, or a parameter it cannot divide: a config problem
+    (`launch/tpu.py` prints it as one line, exit 2)."""
+
+
 Rules = tuple[tuple[str, Any], ...]
 
 # FSDP shards the model dimension of every matrix; tensor parallelism shards heads / mlp /
@@ -60,16 +66,19 @@ def make_mesh(
     sizes = [named[a] for a in MESH_AXES]
     desc = " ".join(f"{a}={n}" for a, n in named.items())
     if sizes.count(-1) > 1:
-        raise ValueError(f"at most one mesh axis may be -1, got {desc}")
+        raise MeshError(f"at most one mesh axis may be -1, got {desc}")
     known = int(np.prod([s for s in sizes if s != -1]))
     if -1 in sizes:
         if len(devs) % known:
             others = "*".join(a for a, n in named.items() if n != -1)
-            raise ValueError(f"{len(devs)} devices are not divisible by {others}={known}")
+            raise MeshError(f"{len(devs)} devices are not divisible by {others}={known}")
         sizes[sizes.index(-1)] = len(devs) // known
     if int(np.prod(sizes)) != len(devs):
         shape = " x ".join(f"{a}={n}" for a, n in zip(MESH_AXES, sizes, strict=True))
-        raise ValueError(f"mesh {shape} needs {int(np.prod(sizes))} devices, have {len(devs)}")
+        raise MeshError(
+            f"mesh {shape} needs {int(np.prod(sizes))} devices, have {len(devs)} "
+            "(set one --config.mesh.<axis>=-1 to take the remaining devices)"
+        )
     return Mesh(np.asarray(devs).reshape(sizes), MESH_AXES)
 
 
@@ -110,7 +119,7 @@ def _check_divisible(path: str, shape: tuple[int, ...], spec: PartitionSpec, mes
             continue
         n = int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
         if dim % n:
-            raise ValueError(
+            raise MeshError(
                 f"parameter {path} dim {dim} is not divisible by mesh axes {axes} (size {n}); "
                 "change the mesh or the sharding rules"
             )

@@ -117,6 +117,22 @@ def maybe_initialize_distributed(environ: Mapping[str, str] | None = None) -> bo
     return True
 
 
+def _check_workdir(workdir: str) -> None:
+    """A local workdir must be a directory this process can write (or creatable)."""
+    if "://" in workdir:
+        return  # object storage: etils.epath reports its own errors
+    path = os.path.abspath(workdir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise LaunchError(f"--workdir={workdir} exists and is not a directory")
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise LaunchError(f"--workdir={workdir}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise LaunchError(f"--workdir={workdir}: {parent} is not writable")
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise LaunchError(f"unexpected positional arguments: {argv[1:]}")
@@ -125,20 +141,26 @@ def main(argv: list[str]) -> None:
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO: keep the bar readable
         logging.set_verbosity(logging.WARNING)
     from cua_jax import train
+    from cua_jax.checkpoint.orbax_io import CheckpointError
     from cua_jax.config_checks import ConfigError, validate_config
     from cua_jax.rl.learner import NonFiniteError
     from cua_jax.rl.sources import RolloutError
+    from cua_jax.sharding import MeshError
+    from envs.tasks import TaskSourceError
 
     try:  # a bad value (not just a bad key or type) also fails before any work starts
         validate_config(config)
     except ConfigError as e:
         raise LaunchError(str(e)) from None
+    _check_workdir(workdir)
     maybe_initialize_distributed()
     compose.enable_compile_cache(config.compile_cache_dir)
     env_factory, load_tasks = compose.build_env_factory(config)  # env.kind checked above
     try:
         train.main(config, workdir, env_factory=env_factory, load_tasks=load_tasks)
-    except (RolloutError, NonFiniteError) as e:
+    except (TaskSourceError, MeshError) as e:  # a task file, task source or mesh the user gave
+        raise LaunchError(str(e)) from None
+    except (RolloutError, NonFiniteError, CheckpointError) as e:
         raise RunFailed(e) from e
 
 

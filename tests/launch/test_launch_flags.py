@@ -84,3 +84,39 @@ def test_bad_command_line_fails_at_start(args, expected):
     assert "launch/tpu.py: error:" in r.stderr
     assert expected in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_bad_workdir_task_file_and_mesh_fail_with_one_line(tmp_path):
+    """Problems found only once the run starts (a workdir that is a file, a malformed task
+    file, a mesh the model cannot be divided over) are one line too, exit 2, no traceback."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"bad json\n')
+    smoke = "--config=configs/qwen3vl_grpo.py:smoke"
+    cases = [
+        ([smoke, f"--workdir={afile}"], f"--workdir={afile} exists and is not a directory", {}),
+        (
+            [smoke, f"--config.tasks=({{'source_type': 'file', 'path': '{tasks}'}},)"],
+            f"{tasks}:1: not valid JSON",
+            {},
+        ),
+        (
+            [smoke, "--config.mesh.tensor=3", "--config.mesh.fsdp=1"],
+            "is not divisible by mesh axes tensor (size 3)",
+            {"XLA_FLAGS": "--xla_force_host_platform_device_count=3"},
+        ),
+    ]
+    for args, expected, env in cases:
+        r = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "launch", "tpu.py"), *args]
+            + ([] if any(a.startswith("--workdir") for a in args) else [f"--workdir={tmp_path}/w"]),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, **env},
+        )
+        assert r.returncode == 2, (args, r.stderr[-3000:])
+        assert "launch/tpu.py: error: " in r.stderr and expected in r.stderr, r.stderr[-3000:]
+        assert "Traceback" not in r.stderr, r.stderr[-3000:]
