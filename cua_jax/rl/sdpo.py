@@ -126,14 +126,14 @@ def distill_loss(
     divergence_BT: jax.Array, weights_BT: jax.Array, mask_BT: jax.Array
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Σ_t w_t D_t (w from `distill_weights`: a token mean over the distilled tokens of the whole
-    batch) and metrics (the masked mean divergence of this call, its token count)."""
+    batch) and metrics, all sums so that micro-batches add up: the loss, the divergence summed
+    over the masked tokens, their count."""
     mask = mask_BT.astype(jnp.float32)
     loss = jnp.sum(divergence_BT * weights_BT.astype(jnp.float32))
-    n = mask.sum()
     return loss, {
         "sdpo_loss": loss,
-        "sdpo_divergence": jnp.sum(divergence_BT * mask) / jnp.maximum(n, 1.0),
-        "sdpo_tokens": n,
+        "sdpo_div_sum": jnp.sum(divergence_BT * mask),
+        "sdpo_tokens": mask.sum(),
     }
 
 
@@ -425,6 +425,27 @@ def locate(
 # ---------------------------------------------------------------------------------------------
 
 
+TARGET_KEYS = ("sdpo_ids", "sdpo_logp", "sdpo_mask", "sdpo_weights")  # the step's extra inputs
+TOPK_KEYS = ("sdpo_ids", "sdpo_logp")  # [R, L, K]; the others are [R, L]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossVariant:
+    """The static part of the SDPO term (one compiled learner step each)."""
+
+    divergence: Divergence
+    js_beta: float
+    weight: float
+
+
+def parse_mode(mode: str) -> LossVariant | None:
+    """The `LossVariant` of a learner step mode (`TeacherTargets.mode`); None for others."""
+    if not mode.startswith("sdpo:"):
+        return None
+    _, div, beta, weight = mode.split(":")
+    return LossVariant(div, float(beta), float(weight))  # type: ignore[arg-type]
+
+
 @dataclasses.dataclass
 class TeacherTargets:
     """The teacher's distribution at each distilled token of a packed student batch; entry
@@ -439,12 +460,7 @@ class TeacherTargets:
     weight: float = 1.0  # λ: the step minimises (1 - λ) L_GRPO + λ L_SDPO
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {
-            "sdpo_ids": self.ids,
-            "sdpo_logp": self.logp,
-            "sdpo_mask": self.mask,
-            "sdpo_weights": self.weights,
-        }
+        return dict(zip(TARGET_KEYS, (self.ids, self.logp, self.mask, self.weights), strict=True))
 
     @property
     def mode(self) -> str:
@@ -666,6 +682,8 @@ class SelfDistiller:
         t_teacher = time.perf_counter() - t0
         metrics = learner.train_step(batch, teacher=targets)
         self.update_teacher(learner)
+        div_sum, n = metrics.pop("sdpo_div_sum", 0.0), metrics.get("sdpo_tokens", 0.0)
+        metrics["sdpo_divergence"] = div_sum / max(n, 1.0)
         return {**metrics, **info, "sdpo/teacher_s": t_teacher}
 
 
