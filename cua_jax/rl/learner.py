@@ -22,6 +22,18 @@ Reference policy for the KL penalty (only when ``kl_coef > 0``): the policy the 
 from, as a frozen copy of the trainable params (with LoRA only the adapters, so the base weights
 are shared). A learner built after the SFT warm-up therefore keeps the SFT policy as its
 reference; the copy is part of `state_dict`, so a resumed run keeps it.
+
+MoE (Qwen3-VL-MoE; dense models are untouched: no routes array, the same compiled step): the
+batch carries the sampler's recorded experts (`PackedBatch.routes`, -1 unrecorded). With
+``LossConfig.routing_replay`` every forward of the step (policy, KL reference, `token_logprobs`)
+routes each recorded token through those experts (their weights still from the learner's
+router, so it keeps its gradient), so the learner scores exactly the computation the sampler
+ran. Either way the step reports ``routing_mismatch``: the share of recorded (token, sparse
+layer) pairs whose expert set the learner's own router would choose differently. With
+``router_aux_coef`` > 0 the loss adds coef x the load-balancing loss
+(`qwen_vl.load_balancing_loss`) over each micro-batch's trained tokens, weighted by its share
+of the batch's trained tokens (= the whole batch's loss with one micro-batch), logged as
+``router_aux_loss``.
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ from jax.sharding import PartitionSpec as P
 from cua_jax import multihost
 from cua_jax import sharding as shd
 from cua_jax.models import lora as lora_lib
+from cua_jax.models.qwen_vl.moe import load_balancing_loss
 from cua_jax.models.qwen_vl.text import make_dense_attn_fn
 from cua_jax.models.qwen_vl.vision import vision_metadata
 from cua_jax.rl import losses
@@ -136,8 +149,12 @@ class LossConfig:
     agg_mode: losses.AggMode = "token-mean"
     loss_norm: float | None = None  # Dr. GRPO's constant C; "seq-mean-token-sum-norm" needs it
     temperature: float = 1.0
+    router_aux_coef: float = 0.0  # MoE: coef x load-balancing loss over the trained tokens
+    routing_replay: bool = False  # MoE: forwards use the sampler's recorded experts
 
     def __post_init__(self):
+        if not self.router_aux_coef >= 0:
+            raise ValueError(f"router_aux_coef={self.router_aux_coef} must be >= 0")
         if self.old_logprobs not in ("behaviour", "learner"):
             raise ValueError(f"old_logprobs={self.old_logprobs!r}: use 'behaviour' or 'learner'")
         if not self.temperature > 0:
@@ -336,6 +353,20 @@ class Learner:
         self._bucket_shapes = bucket_shapes
         self.logits_chunk = int(logits_chunk)
         self.compiled_shapes: set[tuple] = set()
+        t = self.config.text
+        self._moe = t.is_moe
+        self._route_shape = (
+            (sum(t.is_sparse_layer(i) for i in range(t.num_hidden_layers)), t.num_experts_per_tok)
+            if self._moe
+            else None
+        )
+        if not self._moe and (loss.routing_replay or loss.router_aux_coef > 0):
+            raise ValueError(
+                "routing_replay / router_aux_coef need a MoE model (text.num_experts > 0); "
+                f"this one is dense (routing_replay={loss.routing_replay}, "
+                f"router_aux_coef={loss.router_aux_coef})"
+            )
+        self._route_sh = NamedSharding(self.mesh, P(batch_axes, None, None, None))
 
     # --------------------------------------------------------------------------- public API
 
@@ -597,6 +628,22 @@ class Learner:
             xs["position_ids"] = jax.make_array_from_process_local_data(
                 self._pos_sh, batch.position_ids, (3, rows * shares, length)
             )
+        if self._moe:  # every MoE batch has routes (-1: unrecorded), so one compiled step
+            routes = batch.routes
+            want = (rows, length, *self._route_shape)
+            if routes is None:
+                routes = np.full(want, -1, np.int32)
+            elif routes.shape != want:
+                raise ValueError(
+                    f"batch routes have shape {routes.shape} but this model needs {want} "
+                    "(rows, row length, sparse layers, experts per token)"
+                )
+            if shares == 1:
+                xs["routes"] = jax.device_put(routes, self._route_sh)
+            else:
+                xs["routes"] = jax.make_array_from_process_local_data(
+                    self._route_sh, routes, (rows * shares, *want[1:])
+                )
         images = None
         if batch.pixel_values is not None:
             pv, grid = batch.pixel_values, batch.image_grid_thw
@@ -619,11 +666,22 @@ class Learner:
         return (emb, ds), vmask
 
     def _token_stats(self, trainable, frozen, rest, emb, ds, vmask, mb, temperature, entropy):
-        """(log π(next token), entropy or None), f32[mb, L-1], at `temperature`, with the
-        banned ids masked; the logits are made `logits_chunk` positions at a time."""
+        """(log π(next token), entropy or None, MoE RoutingInfo or None), f32[mb, L-1], at
+        `temperature`, with the banned ids masked; the logits are made `logits_chunk` positions
+        at a time. MoE: the decoder replays `mb["routes"]` with `routing_replay`."""
         model = self._merge(trainable, frozen, rest)
         attn = make_dense_attn_fn(None, mb["segment_ids"])
-        hidden = model.decode(emb, mb["position_ids"], attn, vmask, ds)[:, :-1]
+        info = None
+        if self._moe:
+            replay = None
+            if self.loss_config.routing_replay:  # [B, T, L, K] -> [L, B, T, K]
+                replay = jnp.transpose(mb["routes"], (2, 0, 1, 3))
+            hidden, info = model.decode(
+                emb, mb["position_ids"], attn, vmask, ds, routes=replay, return_routing=True
+            )
+        else:
+            hidden = model.decode(emb, mb["position_ids"], attn, vmask, ds)
+        hidden = hidden[:, :-1]
         banned = jnp.asarray(self._banned, jnp.int32) if self._banned else None
 
         def logits_fn(h):
@@ -632,28 +690,67 @@ class Learner:
                 logits = logits.at[..., banned].set(-1e30)
             return logits if temperature == 1.0 else logits / temperature
 
-        return losses.chunked_token_stats(
+        lp, ent = losses.chunked_token_stats(
             logits_fn, hidden, mb["input_ids"][:, 1:], chunk=self.logits_chunk, entropy=entropy
         )
+        return lp, ent, info
+
+    def _routing_terms(self, info, mb, n_total):
+        """MoE: (coef x this micro-batch's share of the load-balancing loss, metrics): the
+        recorded/differing (token, layer) counts behind `routing_mismatch`, `router_aux_loss`."""
+        routes = mb["routes"]  # i32[B, T, L, K]
+        k = routes.shape[-1]
+        _, own = jax.lax.top_k(jax.lax.stop_gradient(info.router_logits), k)  # [L, B, T, K]
+        own = jnp.transpose(own, (1, 2, 0, 3))
+        rec_BT = jnp.all(routes >= 0, axis=(2, 3)) & (mb["segment_ids"] > 0)
+        differ = jnp.any(jnp.sort(own, -1) != jnp.sort(routes, -1), axis=-1)  # [B, T, L]
+        metrics = {
+            "_routing_differ": jnp.sum(differ & rec_BT[..., None]).astype(jnp.float32),
+            "_routing_recorded": (jnp.sum(rec_BT) * routes.shape[2]).astype(jnp.float32),
+        }
+        coef = self.loss_config.router_aux_coef
+        if not coef:
+            return 0.0, metrics
+        mask = mb["loss_mask"]
+        n = jnp.sum(mask).astype(jnp.float32)
+        # a micro-batch without trained tokens adds nothing (and no 0/0 in its backward)
+        safe = jnp.where(n > 0, mask, jnp.ones_like(mask))
+        aux = jnp.where(n > 0, load_balancing_loss(info.router_logits, k, safe), 0.0)
+        metrics["router_aux_loss"] = aux
+        return coef * aux * n / jnp.maximum(n_total, 1.0), metrics
 
     def _logprobs_fn(self, trainable, frozen, rest, xs, images, has_images):
         del has_images
         ids = xs["input_ids"]
         (emb, ds), vmask = self._embed(trainable, frozen, rest, ids, images)
-        lp, _ = self._token_stats(
+        lp, _, _ = self._token_stats(
             trainable, frozen, rest, emb, ds, vmask, xs, self.loss_config.temperature, False
         )
         return jnp.pad(lp, ((0, 0), (1, 0)))
 
-    def _micro_loss(self, mode, trainable, frozen, rest, ref, emb, ds, vmask, ref_emb, mb):
+    def _micro_loss(self, mode, trainable, frozen, rest, ref, emb, ds, vmask, ref_emb, mb, n_total):
+        loss, metrics, info = self._micro_policy_loss(
+            mode, trainable, frozen, rest, ref, emb, ds, vmask, ref_emb, mb
+        )
+        if info is None:  # dense
+            return loss, metrics
+        aux, routing = self._routing_terms(info, mb, n_total)
+        return loss + aux, {**metrics, **routing, "loss": loss + aux}
+
+    def _micro_policy_loss(self, mode, trainable, frozen, rest, ref, emb, ds, vmask, ref_emb, mb):
+        """(loss, metrics, MoE RoutingInfo or None) of one micro-batch."""
         lc = self.loss_config
         temp = 1.0 if mode == "sft" else lc.temperature
         mask = mb["loss_mask"][:, 1:]
         weights = mb["loss_weights"][:, 1:]
         if mode == "sft":
-            logp, _ = self._token_stats(trainable, frozen, rest, emb, ds, vmask, mb, temp, False)
-            return losses.sft_loss(logp, weights, mask)
-        logp, entropy = self._token_stats(trainable, frozen, rest, emb, ds, vmask, mb, temp, True)
+            logp, _, info = self._token_stats(
+                trainable, frozen, rest, emb, ds, vmask, mb, temp, False
+            )
+            return (*losses.sft_loss(logp, weights, mask), info)
+        logp, entropy, info = self._token_stats(
+            trainable, frozen, rest, emb, ds, vmask, mb, temp, True
+        )
         if not lc.entropy_coef:
             entropy = jax.lax.stop_gradient(entropy)
         behaviour = jnp.where(mask, mb["behaviour_logprobs"][:, 1:], jax.lax.stop_gradient(logp))
@@ -661,9 +758,11 @@ class Learner:
         ref_logp = None
         if ref is not None:
             r_emb, r_ds = ref_emb
-            ref_logp, _ = self._token_stats(ref, frozen, rest, r_emb, r_ds, vmask, mb, temp, False)
+            ref_logp, _, _ = self._token_stats(
+                ref, frozen, rest, r_emb, r_ds, vmask, mb, temp, False
+            )
             ref_logp = jax.lax.stop_gradient(ref_logp)
-        return losses.policy_loss(
+        loss, metrics = losses.policy_loss(
             logp,
             old,
             mb["advantages"][:, 1:],
@@ -679,6 +778,7 @@ class Learner:
             entropy_BT=entropy,
             entropy_coef=lc.entropy_coef,
         )
+        return loss, metrics, info
 
     def _grads_fn(self, mode, trainable, frozen, rest, ref_full, xs, images):
         """(grads of the batch loss w.r.t. the trainable params, metrics)."""
@@ -686,6 +786,7 @@ class Learner:
         ids = xs["input_ids"]
         r = ids.shape[0]
         mb = r // s
+        n_total = jnp.sum(xs["loss_mask"]).astype(jnp.float32)
         (emb, ds), embed_vjp, vmask = jax.vjp(
             lambda tr: self._embed(tr, frozen, rest, ids, images), trainable, has_aux=True
         )
@@ -716,7 +817,7 @@ class Learner:
         def body(g_acc, x):
             def f(tr, e, d):
                 return self._micro_loss(
-                    mode, tr, frozen, rest, ref, e, d, x["vmask"], x["ref_emb"], x["mb"]
+                    mode, tr, frozen, rest, ref, e, d, x["vmask"], x["ref_emb"], x["mb"], n_total
                 )
 
             (_, metrics), (g_tr, g_emb, g_ds) = jax.value_and_grad(
@@ -739,6 +840,11 @@ class Learner:
         # terms are already batch-normalised sums, so they add up.
         n = metrics["num_tokens"]
         out = {}
+        if "_routing_recorded" in metrics:  # MoE: share over every recorded (token, layer)
+            differ = jnp.sum(metrics.pop("_routing_differ"))
+            recorded = jnp.sum(metrics.pop("_routing_recorded"))
+            out["routing_mismatch"] = differ / jnp.maximum(recorded, 1.0)
+            out["routing_recorded"] = recorded
         for k, v in metrics.items():
             if k.endswith("_max"):
                 out[k] = jnp.max(v)
@@ -762,6 +868,8 @@ class Learner:
             ref_sh = None if self._ref is None else self._trainable_sh
             xs_sh = {k: self._row_sh for k in _TEXT_KEYS}
             xs_sh["position_ids"] = self._pos_sh
+            if self._moe:
+                xs_sh["routes"] = self._route_sh
             fn = jax.jit(
                 lambda *a: self._step_fn(mode, *a),
                 in_shardings=(

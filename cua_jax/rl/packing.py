@@ -36,6 +36,8 @@ class PackedBatch:
     pixel_values: np.ndarray | None = None  # f[N_patches, D]
     image_grid_thw: np.ndarray | None = None  # i32[I, 3]
     num_samples: int = 0
+    # MoE: i32[R, L, layers, K] the sampler's experts per token (-1: unrecorded); None: dense
+    routes: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -60,6 +62,8 @@ class PackedBatch:
         if self.pixel_values is not None:
             out["pixel_values"] = self.pixel_values
             out["image_grid_thw"] = self.image_grid_thw
+        if self.routes is not None:
+            out["routes"] = self.routes
         return out
 
 
@@ -82,6 +86,14 @@ def _round_rows(n: int, row_multiple: int) -> int:
         size = size * 3 // 2 if size & (size - 1) == 0 and size >= 2 else size * 4 // 3
         size = max(size, 2)
     return row_multiple * size
+
+
+def route_shape(samples: Sequence[Sample]) -> tuple[int, int] | None:
+    """(layers, K) of the samples' recorded MoE routes; None when none has routes."""
+    shapes = {tuple(s.routes.shape[1:]) for s in samples if s.routes is not None}
+    if len(shapes) > 1:
+        raise ValueError(f"the samples' routes have different [layers, K] shapes: {sorted(shapes)}")
+    return shapes.pop() if shapes else None
 
 
 def _episode_key(sample: Sample, index: int) -> int:
@@ -135,6 +147,8 @@ def pack(
     blp = np.zeros((num_rows, seq_len), np.float32)
     adv = np.zeros((num_rows, seq_len), np.float32)
     episodes = np.zeros((num_rows, seq_len), np.int64)
+    rshape = route_shape(samples)
+    routes = None if rshape is None else np.full((num_rows, seq_len, *rshape), -1, np.int32)
     pvs, grids = [], []
     for r, members in enumerate(rows):
         o = 0
@@ -148,6 +162,13 @@ def pack(
             blp[r, o : o + n] = s.behaviour_logprobs
             adv[r, o : o + n] = s.advantage
             episodes[r, o : o + n] = _episode_key(s, i)
+            if routes is not None and s.routes is not None:
+                if s.routes.shape[0] != n:
+                    raise ValueError(
+                        f"a sample has {n} tokens but routes for {s.routes.shape[0]}; "
+                        "Sample.routes is token-aligned i32[T, layers, K]"
+                    )
+                routes[r, o : o + n] = s.routes
             if s.pixel_values is not None:
                 pvs.append(np.asarray(s.pixel_values))
                 grids.append(np.asarray(s.image_grid_thw, np.int32))
@@ -164,6 +185,7 @@ def pack(
         pixel_values=np.concatenate(pvs) if pvs else None,
         image_grid_thw=np.concatenate(grids) if grids else None,
         num_samples=len(samples),
+        routes=routes,
     )
 
 
@@ -186,6 +208,13 @@ def unpacked(samples: Sequence[Sample], **kwargs) -> PackedBatch:
 
     mask = cat("loss_mask")
     seg = cat("segment_ids")
+    rshape = route_shape(samples)
+    routes = None
+    if rshape is not None:
+        routes = np.full((len(samples), length, *rshape), -1, np.int32)
+        for i, b in enumerate(batches):
+            if b.routes is not None:
+                routes[i, : b.shape[1]] = b.routes[0]
     pvs = [b.pixel_values for b in batches if b.pixel_values is not None]
     grids = [b.image_grid_thw for b in batches if b.image_grid_thw is not None]
     return PackedBatch(
@@ -208,4 +237,5 @@ def unpacked(samples: Sequence[Sample], **kwargs) -> PackedBatch:
         pixel_values=np.concatenate(pvs) if pvs else None,
         image_grid_thw=np.concatenate(grids) if grids else None,
         num_samples=len(samples),
+        routes=routes,
     )

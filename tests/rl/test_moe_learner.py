@@ -1,0 +1,204 @@
+"""The MoE learner: routing replay, the routing-mismatch metric, the router's auxiliary loss.
+
+Episodes are sampled by the agent loop on a real Engine over a tiny Qwen3-VL-MoE (f32), so the
+routes and behaviour log-probs are the sampler's own. References are the model's plain forward
+(`model(..., routes=...)`) and a numpy load-balancing loss, not the learner's code path.
+"""
+
+import asyncio
+
+import jax
+import numpy as np
+import pytest
+
+from cua_jax.data.processor import QwenVLProcessor
+from cua_jax.models import qwen_vl
+from cua_jax.rl.learner import Learner, LossConfig
+from cua_jax.rl.packing import pack
+from cua_jax.rl.rollout import AgentLoop, RolloutSettings
+from cua_jax.rl.trajectory import Sample, rope_position_fn, trajectory_to_samples
+from cua_jax.sampler import Engine
+from tests.rl.test_rollout import TASK, Pool
+
+BUCKET = (2048,)
+
+
+@pytest.fixture(scope="module")
+def episode():
+    """(config, samples of two sampled episodes)."""
+    proc = QwenVLProcessor.default("qwen3_vl", max_pixels=64 * 64, min_pixels=32 * 32)
+    tok = proc.tokenizer
+    cfg = qwen_vl.tiny("qwen3_vl", vocab_size=tok.vocab_size, moe=True, **tok.vision_token_ids())
+    engine = Engine(
+        qwen_vl.init_random(cfg, seed=0), max_slots=2, page_size=16, num_pages=256,
+        max_seq_len=2048,
+    )  # fmt: skip
+    loop = AgentLoop(engine, proc, RolloutSettings(max_turns=2, max_new_tokens=8))
+    trajs = asyncio.run(loop.run_group(Pool(2), TASK, 2, seed=3, group_id="g"))
+    samples = []
+    for i, t in enumerate(trajs):
+        for s in trajectory_to_samples(t, 1.0 - 2.0 * i, rope_position_fn(cfg)):
+            s.episode = i
+            samples.append(s)
+    assert all(s.routes is not None for s in samples)
+    return cfg, samples
+
+
+def _learner(cfg, **loss):
+    model = qwen_vl.init_random(cfg, seed=0)  # the sampler's weights
+    return Learner(model, loss=LossConfig(**loss), seq_len_buckets=BUCKET, donate=False)
+
+
+def _tampered(samples, num_experts):
+    """The samples with layer 0's recorded experts changed on every other recorded token, and
+    how many (token, layer) pairs now differ from what the sampler chose."""
+    out, changed = [], 0
+    for s in samples:
+        routes = s.routes.copy()
+        rec = np.flatnonzero(np.all(routes >= 0, axis=(1, 2)))
+        for t in rec[::2]:
+            new = (routes[t, 0] + 1) % num_experts
+            changed += int(set(new.tolist()) != set(routes[t, 0].tolist()))
+            routes[t, 0] = new
+        out.append(Sample(**{**s.__dict__, "routes": routes}))
+    return out, changed
+
+
+def _reference(model, s: Sample, routes=None):
+    """Plain forward over one sample: (log π(token t | < t) f32[T] (0 at t=0), RoutingInfo)."""
+    logits, info = model(
+        s.input_ids[None],
+        pixel_values=s.pixel_values,
+        image_grid_thw=s.image_grid_thw,
+        position_ids=s.position_ids[:, None],
+        routes=None if routes is None else np.transpose(routes, (1, 0, 2))[:, None],
+        return_routing=True,
+    )
+    lp = np.asarray(jax.nn.log_softmax(np.asarray(logits[0], np.float64), axis=-1))
+    tok = np.asarray(s.input_ids)
+    return np.concatenate([[0.0], lp[np.arange(len(tok) - 1), tok[1:]]]), info
+
+
+def _recorded(samples, layers):
+    return sum(int(np.all(s.routes >= 0, axis=(1, 2)).sum()) for s in samples) * layers
+
+
+def test_packed_routes_are_token_aligned(episode):
+    _, samples = episode
+    dense = Sample(**{**samples[0].__dict__, "routes": None, "episode": 7})
+    batch = pack([*samples, dense], seq_len_buckets=BUCKET)
+    assert batch.routes.shape == (*batch.shape, 2, 2)
+    for s in samples:
+        rows, cols = _locate(batch, s, s.routes)
+        np.testing.assert_array_equal(batch.routes[rows, cols], s.routes)
+    _locate(batch, dense, np.full_like(samples[0].routes, -1))  # a sample without routes: -1
+    assert (batch.routes[batch.segment_ids == 0] == -1).all()  # padding
+    assert pack([dense], seq_len_buckets=BUCKET).routes is None  # dense: no routes array
+
+
+def test_replay_reproduces_the_samplers_logprobs(episode):
+    cfg, samples = episode
+    layers = 2
+    learner = _learner(cfg, routing_replay=True)
+    batch = learner.pack(samples)
+    mask = batch.loss_mask
+    lp = learner.token_logprobs(batch)
+    np.testing.assert_allclose(lp[mask], batch.behaviour_logprobs[mask], atol=1e-5, rtol=0)
+    metrics, _ = learner.loss_and_grads(batch)
+    assert metrics["routing_recorded"] == _recorded(samples, layers) > 0
+    assert metrics["routing_mismatch"] == 0.0  # same weights: the learner's router agrees
+
+    # Changed routes: the learner's log-probs follow them (the plain forward replaying the same
+    # routes is the reference), so they now differ from the sampler's.
+    bad, changed = _tampered(samples, cfg.text.num_experts)
+    assert changed > 0
+    bad_batch = learner.pack(bad)
+    lp_bad = learner.token_logprobs(bad_batch)
+    ref_model = qwen_vl.init_random(cfg, seed=0)
+    differ = recorded = 0
+    for s in bad:
+        ref_lp, info = _reference(ref_model, s, s.routes)
+        rows, cols = _locate(bad_batch, s, s.routes)
+        np.testing.assert_allclose(lp_bad[rows, cols], ref_lp, atol=1e-5, rtol=0)
+        own = np.sort(np.asarray(jax.lax.top_k(info.router_logits[:, 0], 2)[1]), -1)  # [L,T,K]
+        rec = np.all(s.routes >= 0, axis=(1, 2))
+        replayed = np.sort(np.transpose(s.routes, (1, 0, 2)), -1)
+        differ += int(np.any(own != replayed, -1)[:, rec].sum())
+        recorded += int(rec.sum()) * layers
+    m = bad_batch.loss_mask
+    assert np.abs(lp_bad[m] - bad_batch.behaviour_logprobs[m]).max() > 1e-3
+    metrics, _ = learner.loss_and_grads(bad_batch)
+    assert differ > 0 and metrics["routing_recorded"] == recorded
+    np.testing.assert_allclose(metrics["routing_mismatch"], differ / recorded, rtol=1e-6)
+
+
+def test_without_replay_the_mismatch_is_reported(episode):
+    cfg, samples = episode
+    learner = _learner(cfg)
+    bad, changed = _tampered(samples, cfg.text.num_experts)
+    batch = learner.pack(bad)
+    m = batch.loss_mask
+    lp = learner.token_logprobs(batch)  # routes are not used: the sampler's computation
+    np.testing.assert_allclose(lp[m], batch.behaviour_logprobs[m], atol=1e-5, rtol=0)
+    metrics, _ = learner.loss_and_grads(batch)
+    # the learner routes as the sampler did, so exactly the changed pairs differ
+    np.testing.assert_allclose(
+        metrics["routing_mismatch"], changed / _recorded(samples, 2), rtol=1e-6
+    )
+    assert "router_aux_loss" not in metrics
+
+
+def _np_load_balancing(router_logits_LTE, top_k, mask_T):
+    """Switch-Transformer aux loss in plain numpy: E * sum_e f_e * P_e over masked tokens."""
+    x = np.asarray(router_logits_LTE, np.float64)
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    E = p.shape[-1]
+    top = np.argsort(-p, axis=-1)[..., :top_k]
+    counts = np.zeros_like(p)
+    np.put_along_axis(counts, top, 1.0, axis=-1)
+    m = np.asarray(mask_T, bool)
+    f = counts[:, m].sum((0, 1)) / (m.sum() * p.shape[0])
+    P = p[:, m].sum((0, 1)) / (m.sum() * p.shape[0])
+    return E * float((f * P).sum())
+
+
+def _locate(batch, s, routes=None):
+    """(rows, cols) of sample `s`'s tokens in a packed batch (with these routes, if given)."""
+    for r in range(batch.shape[0]):
+        for k in range(1, batch.segment_ids[r].max() + 1):
+            cols = np.flatnonzero(batch.segment_ids[r] == k)
+            if np.array_equal(batch.input_ids[r, cols], s.input_ids) and (
+                routes is None or np.array_equal(batch.routes[r, cols], routes)
+            ):
+                return np.full(cols.size, r), cols
+    raise AssertionError("sample not in the batch")
+
+
+def test_router_aux_loss_equals_a_numpy_reference(episode):
+    cfg, samples = episode
+    coef = 0.25
+    plain = _learner(cfg)
+    aux = _learner(cfg, router_aux_coef=coef)
+    batch = plain.pack(samples)
+    m_plain, _ = plain.loss_and_grads(batch)
+    m_aux, _ = aux.loss_and_grads(batch)
+    # reference: one load-balancing loss over every trained token of the batch (one
+    # micro-batch), from the plain forward's router logits
+    ref_model = qwen_vl.init_random(cfg, seed=0)
+    logits, masks = [], []
+    for s in samples:
+        _, info = _reference(ref_model, s)
+        logits.append(np.asarray(info.router_logits[:, 0]))
+        masks.append(s.loss_mask)
+    want = _np_load_balancing(np.concatenate(logits, 1), 2, np.concatenate(masks))
+    np.testing.assert_allclose(m_aux["router_aux_loss"], want, rtol=1e-5)
+    np.testing.assert_allclose(m_aux["loss"] - m_plain["loss"], coef * want, rtol=1e-4)
+
+
+def test_dense_models_refuse_moe_options():
+    cfg = qwen_vl.tiny("qwen3_vl")
+    with pytest.raises(ValueError, match="need a MoE model"):
+        Learner(qwen_vl.init_random(cfg), loss=LossConfig(routing_replay=True))
+    with pytest.raises(ValueError, match="router_aux_coef"):
+        LossConfig(router_aux_coef=-1.0)
