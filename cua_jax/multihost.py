@@ -69,6 +69,14 @@ def allgather_arrays(x: np.ndarray) -> list[np.ndarray]:
     return [rows[i, : int(n)] for i, n in enumerate(firsts)]
 
 
+def sync(name: str) -> None:
+    """Waits until every process reaches this point (a no-op with one process)."""
+    if process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
 def task_share[T](
     items: Sequence[T], index: int | None = None, count: int | None = None
 ) -> list[T]:

@@ -281,10 +281,28 @@ async def run(
 
 def _resume_source(config: Any, ckpt: Checkpointer) -> Checkpointer | None:
     """The checkpoints to resume from: this workdir's own, else `ckpt.load_checkpoint_path`'s,
-    else None (a new run)."""
+    else None (a new run). `load_checkpoint_path` naming one step of this workdir's own
+    checkpoints (what a damaged checkpoint's error suggests) resumes from that step: the later
+    step directories are renamed `N.set_aside`, nothing deleted."""
+    path = config.ckpt.load_checkpoint_path
+    own = os.path.abspath(ckpt.directory)
+    name = os.path.basename(path.rstrip("/")) if path else ""
+    if name.isdigit() and os.path.dirname(os.path.abspath(path.rstrip("/"))) == own:
+        step = int(name)
+        if step not in ckpt.all_steps():
+            raise ConfigError(
+                f"config.ckpt.load_checkpoint_path={path!r}: no step {step} in {own}; "
+                f"have {ckpt.all_steps()}"
+            )
+        if jax.process_index() == 0:
+            moved = ckpt.set_aside_after(step)
+            if moved:
+                logging.warning("resuming from step %d; set aside: %s", step, ", ".join(moved))
+        multihost.sync("set_aside")
+        ckpt.reload()
+        return ckpt
     if ckpt.latest_step() is not None:
         return ckpt
-    path = config.ckpt.load_checkpoint_path
     if not path:
         return None
     other = Checkpointer(path, keep=config.ckpt.keep)

@@ -97,6 +97,25 @@ class Checkpointer:
         self._pending: int | None = None  # the step of a save that may still be in flight
         self._save_error: str | None = None  # a failed save, once raised
 
+    def set_aside_after(self, step: int) -> list[str]:
+        """Renames every step directory after `step` to `N.set_aside` (nothing is deleted), so
+        the run resumes from `step` and saves its later steps afresh; returns the new names.
+        Call it on one process (the workdir is shared), before anything is restored."""
+        if self._only_step is not None:
+            raise CheckpointError(f"{self.directory}/{self._only_step} is read-only here")
+        moved = []
+        for s in [s for s in self.all_steps() if s > step]:
+            src = epath.Path(self.directory) / str(s)
+            dst = epath.Path(self.directory) / f"{s}.set_aside"
+            src.rename(dst)
+            moved.append(str(dst))
+        self._mngr.reload()
+        return moved
+
+    def reload(self) -> None:
+        """Sees step directories another process added, renamed or removed."""
+        self._mngr.reload()
+
     def latest_step(self) -> int | None:
         steps = self.all_steps()
         return steps[-1] if steps else None

@@ -282,3 +282,30 @@ def test_full_disk_stops_at_the_first_failed_save(small_tmpfs):
             time.sleep(1)  # take time, as train steps do, at the first step after the failure
             ck.save(step, big, {})
     ck.close()
+
+
+def test_the_hinted_step_of_the_runs_own_checkpoints_resumes_the_run(tmp_path):
+    """The damaged-checkpoint hint works for the run's own workdir: `load_checkpoint_path`
+    naming one of its own steps resumes from it, later steps are set aside (not deleted), and
+    the run saves its next steps into the same directory."""
+    import ml_collections
+
+    from cua_jax.train import _resume_source
+
+    d = _saved(tmp_path)
+    for p in _array_files(d / "3"):
+        _truncate(p)
+    cfg = ml_collections.ConfigDict({"ckpt": {"load_checkpoint_path": f"{d}/2", "keep": 5}})
+    ck = Checkpointer(str(d), keep=5)
+    source = _resume_source(cfg, ck)
+    assert source is ck and ck.latest_step() == 2
+    assert (d / "3.set_aside").is_dir() and not (d / "3").exists()
+    state, meta = ck.restore(_big_state(0))
+    assert meta["cursor"] == 2
+    np.testing.assert_array_equal(state["params"]["w"], _big_state(2)["params"]["w"])
+    ck.save(3, _big_state(33), {"cursor": 33}, force=True)
+    ck.close()
+    assert Checkpointer(str(d)).restore(_big_state(0))[1]["cursor"] == 33
+    cfg.ckpt.load_checkpoint_path = f"{d}/7"
+    with pytest.raises(ValueError, match="no step 7 in"):
+        _resume_source(cfg, Checkpointer(str(d), keep=5))
