@@ -158,7 +158,7 @@ def main(argv: list[str]) -> None:
     env_factory, load_tasks = compose.build_env_factory(config)  # env.kind checked above
     try:
         train.main(config, workdir, env_factory=env_factory, load_tasks=load_tasks)
-    except (ConfigError, TaskSourceError, MeshError) as e:  # a task file, task source or mesh the user gave
+    except (ConfigError, TaskSourceError, MeshError) as e:  # what the user gave is wrong
         raise LaunchError(str(e)) from None
     except (RolloutError, NonFiniteError, CheckpointError) as e:
         raise RunFailed(e) from e
