@@ -120,6 +120,22 @@ def base_config(family: str) -> ConfigDict:
     c.rl.replay_successes = False
     c.rl.replay_max_staleness = -1
     c.rl.persist_rollouts = False  # every rollout -> WORKDIR/rollouts (a source for SFT)
+    # ---- SDPO (#16, cua_jax.rl.sdpo): the policy shown feedback on a failed episode (its last
+    # screen, the checker's message, a successful peer's tool calls) is a teacher distilled into
+    # itself on the episode's own tokens; a step minimises (1 - sdpo_weight) GRPO + sdpo_weight SDPO
+    c.rl.algorithm = "grpo"  # "grpo" | "sdpo"
+    c.rl.sdpo_weight = 1.0
+    c.rl.sdpo_divergence = "js"  # "kl" (forward) | "rkl" (reverse) | "js" (generalised, js_beta)
+    c.rl.sdpo_js_beta = 0.5
+    c.rl.sdpo_topk = 64  # the teacher's top-k ids (+ one tail bucket); 0: the whole vocabulary
+    c.rl.sdpo_teacher = "current"  # "current" | "ema" (rate sdpo_ema per step)
+    c.rl.sdpo_ema = 0.05
+    c.rl.sdpo_feedback = "final_screenshot,checker_message,peer_success"  # any of these
+    # ---- Entropulse (cua_jax.rl.entropulse): after every entropulse_every RL steps (0: off),
+    # entropulse_sft_steps SFT steps on the run's own successes since the last phase
+    c.rl.entropulse_every = 0
+    c.rl.entropulse_sft_steps = 10
+    c.rl.entropulse_reset_optimizer = False  # the next RL phase starts a fresh optimizer state
     c.rl.max_steps_off_policy = 1
     c.rl.entropy_coef = 0.0
     c.rl.row_lengths = (1024, 2048, 4096)  # packing buckets

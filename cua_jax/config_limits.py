@@ -125,6 +125,12 @@ LIMITS: dict[str, Limit] = {
     "rl.row_lengths": _int(1, each=True, why="packing buckets, in tokens"),
     "rl.rows_per_step": _int(1),
     "rl.logits_chunk": _int(0, why="0: every position at once"),
+    "rl.sdpo_weight": _float(0, 1, why="SDPO's share of the loss; GRPO has the rest"),
+    "rl.sdpo_js_beta": _float(0, 1, lo_open=True, hi_open=True, why="0 / 1: use kl / rkl"),
+    "rl.sdpo_topk": _int(0, why="0: the whole vocabulary"),
+    "rl.sdpo_ema": _float(0, 1, lo_open=True, why="the EMA teacher's step towards the policy"),
+    "rl.entropulse_every": _int(0, why="0: no Entropulse"),
+    "rl.entropulse_sft_steps": _int(1),
     # ---- optim
     "optim.warmup_steps": _int(0),
     "optim.weight_decay": _float(0),
