@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from tests.db.train_checks import check_train_database, wait_for_db_step
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # One persistent compilation cache for this module's runs: the killed and resumed runs load the
 # steps the first run compiled.
@@ -39,6 +41,10 @@ SHORT = [
     "--config.eval_tasks=({'source_type': 'builtin', 'split': 'eval', 'difficulty': 'easy', "
     "'seed': 1000, 'limit': 4},)",
 ]
+
+
+# SHORT's shape, for the trajectory database checks (smoke preset: log.num_groups_to_log=1)
+DB_SHAPE = {"group_size": 2, "groups_per_step": 2, "logged_groups": 1}
 
 
 def _cmd(workdir, *extra):
@@ -103,6 +109,15 @@ def test_smoke_run_writes_everything(full_run):
     assert sum(1 for _ in open(index)) == after_sft["sft/demos"]
 
 
+def test_smoke_run_database_matches_its_metrics(full_run):
+    """The trajectory database of the run (SQLite in the workdir, the default) holds every
+    metrics row, each step's groups, rollouts and turns, every eval and the SFT phase, and the
+    run finished (tests/db/train_checks.py)."""
+    info = check_train_database(full_run, **DB_SHAPE)
+    assert info["steps"] == [0, 1, 2, 3]
+    assert {(0, "step0"), (0, "after_sft"), (3, "step3")} <= set(info["evals"])
+
+
 def _comparable(row):
     return {k: v for k, v in row.items() if not k.startswith("time") and k != "step"}
 
@@ -124,6 +139,7 @@ def test_resume_after_sigkill_reproduces_the_following_steps(full_run, tmp_path)
         assert proc.poll() is None, proc.stderr.read()[-4000:]
         assert time.time() < deadline, "no checkpoint at step 1"
         time.sleep(0.2)
+    wait_for_db_step(wd, 1)  # (a record still queued at a SIGKILL is lost: see the DB check)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     r = subprocess.run(_cmd(wd), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
@@ -136,6 +152,11 @@ def test_resume_after_sigkill_reproduces_the_following_steps(full_run, tmp_path)
         assert a.keys() == b.keys()
         for k in a:
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), (step, k)
+    # the database: the resumed process continued the killed one's run row; the steps it redid
+    # replaced what the killed one had logged (one row per step, the resumed values)
+    uid = open(os.path.join(wd, "trajectories.run")).read()
+    info = check_train_database(wd, **DB_SHAPE)
+    assert info["steps"] == [0, 1, 2, 3] and info["uid"] in uid
 
 
 def test_async_mode_keeps_staleness_within_the_bound(tmp_path):
@@ -150,6 +171,7 @@ def test_async_mode_keeps_staleness_within_the_bound(tmp_path):
         "--config.env.max_turns=2",
         "--config.rl.max_steps_off_policy=1",
         "--config.ckpt.save_every=100",
+        "--config.log.db=False",
     )
     r = subprocess.run(
         _cmd(wd, *extra), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900
@@ -163,6 +185,7 @@ def test_async_mode_keeps_staleness_within_the_bound(tmp_path):
         s = {k[len("store/") :]: v for k, v in row.items() if k.startswith("store/")}
         assert s["put"] == s["trained"] + s["dropped_stale"] + s["pending"]
         assert s["trained"] == 4 * row["step"]  # 2 groups of 2 per step
+    assert not any(f.startswith("trajectories") for f in os.listdir(wd))  # log.db=False
 
 
 def _eval_tool(*args):
@@ -188,6 +211,20 @@ def test_eval_tool_reproduces_the_runs_eval(full_run, tmp_path):
     assert {k: v for k, v in got.items() if k.startswith("eval/success")} == want
     assert got["step"] == 3 and got["num_tasks"] == len(got["episodes"]) == 4
     assert os.path.getsize(os.path.join(out, "episodes.html")) > 1000
+    # ... and goes into the run's database as an eval of its run row (status untouched)
+    import sqlalchemy as sa
+
+    from cua_jax.db import make_engine
+    from cua_jax.db import models as m
+
+    engine = make_engine(os.path.join(full_run, "trajectories.sqlite"))
+    with engine.connect() as c:
+        runs = c.execute(sa.select(m.Run.id, m.Run.status)).all()
+        ev = c.execute(sa.select(m.Eval).where(m.Eval.tag == "tools_step_3")).one()
+        n = c.execute(sa.select(sa.func.count()).where(m.Rollout.eval_id == ev.id)).scalar()
+    engine.dispose()
+    assert [r.status for r in runs] == ["finished"] and ev.run_id == runs[0].id
+    assert ev.step == 3 and ev.success == got["eval/success"] and n == 4
 
 
 @pytest.mark.parametrize(
