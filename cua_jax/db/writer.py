@@ -21,6 +21,7 @@ in `runs.status` ("finished; lost 2 records: step 7, step 8").
 
 from __future__ import annotations
 
+import atexit
 import copy
 import json
 import os
@@ -30,6 +31,7 @@ import subprocess
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,6 +46,10 @@ from cua_jax.db.engine import make_engine, migrate, resolve_url, safe_url
 RUN_FILE = "trajectories.run"  # the run's uid: a resumed run continues the same runs row
 SPILL_FILE = "trajectories.spill.jsonl"
 _STOP = object()
+# Writers not closed yet: a process that ends without closing its run (an error before the
+# trainer's loop, outside its try/finally) still records that the run failed.
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+EXIT_STATUS = "failed: the process ended without closing the run (see its log)"
 # Errors that mean "the database is not there now" (retried), as opposed to a refused record.
 CONNECTION_ERRORS = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.DisconnectionError)
 
@@ -126,6 +132,7 @@ class TrajectoryDB:
         self._q.put_nowait(("record", open_record))
         self._thread = threading.Thread(target=self._run, name="trajectory-db", daemon=True)
         self._thread.start()
+        _OPEN.add(self)
 
     # ---- the trainer's API (returns at once, never raises) ---------------------------------
 
@@ -224,6 +231,7 @@ class TrajectoryDB:
             "attach": self._attach,
         }
         self._closed = True
+        _OPEN.discard(self)
         try:  # the end of the run may wait for the queue (never the steps)
             self._q.put(("make", "close", lambda: rec), timeout=self.close_timeout_s)
             self._q.put(_STOP, timeout=self.close_timeout_s)
@@ -420,6 +428,15 @@ class TrajectoryDB:
                 len(lines),
             )
         self.down = False
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Closes the runs still open at interpreter exit as failed (atexit runs before daemon
+    threads stop; a SIGKILL skips it, and the run stays "running" until it is resumed)."""
+    for db in list(_OPEN):
+        db.close_timeout_s = min(db.close_timeout_s, 10.0)
+        db.close(EXIT_STATUS)
 
 
 class NullDB:

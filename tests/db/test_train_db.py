@@ -53,3 +53,30 @@ def test_the_default_database_is_the_workdir_sqlite_file(tmp_path, monkeypatch):
     assert db.url == "sqlite:///" + str(tmp_path / db_lib.DB_FILENAME)
     assert os.path.getsize(tmp_path / db_lib.DB_FILENAME) > 0
     assert os.path.exists(tmp_path / writer_lib.RUN_FILE)
+
+
+def test_a_process_that_ends_without_closing_its_run_marks_it_failed(tmp_path):
+    """An error before the trainer's loop (outside its try/finally) still ends the run row."""
+    import subprocess
+    import sys
+
+    import sqlalchemy as sa
+
+    from cua_jax.db import models as m
+
+    code = (
+        "from cua_jax import db\n"
+        f"d = db.open_run({str(tmp_path)!r}, None, run_name='x')\n"
+        "d.log_step(0, {'eval/success': 0.5})\n"
+        "raise RuntimeError('the env pool did not start')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True)
+    assert r.returncode == 1 and b"the env pool did not start" in r.stderr
+    engine = db_lib.make_engine(str(tmp_path / db_lib.DB_FILENAME))
+    with engine.connect() as c:
+        status = c.execute(sa.select(m.Run.status)).scalar_one()
+        steps = c.execute(sa.select(m.Step.step)).scalars().all()
+    engine.dispose()
+    assert status == writer_lib.EXIT_STATUS and steps == [0]
