@@ -40,7 +40,7 @@ def base_config(family: str) -> ConfigDict:
     c.model = ConfigDict()
     c.model.family = family  # "qwen2_5_vl" | "qwen3_vl"
     c.model.hf_path = _str()  # local HF directory; None -> random init of `preset`
-    c.model.preset = "tiny"  # used only when hf_path is None
+    c.model.preset = "tiny"  # used only when hf_path is None: "tiny" | "tiny_moe" (Qwen3-VL-MoE)
     c.model.dtype = "float32"  # activations / compute
     c.model.param_dtype = "float32"
     c.model.remat = "none"  # "none" | "full" | "dots"
@@ -60,6 +60,7 @@ def base_config(family: str) -> ConfigDict:
     c.mesh.data = 1
     c.mesh.fsdp = -1  # -1: all remaining devices
     c.mesh.tensor = 1
+    c.mesh.expert = 1  # MoE expert parallelism: experts split over this many devices
     c.mesh.rules = ()  # extra (logical, mesh-axes) pairs overriding cua_jax.sharding.DEFAULT_RULES
 
     # ---- sampler -------------------------------------------------------------------------------
@@ -144,6 +145,10 @@ def base_config(family: str) -> ConfigDict:
     # logits are recomputed in the backward pass): f32 logits of a 16k-token row at a ~152k
     # vocabulary are ~10 GB. 0 = every position at once.
     c.rl.logits_chunk = 1024
+    # MoE: coef x the router's load-balancing loss over the trained tokens (0: off), and routing
+    # replay: the learner routes each token through the experts the sampler chose for it
+    c.rl.router_aux_coef = 0.0
+    c.rl.routing_replay = False
 
     # ---- optim ---------------------------------------------------------------------------------
     c.optim = ConfigDict()
@@ -288,6 +293,7 @@ _REAL = {
     "8b": (2, 0, 8, 64),
     "32b": (4, 64, 8, 64),
     "72b": (8, 64, 8, 32),
+    "30b-a3b": (1, 32, 8, 64),  # Qwen3-VL-MoE: LoRA rank 32 as the cua_rl recipe
 }
 
 

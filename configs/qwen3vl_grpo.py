@@ -9,6 +9,9 @@ Presets:
   smoke  tiny random Qwen3-VL, the shipped tokenizer, built-in browser tasks; SFT warm-up on the
          tasks' oracles, then GRPO. Runs on a 2-core CPU.
   2b, 4b, 8b, 32b  real dense Qwen3-VL checkpoints from --config.model.hf_path (a local directory).
+  30b-a3b  Qwen3-VL-30B-A3B-Instruct (MoE: 128 experts, top-8), the cua_rl recipe's model, with
+         its LoRA rank 32 on attention and every expert; --config.model.preset=tiny_moe on the
+         smoke preset runs a tiny random MoE end to end on a CPU.
 
 Smallest TPU slice each real preset is meant for (TOPOLOGY), with the settings that make it fit
 (FIT). `tools/plan.py` compiles the learner's train step and the sampler's decode chunk for that
@@ -19,15 +22,18 @@ compiled: run tools/plan.py before renting the slice):
   4b  v5p-8    full fine-tuning, fsdp=2 x tensor=2; remat=full, 4 micro-batches, 4096 KV pages
   8b  v5p-8    full fine-tuning, fsdp=2 x tensor=2; remat=full, 4 micro-batches, 3072 KV pages
   32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4; remat=full, 8 micro-batches, 4096 pages
+  30b-a3b v5p-8  LoRA rank 32 (attention + experts) on bf16 weights, expert=2 x fsdp=2;
+         remat=full, 2 micro-batches, 4096 KV pages, routing replay; planned by hand (61 GB of
+         bf16 weights, a quarter per chip), not yet compiled by tools/plan.py
 The KV pool stays resident next to the learner (colocated sampler) and its pages are sharded over
 `tensor` only, so it is sized here rather than left at 8192 pages (60-77 GB on one device).
 """
 
 from configs import common
 
-PRESETS = ("smoke", "2b", "4b", "8b", "32b")
+PRESETS = ("smoke", "2b", "4b", "8b", "32b", "30b-a3b")
 
-TOPOLOGY = {"2b": "v5p-8", "4b": "v5p-8", "8b": "v5p-8", "32b": "v5p-8"}
+TOPOLOGY = {"2b": "v5p-8", "4b": "v5p-8", "8b": "v5p-8", "32b": "v5p-8", "30b-a3b": "v5p-8"}
 # Overrides of configs/common.py's apply_real that make each preset fit TOPOLOGY (tools/plan.py)
 FIT = {
     "2b": {"model.remat": "full", "rl.num_substeps": 2, "sampler.num_pages": 4096},
@@ -37,6 +43,14 @@ FIT = {
            "mesh.tensor": 2},
     "8b": {"model.remat": "full", "rl.num_substeps": 4, "sampler.num_pages": 3072},
     "32b": {"model.remat": "full", "rl.num_substeps": 8, "sampler.num_pages": 4096},
+    # MoE: the experts split over expert=2 (64 on each device), attention and embeddings FSDP;
+    # LoRA on the expert stacks too (cua_jax.models.lora.MOE_TARGETS), routing replay on
+    "30b-a3b": {"model.remat": "full", "rl.num_substeps": 2, "sampler.num_pages": 4096,
+                "mesh.expert": 2, "mesh.fsdp": 2, "rl.routing_replay": True,
+                "model.lora_targets": (
+                    r"language_model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj$",
+                    r"language_model\.layers\.\d+\.mlp\.(gate|up|down)_proj$",
+                    r"language_model\.layers\.\d+\.mlp\.experts$")},
 }  # fmt: skip
 
 

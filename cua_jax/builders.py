@@ -31,13 +31,23 @@ def mesh_and_rules(config: Any, devices: Any = None) -> tuple[Any, tuple]:
     from cua_jax import sharding as shd
 
     mc = config.mesh
-    mesh = shd.make_mesh(mc.data, mc.fsdp, mc.tensor, devices=devices)
+    expert = mc.get("expert", 1)  # an older run's config has no expert axis
+    try:
+        mesh = shd.make_mesh(mc.data, mc.fsdp, mc.tensor, devices=devices, expert=expert)
+    except ValueError as e:
+        from cua_jax.config_checks import ConfigError
+
+        raise ConfigError(
+            f"config.mesh (data={mc.data}, fsdp={mc.fsdp}, expert={expert}, tensor={mc.tensor}) "
+            f"does not fit the devices: {e}"
+        ) from None
     return mesh, tuple(shd.DEFAULT_RULES) + tuple(tuple(r) for r in mc.rules)
 
 
 def build_model_and_processor(config: Any, mesh: Any, rules: Any):
     """The policy and its processor: a local HF checkpoint, or the tiny preset at random init
-    with the tokenizer the project ships."""
+    with the tokenizer the project ships (`model.preset`: "tiny", or "tiny_moe": the tiny
+    Qwen3-VL-MoE, 8 experts top-2 in every decoder layer)."""
     from cua_jax.data.processor import QwenVLProcessor
     from cua_jax.models import qwen_vl
 
@@ -60,6 +70,7 @@ def build_model_and_processor(config: Any, mesh: Any, rules: Any):
         dtype=mc.dtype,
         param_dtype=mc.param_dtype,
         remat=mc.remat,
+        moe=mc.preset == "tiny_moe",
     )
     return qwen_vl.init_random(cfg, seed=config.seed), processor
 
@@ -114,6 +125,9 @@ def build_learner(model: Any, config: Any, mesh: Any, rules: Any, *, sft: bool):
         agg_mode=rl.loss_agg,
         loss_norm=rl.loss_norm or rl.max_tokens * config.env.max_turns,
         temperature=1.0 if sft else rl.temperature,
+        router_aux_coef=rl.get("router_aux_coef", 0.0),
+        # SFT data carries no sampler routes (the learner routes by itself there)
+        routing_replay=not sft and rl.get("routing_replay", False),
     )
     advantages = L.AdvantageConfig(
         normalize_std=rl.std_normalize,

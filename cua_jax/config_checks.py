@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from cua_jax.config_limits import LimitError, check_limits
+from cua_jax.models.qwen_vl.config import TINY_MOE
 from cua_jax.sampler.kernels.paged_attention import GpuKernelOptions
 
 # Keys whose value must be one of a fixed set.
@@ -104,14 +105,26 @@ def validate_config(config: Any) -> None:
     _check_model(config)
 
 
+# model.preset values built at random init when model.hf_path is unset (builders)
+TINY_PRESETS = ("tiny", "tiny_moe")
+
+
 def _check_model(config: Any) -> None:
     path = config.model.hf_path
     if path is None:
-        if config.model.preset != "tiny":
+        preset = config.model.preset
+        if preset not in TINY_PRESETS:
             raise ConfigError(
                 f"preset {config.preset!r} trains a real checkpoint: pass "
                 "--config.model.hf_path=/path/to/local/hf_dir (a Qwen2.5-VL / Qwen3-VL directory)"
+                f" (without one, config.model.preset is one of {', '.join(TINY_PRESETS)})"
             )
+        if preset == "tiny_moe" and config.model.family != "qwen3_vl":
+            raise ConfigError(
+                f"config.model.preset='tiny_moe' needs config.model.family='qwen3_vl' (MoE "
+                f"decoders are Qwen3-VL-MoE), got {config.model.family!r}"
+            )
+        _check_moe(config, TINY_MOE["num_experts"] if preset == "tiny_moe" else 0)
         return
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
@@ -120,11 +133,38 @@ def _check_model(config: Any) -> None:
             "(no config.json); point it at a local Qwen2.5-VL / Qwen3-VL checkpoint"
         )
     with open(cfg_file) as f:
-        model_type = json.load(f).get("model_type")
-    if model_type not in ("qwen2_5_vl", "qwen3_vl"):
+        hf = json.load(f)
+    model_type = hf.get("model_type")
+    if model_type not in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
         raise ConfigError(
             f"config.model.hf_path={path!r} holds a {model_type!r} model; cua_jax trains "
-            "Qwen2.5-VL ('qwen2_5_vl') and Qwen3-VL ('qwen3_vl') checkpoints"
+            "Qwen2.5-VL ('qwen2_5_vl'), Qwen3-VL ('qwen3_vl') and Qwen3-VL-MoE ('qwen3_vl_moe') "
+            "checkpoints"
+        )
+    experts = 0
+    if model_type == "qwen3_vl_moe":
+        text = hf.get("text_config") or {}
+        experts = int(text.get("num_experts") or text.get("num_local_experts") or 0)
+    _check_moe(config, experts)
+
+
+def _check_moe(config: Any, num_experts: int) -> None:
+    """MoE-only options on a dense model, and an expert axis that does not split the experts."""
+    rl, expert = config.rl, config.mesh.get("expert", 1)
+    if not num_experts:
+        for key, on in (
+            ("rl.routing_replay", rl.get("routing_replay", False)),
+            ("rl.router_aux_coef", rl.get("router_aux_coef", 0.0) > 0),
+            ("mesh.expert", expert > 1),
+        ):
+            if on:
+                raise ConfigError(
+                    f"config.{key}={_get(config, key)!r} is for MoE models, and this one is "
+                    "dense (use --config.model.preset=tiny_moe or a Qwen3-VL-MoE hf_path)"
+                )
+    elif num_experts % expert:
+        raise ConfigError(
+            f"config.mesh.expert={expert} does not divide the model's {num_experts} experts"
         )
 
 

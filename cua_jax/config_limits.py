@@ -95,6 +95,7 @@ LIMITS: dict[str, Limit] = {
     "mesh.data": _int(1),
     "mesh.fsdp": _int(1, also=(-1,), why="-1: all remaining devices"),
     "mesh.tensor": _int(1),
+    "mesh.expert": _int(1, why="MoE expert parallelism; 1: experts not split"),
     # ---- sampler
     "sampler.max_slots": _int(1),
     "sampler.page_size": _int(1),
@@ -125,6 +126,7 @@ LIMITS: dict[str, Limit] = {
     "rl.row_lengths": _int(1, each=True, why="packing buckets, in tokens"),
     "rl.rows_per_step": _int(1),
     "rl.logits_chunk": _int(0, why="0: every position at once"),
+    "rl.router_aux_coef": _float(0, why="0: no load-balancing loss"),
     "rl.sdpo_weight": _float(0, 1, why="SDPO's share of the loss; GRPO has the rest"),
     "rl.sdpo_js_beta": _float(0, 1, lo_open=True, hi_open=True, why="0 / 1: use kl / rkl"),
     "rl.sdpo_topk": _int(0, why="0: the whole vocabulary"),

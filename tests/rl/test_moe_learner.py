@@ -202,3 +202,55 @@ def test_dense_models_refuse_moe_options():
         Learner(qwen_vl.init_random(cfg), loss=LossConfig(routing_replay=True))
     with pytest.raises(ValueError, match="router_aux_coef"):
         LossConfig(router_aux_coef=-1.0)
+
+
+def _smoke_config(**overrides):
+    from configs import qwen3vl_grpo
+
+    c = qwen3vl_grpo.get_config("smoke")
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        c[section][name] = value
+    return c
+
+
+def test_config_keys_build_the_tiny_moe_and_are_checked():
+    from cua_jax import builders
+    from cua_jax.config_checks import ConfigError, validate_config
+
+    c = _smoke_config(**{"model.preset": "tiny_moe", "rl.routing_replay": True,
+                         "rl.router_aux_coef": 0.01, "mesh.expert": 1})  # fmt: skip
+    validate_config(c)
+    mesh, rules = builders.mesh_and_rules(c, devices=jax.devices()[:1])
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
+    model, _ = builders.build_model_and_processor(c, mesh, rules)
+    assert model.config.text.num_experts == 8 and model.config.model_type == "qwen3_vl_moe"
+    learner = builders.build_learner(model, c, mesh, rules, sft=False)
+    assert learner.loss_config.routing_replay and learner.loss_config.router_aux_coef == 0.01
+    sft = builders.build_learner(qwen_vl.init_random(model.config), c, mesh, rules, sft=True)
+    assert not sft.loss_config.routing_replay  # SFT data has no sampler routes
+    for bad, match in [
+        ({"rl.routing_replay": True}, "rl.routing_replay=True is for MoE models"),
+        ({"rl.router_aux_coef": 0.1}, "rl.router_aux_coef=0.1 is for MoE models"),
+        ({"mesh.expert": 2}, "mesh.expert=2 is for MoE models"),
+        ({"model.preset": "tiny_moe", "mesh.expert": 3}, "does not divide the model's 8"),
+        ({"model.preset": "huge"}, "one of tiny, tiny_moe"),
+        ({"mesh.expert": 0}, "config.mesh.expert=0 is out of range"),
+        ({"model.preset": "tiny_moe", "rl.router_aux_coef": -1.0}, "router_aux_coef=-1.0"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            validate_config(_smoke_config(**bad))
+    with pytest.raises(ConfigError, match="expert=2"):  # 1 device cannot hold expert=2
+        builders.mesh_and_rules(_smoke_config(**{"mesh.expert": 2}), devices=jax.devices()[:1])
+
+
+def test_real_moe_preset():
+    from configs import qwen3vl_grpo
+    from cua_jax.models import lora
+
+    c = qwen3vl_grpo.get_config("30b-a3b")
+    assert c.model.lora_rank == 32 and tuple(c.model.lora_targets) == lora.MOE_TARGETS
+    assert c.mesh.expert == 2 and c.rl.routing_replay
+    real = qwen_vl.published_config("qwen3_vl", "30b-a3b")
+    assert real.model_type == "qwen3_vl_moe" and real.text.num_experts % c.mesh.expert == 0
+    assert (real.text.num_experts, real.text.num_experts_per_tok) == (128, 8)

@@ -525,7 +525,18 @@ PUBLISHED: dict[tuple[str, str], tuple[int, int, int, int, int, int, bool, dict[
     ("qwen3_vl", "4b"): (2560, 9728, 36, 32, 8, 151936, True, _Q3_VISION_SMALL),
     ("qwen3_vl", "8b"): (4096, 12288, 36, 32, 8, 151936, False, _Q3_VISION),
     ("qwen3_vl", "32b"): (5120, 25600, 64, 64, 8, 151936, False, _Q3_VISION),
+    ("qwen3_vl", "30b-a3b"): (2048, 6144, 48, 32, 4, 151936, False, _Q3_VISION),
 }
+# Qwen3-VL-MoE checkpoints (HF model_type "qwen3_vl_moe"): their text_config's MoE fields (every
+# decoder layer sparse). Qwen3-VL-235B-A22B (94 layers, hidden 4096, 64 heads / 4 kv heads, 128
+# experts of width 1536, top-8) is not listed: 2.4e11 parameters, beyond what the abstract
+# sharding checks (tests/configs) build.
+PUBLISHED_MOE: dict[tuple[str, str], dict[str, Any]] = {
+    ("qwen3_vl", "30b-a3b"): dict(num_experts=128, num_experts_per_tok=8,
+                                  moe_intermediate_size=768, decoder_sparse_step=1,
+                                  mlp_only_layers=[], norm_topk_prob=True,
+                                  rope_theta=5000000.0),
+}  # fmt: skip
 
 
 def published_hf_dict(family: str, size: str) -> dict[str, Any]:
@@ -540,6 +551,10 @@ def published_hf_dict(family: str, size: str) -> dict[str, Any]:
                                 tie_word_embeddings=tied)  # fmt: skip
     if family == "qwen3_vl":
         text["head_dim"] = 128
+    moe = PUBLISHED_MOE.get((family, size))
+    if moe is not None:
+        text.update(moe)
+        family = "qwen3_vl_moe"
     return {"model_type": family, "text_config": text, "tie_word_embeddings": tied,
             "vision_config": dict(vision, out_hidden_size=hidden), **_PUBLISHED_IDS}  # fmt: skip
 
