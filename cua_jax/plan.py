@@ -460,15 +460,10 @@ def build_abstract(
         model = qwen_vl.QwenVL(cfg, rngs=nnx.Rngs(0))
         learner = build_learner(model, config, mesh, rules, sft=False)
         held["learner"] = learner
-        # The sampler's view of the same model: no backward pass, so no remat (inside
-        # jax.checkpoint the attention callback's K/V writes would leak out of the trace).
+        # The sampler's view of the same model (ModelDef.of turns remat off: no backward pass).
         from cua_jax.sampler.steps import ModelDef
 
-        lm = model.model.language_model
-        saved = (lm.cfg, model.config)
-        lm.cfg, model.config = lm.cfg.replace(remat="none"), model.config.replace(remat="none")
         held["decode_model"], _ = ModelDef.of(model)
-        lm.cfg, model.config = saved
         # Learner internals (no public abstract constructor yet): the step's argument trees.
         return learner._trainable, learner._opt_state, learner._frozen, learner._rest, learner._ref
 

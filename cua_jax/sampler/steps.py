@@ -64,9 +64,21 @@ class ModelDef:
 
     @staticmethod
     def of(model: nnx.Module) -> tuple[ModelDef, nnx.State]:
-        """(ModelDef, params) of a model; params are the model's arrays (no copy)."""
+        """(ModelDef, params) of a model; params are the model's arrays (no copy).
+
+        The sampler's model runs without remat whatever the caller's (the learner's) remat
+        policy: sampling has no backward pass, and inside `jax.checkpoint` the attention
+        callback's K/V writes into the page pools would leak out of the checkpointed trace
+        (UnexpectedTracerError). The caller's model keeps its own config."""
         graphdef, params, other = nnx.split(model, nnx.Param, ...)
-        return ModelDef(graphdef, other, model.config), params
+        lm = model.model.language_model
+        if lm.cfg.remat == "none" and model.config.remat == "none":
+            return ModelDef(graphdef, other, model.config), params
+        copy = nnx.merge(graphdef, params, other)  # a new module over the same arrays
+        copy.model.language_model.cfg = lm.cfg.replace(remat="none")
+        copy.config = model.config.replace(remat="none")
+        graphdef, _, other = nnx.split(copy, nnx.Param, ...)
+        return ModelDef(graphdef, other, copy.config), params
 
     def merge(self, params: nnx.State) -> nnx.Module:
         return nnx.merge(self.graphdef, params, self.other)
@@ -144,6 +156,29 @@ def _on_kv_heads(cfg: StepConfig, fn: Callable, in_specs: tuple, out_specs: Any)
     )
 
 
+# ------------------------------------------------------------------------------- K/V writes
+def write_kv(k_pages, v_pages, k_BTKH, v_BTKH, page_BT, offset_BT):
+    """`kv_cache.write_kv` (same cells, same values) as a scatter of single [H] rows.
+
+    Every (kv head, page, offset) cell is an index, so the scatter's only window dim is the
+    minor head_dim: the compiler keeps the pool in its default layout f[K, Ptot, L, H], the one
+    the Pallas paged-attention kernels take. Indexing (page, offset) alone makes [K, H] the
+    window, and XLA:TPU then lays the pool out with K next to H for the scatter, so every write
+    in a decode loop was followed by a relayout copy of the whole layer pool for the kernel (and
+    the loop carried a second copy of the pool: temp = the pool, ~15x the bytes per step).
+    """
+    K = k_pages.shape[0]
+    B, T = page_BT.shape
+    k_idx = jnp.broadcast_to(jnp.arange(K, dtype=page_BT.dtype)[:, None, None], (K, B, T))
+    page = jnp.broadcast_to(page_BT[None], (K, B, T))
+    off = jnp.broadcast_to(offset_BT[None], (K, B, T))
+    k_new = jnp.transpose(k_BTKH, (2, 0, 1, 3)).astype(k_pages.dtype)  # [K, B, T, H]
+    v_new = jnp.transpose(v_BTKH, (2, 0, 1, 3)).astype(v_pages.dtype)
+    k_pages = k_pages.at[k_idx, page, off].set(k_new, mode="promise_in_bounds")
+    v_pages = v_pages.at[k_idx, page, off].set(v_new, mode="promise_in_bounds")
+    return k_pages, v_pages
+
+
 # ---------------------------------------------------------------------------------- prefill
 def prefill(
     params,
@@ -173,7 +208,7 @@ def prefill(
     kv_lengths = start_B + n_B
 
     def write_attend(kp, vp, q, k, v, page, off, table, q_pos, kv_lengths):
-        kp, vp = kv_cache.write_kv(kp, vp, k, v, page, off)
+        kp, vp = write_kv(kp, vp, k, v, page, off)
         out = chunk_attention_reference(q, kp, vp, table, q_pos, kv_lengths, cfg.scale)
         return kp, vp, out.astype(q.dtype)
 
@@ -302,7 +337,7 @@ def decode_paged(
     model log-probs)."""
 
     def write_attend(kp, vp, q, k, v, page, off, table, attn_len):
-        kp, vp = kv_cache.write_kv(kp, vp, k, v, page, off)
+        kp, vp = write_kv(kp, vp, k, v, page, off)
         o = paged_attention(
             q,
             kp,
