@@ -30,14 +30,14 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from cua_jax import builders, multihost
+from cua_jax import builders, compile_stats, multihost
 from cua_jax import db as db_lib
 from cua_jax import metrics as metrics_lib
 from cua_jax.builders import init_model_weights
 from cua_jax.checkpoint.orbax_io import Checkpointer
 from cua_jax.config_checks import ConfigError, validate_config
 from cua_jax.env_api import Task
-from cua_jax.rl import sft_data
+from cua_jax.rl import entropulse, sft_data
 from cua_jax.rl.learner import check_finite
 from cua_jax.rl.rollout import AgentLoop, count_infra_faults
 from cua_jax.rl.sources import RolloutError
@@ -72,6 +72,8 @@ async def run(
     # ---- set-up: mesh, model, checkpoints, metrics ------------------------------------------
     is_main = jax.process_index() == 0
     t_job = time.perf_counter()
+    compiles = compile_stats.install()  # compile counts and seconds per program (#23)
+    job_mark = compiles.snapshot()
     rl = config.rl
     mesh, rules = builders.mesh_and_rules(config)
     model, processor = builders.build_model_and_processor(config, mesh, rules)
@@ -184,9 +186,11 @@ async def run(
                 db.log_step(0, {**sft_metrics, **last_eval, "phase_sft": 1.0})
                 save_checkpoint(ckpt, step, learner, source.state_dict(), force=True)
 
-            # ---- GRPO steps -------------------------------------------------------------------
+            # ---- GRPO steps (with Entropulse: an SFT phase every rl.entropulse_every) ----------
+            pulse = entropulse.from_config(config)
             while step < config.total_steps:
                 t_step = time.perf_counter()
+                step_mark = compiles.snapshot()
                 rollouts = await _next_groups(source, step)
                 t0 = time.perf_counter()
                 info, train_metrics = await asyncio.to_thread(
@@ -218,6 +222,7 @@ async def run(
                     **{f"time/{k}": v for k, v in timers.items()},
                     "time/learner_idle_share": timers["idle"] / max(timers["step"], 1e-9),
                     **{f"store/{k}": float(v) for k, v in source.store.stats().items()},
+                    **compiles.step_metrics(step_mark, timers["step"]),
                 }
                 if episodes_dir is not None and rollouts.screens:
                     trajs = [t for g in rollouts.sampled for t in g]
@@ -227,6 +232,13 @@ async def run(
                         decode,
                         f"train step {step}",
                     )
+                if pulse is not None:  # SFT on the run's own successes when a phase is due
+                    pulsed = await asyncio.to_thread(
+                        pulse.after_step, step, learner, rollouts.groups
+                    )
+                    if pulsed:
+                        engine.update_params(builders.sampler_params(learner), learner.version)
+                        row.update(pulsed)
                 row = _job_metrics(row)  # multi-host: one row for the job (process 0 writes it)
                 if step % config.log.eval_every == 0 or step == config.total_steps:
                     last_eval = await evaluate(f"step{step}", step)
@@ -263,10 +275,12 @@ async def run(
             os.path.join(workdir, "curves.png"),
             title=f"{config.model.family} {config.preset}",
         )
+        wall_s = time.perf_counter() - t_job
         summary = {
             **run_summary(rows),
             "steps": step,
-            "wall_s": time.perf_counter() - t_job,
+            "wall_s": wall_s,
+            **compile_stats.wall_share(rows, wall_s, compiles.since(job_mark).total_seconds),
         }
         (epath.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2))
         progress.write(f"summary: {json.dumps(summary)}")

@@ -181,6 +181,11 @@ def from_config(config: Any) -> Entropulse | None:
     rl = config.rl
     if rl.entropulse_every <= 0:
         return None
+    if jax.process_count() > 1:
+        raise NotImplementedError(
+            "rl.entropulse_every > 0 runs on one process only (each process would hold its own "
+            "successes and their SFT steps would not line up)"
+        )
     return Entropulse(
         every=rl.entropulse_every,
         sft_steps=rl.entropulse_sft_steps,
