@@ -30,7 +30,7 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from cua_jax import builders, multihost
+from cua_jax import builders, compile_stats, multihost
 from cua_jax import db as db_lib
 from cua_jax import metrics as metrics_lib
 from cua_jax.builders import init_model_weights
@@ -72,6 +72,8 @@ async def run(
     # ---- set-up: mesh, model, checkpoints, metrics ------------------------------------------
     is_main = jax.process_index() == 0
     t_job = time.perf_counter()
+    compiles = compile_stats.install()  # compile counts and seconds per program (#23)
+    job_mark = compiles.snapshot()
     rl = config.rl
     mesh, rules = builders.mesh_and_rules(config)
     model, processor = builders.build_model_and_processor(config, mesh, rules)
@@ -188,6 +190,7 @@ async def run(
             pulse = entropulse.from_config(config)
             while step < config.total_steps:
                 t_step = time.perf_counter()
+                step_mark = compiles.snapshot()
                 rollouts = await _next_groups(source, step)
                 t0 = time.perf_counter()
                 info, train_metrics = await asyncio.to_thread(
@@ -219,6 +222,7 @@ async def run(
                     **{f"time/{k}": v for k, v in timers.items()},
                     "time/learner_idle_share": timers["idle"] / max(timers["step"], 1e-9),
                     **{f"store/{k}": float(v) for k, v in source.store.stats().items()},
+                    **compiles.step_metrics(step_mark, timers["step"]),
                 }
                 if episodes_dir is not None and rollouts.screens:
                     trajs = [t for g in rollouts.sampled for t in g]
@@ -271,10 +275,12 @@ async def run(
             os.path.join(workdir, "curves.png"),
             title=f"{config.model.family} {config.preset}",
         )
+        wall_s = time.perf_counter() - t_job
         summary = {
             **run_summary(rows),
             "steps": step,
-            "wall_s": time.perf_counter() - t_job,
+            "wall_s": wall_s,
+            **compile_stats.wall_share(rows, wall_s, compiles.since(job_mark).total_seconds),
         }
         (epath.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2))
         progress.write(f"summary: {json.dumps(summary)}")
