@@ -254,3 +254,50 @@ def test_real_moe_preset():
     real = qwen_vl.published_config("qwen3_vl", "30b-a3b")
     assert real.model_type == "qwen3_vl_moe" and real.text.num_experts % c.mesh.expert == 0
     assert (real.text.num_experts, real.text.num_experts_per_tok) == (128, 8)
+
+
+def test_smoke_main_job_runs_the_tiny_moe(tmp_path):
+    """launch/tpu.py end to end (rollouts in Chromium, a GRPO step with routing replay and the
+    aux loss, an eval, a checkpoint) on --config.model.preset=tiny_moe, cut to one step."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [
+        sys.executable,
+        os.path.join(root, "launch", "tpu.py"),
+        "--config=configs/qwen3vl_grpo.py:smoke",
+        "--config.model.preset=tiny_moe",
+        "--config.rl.routing_replay=True",
+        "--config.rl.router_aux_coef=0.01",
+        "--config.rl.filter_zero_variance=False",  # an untrained policy's group still trains
+        "--config.total_steps=1",
+        "--config.sft.steps=0",
+        "--config.rl.group_size=2",
+        "--config.rl.groups_per_batch=1",
+        "--config.rl.max_tokens=16",
+        "--config.env.concurrency=2",
+        "--config.env.max_turns=1",
+        "--config.log.eval_every=1",
+        "--config.log.progress=False",
+        "--config.compile_cache_dir=",
+        "--config.tasks=({'source_type': 'builtin', 'split': 'train', 'difficulty': 'easy', "
+        "'category': 'click', 'seed': 0, 'limit': 1},)",
+        "--config.eval_tasks=({'source_type': 'builtin', 'split': 'eval', 'difficulty': 'easy', "
+        "'seed': 1000, 'limit': 1},)",
+        f"--workdir={tmp_path}",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    with open(tmp_path / "metrics.jsonl") as f:
+        rows = [json.loads(ln) for ln in f if ln.strip()]
+    trained = [row for row in rows if "train/loss" in row]
+    assert len(trained) == 1
+    row = trained[0]
+    assert 0.0 <= row["train/routing_mismatch"] <= 1.0 and row["train/routing_recorded"] > 0
+    assert np.isfinite(row["train/router_aux_loss"]) and row["train/router_aux_loss"] > 0
+    assert "eval/success" in rows[-1]
