@@ -149,6 +149,17 @@ def base_config(family: str) -> ConfigDict:
     # replay: the learner routes each token through the experts the sampler chose for it
     c.rl.router_aux_coef = 0.0
     c.rl.routing_replay = False
+    # ---- compile once (#23; cua_jax/rl/shapes.py): the learner packs every batch into one of a
+    # few (rows, row length, patches) shapes decided here, compiled at start-up. RL rows (0: one
+    # per episode of a step), screens per row in the patch budget (0: what a row can hold, at
+    # most env.max_turns x env.max_history_images); strict: a batch or program outside the set
+    # is an error (tests), else a logged, counted recompile (production)
+    c.rl.learner_rows = 0
+    c.rl.images_per_row = 0
+    c.rl.strict_shapes = False
+    # compiled ahead, before step 1: "none" | "learner" (its RL and SFT steps) | "all" (and the
+    # sampler's bucket set: cua_jax.sampler.scheduler.BucketSet)
+    c.rl.warmup = "learner"
 
     # ---- optim ---------------------------------------------------------------------------------
     c.optim = ConfigDict()

@@ -77,3 +77,83 @@ def test_wall_share_from_metrics_rows():
     assert s["compile_share_steps"] == pytest.approx(6.0 / 20.0)
     assert s["steps_with_compile"] == 1
     assert s["step_steady_median_s"] == 6.0
+
+
+# ---- the learner's shape set (cua_jax.rl.shapes) ---------------------------------------------
+
+
+def _sample(n, images=0, task="t", unit=16, dim=8):
+    import numpy as np
+
+    from cua_jax.rl.trajectory import Sample
+
+    return Sample(
+        input_ids=np.ones(n, np.int32),
+        loss_mask=np.zeros(n, bool),
+        behaviour_logprobs=np.zeros(n, np.float32),
+        position_ids=np.zeros((3, n), np.int32),
+        advantage=1.0,
+        pixel_values=np.ones((images * unit, dim), np.float32) if images else None,
+        image_grid_thw=np.asarray([[1, 4, 4]] * images, np.int32) if images else None,
+        task_id=task,
+    )
+
+
+def _shape_set(strict=True):
+    from cua_jax.rl.shapes import Shape, ShapeSet
+
+    rl = (Shape(4, 64, 4 * 2 * 16), Shape(4, 128, 4 * 2 * 16), Shape(8, 128, 8 * 2 * 16))
+    return ShapeSet(rl=rl, sft=(Shape(2, 128, 2 * 2 * 16),), grid=(1, 4, 4), strict=strict)
+
+
+def test_a_batch_goes_to_the_smallest_shape_that_holds_its_rows_and_patches():
+    from cua_jax.rl.shapes import Shape
+
+    s = _shape_set()
+    assert s.pick("rl", [_sample(30), _sample(30), _sample(60)]) == Shape(4, 64, 128)
+    # 5 rows of 64 do not fit 4 rows; at 128 they pack into 3
+    assert s.pick("rl", [_sample(40)] * 5) == Shape(4, 128, 128)
+    # 9 patches-units of images (144 patches) overflow 4 rows' budget of 128
+    assert s.pick("rl", [_sample(20, images=3)] * 3) == Shape(8, 128, 256)
+    assert s.pick("rl", [_sample(100)] * 9) is None  # 9 rows: none holds it
+    assert "rl.learner_rows" in s.miss_message("rl", [_sample(100)] * 9)
+    assert s.pick("sft", [_sample(100)] * 2) == Shape(2, 128, 64)
+
+
+def test_a_sample_that_can_never_fit_is_an_error_naming_it():
+    from cua_jax.rl.shapes import ShapeError
+
+    s = _shape_set()
+    with pytest.raises(ShapeError, match="sample 1 .*task 'long'.* 129 tokens"):
+        s.pick("rl", [_sample(10), _sample(129, task="long")])
+    with pytest.raises(ShapeError, match="task 'pics'.* 272 image patches"):
+        s.pick("rl", [_sample(50, images=17, task="pics")])
+
+
+def test_first_fit_rows_equals_packing():
+    import numpy as np
+
+    from cua_jax.rl import packing
+    from cua_jax.rl.shapes import first_fit_rows
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        lengths = rng.integers(1, 64, rng.integers(1, 30))
+        batch = packing.pack([_sample(int(n)) for n in lengths], seq_len_buckets=(64,))
+        assert first_fit_rows(lengths, 64) == int((batch.segment_ids.max(axis=1) > 0).sum())
+
+
+def test_images_are_padded_to_the_budget_with_blank_screens():
+    import numpy as np
+
+    from cua_jax.rl.shapes import ShapeError, pad_images
+
+    pv = np.ones((2 * 16, 8), np.float32)
+    grid = np.asarray([[1, 4, 4]] * 2, np.int32)
+    out, g = pad_images(pv, grid, 5 * 16 + 8, (1, 4, 4), 2, 8)
+    assert out.shape == (88, 8) and (out[32:] == 0).all() and (out[:32] == 1).all()
+    assert g.tolist() == [[1, 4, 4]] * 5 + [[1, 2, 4]]
+    out, g = pad_images(None, None, 32, (1, 4, 4), 2, 8)  # a text-only batch: all blank
+    assert out.shape == (32, 8) and g.tolist() == [[1, 4, 4]] * 2
+    with pytest.raises(ShapeError, match="exceed"):
+        pad_images(pv, grid, 16, (1, 4, 4), 2, 8)

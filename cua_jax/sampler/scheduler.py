@@ -51,6 +51,91 @@ STAT_NAMES = (
 )
 
 
+# ------------------------------------------------------------------------------ the bucket set
+# Every jitted sampler call takes one of a few shapes (#23: a run compiles its programs once):
+# prefill rows and tokens, the page-table columns attention reads, page-copy counts. These are
+# the rules; `BucketSet` enumerates what they allow for one engine configuration, which bounds
+# (and, compiled ahead, fixes) the programs a run ever compiles.
+
+MIN_PREFILL_TOKENS = 16
+MIN_ATTN_TOKENS = 128  # attention reads at least this many tokens' worth of page-table columns
+
+
+def token_bucket(n: int, minimum: int = MIN_PREFILL_TOKENS) -> int:
+    """Tokens of a prefill call (and entries of a page-copy call, minimum 4): the power of two
+    >= n, at least `minimum`."""
+    return max(minimum, 1 << max(0, (max(n, 1) - 1).bit_length()))
+
+
+def batch_bucket(n: int) -> int:
+    """Rows of a batched prefill call: 1, 4, 16, 64, ... (few shapes, at most 4x padding)."""
+    b = 1
+    while b < n:
+        b *= 4
+    return b
+
+
+def pages_bucket(n_tokens: int, page_size: int, pages_per_seq: int) -> int:
+    """Page-table columns an attention call over sequences of <= n_tokens reads: a power of two
+    of the pages needed (at least MIN_ATTN_TOKENS tokens' worth, at most the whole table)."""
+    need = max(-(-max(n_tokens, MIN_ATTN_TOKENS) // page_size), 1)
+    return min(pages_per_seq, 1 << (need - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketSet:
+    """The shapes the sampler's programs take for one engine configuration.
+
+    prefill_rows x prefill_tokens x table_cols: text-only prefill calls (B, T, P); a prefill with
+    images has one row (B = 1) and its own image grid. decode: one chunk per table width P (S =
+    max_slots). copies: entries of a page-copy call."""
+
+    prefill_rows: tuple[int, ...]
+    prefill_tokens: tuple[int, ...]
+    table_cols: tuple[int, ...]
+    copies: tuple[int, ...]
+
+    @staticmethod
+    def of(max_slots: int, max_seq_len: int, page_size: int) -> BucketSet:
+        pages_per_seq = -(-max_seq_len // page_size)
+
+        def powers(lo: int, hi: int) -> tuple[int, ...]:
+            out, b = [], lo
+            while b < hi:
+                out.append(b)
+                b *= 2
+            return (*out, hi)
+
+        rows, b = [], 1
+        while b < max_slots:
+            rows.append(b)
+            b *= 4
+        return BucketSet(
+            prefill_rows=(*rows, b),
+            prefill_tokens=powers(MIN_PREFILL_TOKENS, token_bucket(max_seq_len)),
+            table_cols=tuple(
+                sorted({pages_bucket(n, page_size, pages_per_seq) for n in powers(1, max_seq_len)})
+            ),
+            copies=powers(4, token_bucket(max_slots, 4)),
+        )
+
+    def prefill_shapes(self) -> list[tuple[int, int, int]]:
+        """Every text-only prefill (rows, tokens, table columns)."""
+        return [
+            (b, t, p)
+            for b in self.prefill_rows
+            for t in self.prefill_tokens
+            for p in self.table_cols
+        ]
+
+    def __str__(self) -> str:
+        return (
+            f"sampler buckets: prefill rows {list(self.prefill_rows)} x tokens "
+            f"{list(self.prefill_tokens)} x table columns {list(self.table_cols)}; decode chunk "
+            f"per table width; page copies {list(self.copies)}"
+        )
+
+
 @dataclasses.dataclass
 class GenerateOutput:
     """Result of one request.

@@ -1,0 +1,197 @@
+"""The learner's fixed shape set (#23): every batch of a run is packed into one of a few
+(rows, row length, patches) shapes decided from the config before the first step, so the train
+step compiles once per shape at start-up and never again.
+
+    shapes = ShapeSet.from_config(config, image_config, row_multiple=learner.row_multiple)
+    print(shapes.describe())
+    shape = shapes.pick("rl", samples)         # the smallest shape that holds them, or None
+
+A shape is (rows R, row length L, patch budget P). RL batches use R = `rl.learner_rows` (0: one
+row per episode of a step, group_size x groups_per_batch, rounded up to the learner's row
+multiple), SFT batches R = `rl.rows_per_step`; L is each of `rl.row_lengths`. A batch goes to
+the smallest shape of its mode whose rows hold its first-fit packing and whose patch budget
+holds its images; a batch too big for one is tried in the next larger one (never cut: no
+sample is dropped). The patch budget of a shape is R x `rl.images_per_row` screens (0: as many
+as a row of L tokens can hold, at most env.max_turns x env.max_history_images) of the config's
+screen size; the images of a batch are padded up to it with blank screens (`pad_images`), so
+the vision tower sees one shape and its static layout (query chunks, key windows) stays the
+same from batch to batch.
+
+A batch that fits no shape of its mode (`pick` returns None) is packed as before (row count and
+patches rounded to powers of two): that is a new compile, logged and counted by
+`cua_jax.compile_stats`, and with `rl.strict_shapes` an error. A sample that can never fit (it
+is longer than the longest row, or carries more patches than the largest budget) is an error
+naming it (`check_sample`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from cua_jax.rl.trajectory import Sample
+
+Mode = Literal["rl", "sft"]
+
+
+class ShapeError(ValueError):
+    """A batch or a sample that does not fit the run's shape set."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    rows: int
+    length: int
+    patches: int  # patch budget of the batch (0: text-only programs)
+
+    def __str__(self) -> str:
+        return f"{self.rows}x{self.length}" + (f" +{self.patches} patches" if self.patches else "")
+
+
+def screen_grid(width: int, height: int, image_config: Any) -> tuple[int, int, int]:
+    """(t, h, w) patch grid of one screenshot of `width` x `height` pixels (the processor's
+    resize: `cua_jax.data.image.smart_resize`)."""
+    from cua_jax.data.image import smart_resize
+
+    ic = image_config
+    h, w = smart_resize(height, width, ic.factor, ic.min_pixels, ic.max_pixels)
+    return (1, h // ic.patch_size, w // ic.patch_size)
+
+
+def first_fit_rows(lengths: Sequence[int], row_len: int) -> int:
+    """Rows first-fit-decreasing packing needs for samples of `lengths` (as `packing.pack`)."""
+    free: list[int] = []
+    for n in sorted(lengths, reverse=True):
+        for r, f in enumerate(free):
+            if f >= n:
+                free[r] -= n
+                break
+        else:
+            free.append(row_len - n)
+    return len(free)
+
+
+def sample_patches(s: Sample) -> int:
+    return 0 if s.pixel_values is None else int(np.asarray(s.pixel_values).shape[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeSet:
+    """The shapes of each mode's train step (see the module docstring)."""
+
+    rl: tuple[Shape, ...]
+    sft: tuple[Shape, ...]
+    grid: tuple[int, int, int] | None  # the screen's patch grid: the padding unit
+    strict: bool = False
+
+    @staticmethod
+    def from_config(config: Any, image_config: Any, *, row_multiple: int = 1) -> ShapeSet:
+        rl, env = config.rl, config.env
+        grid = screen_grid(env.viewport_width, env.viewport_height, image_config)
+        unit = grid[0] * grid[1] * grid[2]
+        image_tokens = unit // image_config.merge_size**2
+        rl_rows = rl.learner_rows or rl.group_size * rl.groups_per_batch
+        sft_rows = rl.rows_per_step
+
+        def up(n: int) -> int:
+            return -(-n // row_multiple) * row_multiple
+
+        def shapes(rows: int) -> tuple[Shape, ...]:
+            out = []
+            for length in sorted(rl.row_lengths):
+                per_row = rl.images_per_row or min(
+                    length // image_tokens, env.max_turns * env.max_history_images
+                )
+                out.append(Shape(up(rows), length, up(rows) * per_row * unit))
+            return tuple(out)
+
+        return ShapeSet(shapes(rl_rows), shapes(sft_rows), grid, bool(rl.strict_shapes))
+
+    def of(self, mode: Mode) -> tuple[Shape, ...]:
+        return self.rl if mode == "rl" else self.sft
+
+    def describe(self) -> str:
+        g = "x".join(map(str, self.grid)) if self.grid else "-"
+        return (
+            f"learner shapes (rows x row length + patch budget; screen grid {g}): "
+            f"rl {', '.join(map(str, self.rl))}; sft {', '.join(map(str, self.sft))}"
+            + ("; strict" if self.strict else "")
+        )
+
+    def check_sample(self, s: Sample, index: int = 0) -> None:
+        """Raises `ShapeError` naming a sample no shape can ever hold."""
+        longest = max(sh.length for sh in self.rl + self.sft)
+        budget = max(sh.patches for sh in self.rl + self.sft)
+        where = f"sample {index} (task {s.task_id!r}, episode {s.episode})"
+        if s.length > longest:
+            raise ShapeError(
+                f"{where} has {s.length} tokens, longer than the longest row {longest} "
+                "(rl.row_lengths); add a longer row length or cut the history window / max_tokens"
+            )
+        if sample_patches(s) > budget:
+            raise ShapeError(
+                f"{where} has {sample_patches(s)} image patches, more than the largest patch "
+                f"budget {budget} (rl.images_per_row x rows x {self.grid} screens)"
+            )
+
+    def pick(self, mode: Mode, samples: Sequence[Sample]) -> Shape | None:
+        """The smallest shape of `mode` that holds `samples` (rows of its first-fit packing,
+        patches), or None when none does."""
+        for i, s in enumerate(samples):
+            self.check_sample(s, i)
+        longest = max(s.length for s in samples)
+        patches = sum(sample_patches(s) for s in samples)
+        lengths = [s.length for s in samples]
+        for sh in sorted(self.of(mode), key=lambda sh: (sh.rows * sh.length, sh.length)):
+            if sh.length < longest or patches > sh.patches:
+                continue
+            if first_fit_rows(lengths, sh.length) <= sh.rows:
+                return sh
+        return None
+
+    def miss_message(self, mode: Mode, samples: Sequence[Sample]) -> str:
+        patches = sum(sample_patches(s) for s in samples)
+        return (
+            f"a {mode} batch of {len(samples)} samples (longest {max(s.length for s in samples)} "
+            f"tokens, {patches} patches) fits none of the run's {mode} shapes "
+            f"{', '.join(map(str, self.of(mode)))}; raise rl.learner_rows / rl.images_per_row "
+            "(or rl.rows_per_step for SFT)"
+        )
+
+
+def pad_images(
+    pixel_values: np.ndarray | None,
+    image_grid_thw: np.ndarray | None,
+    budget: int,
+    grid: tuple[int, int, int],
+    merge: int,
+    patch_dim: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pads the flat patches to exactly `budget` with blank screens of `grid` (then one blank
+    (1, m, k) image for any remainder), so every batch's vision input has one shape and, with
+    images of the screen size, one static layout.
+
+    A blank image attends only to itself in the vision tower and its merged features come after
+    every real one, so no image-pad token takes them: outputs are unchanged."""
+    if pixel_values is None:
+        pixel_values = np.zeros((0, patch_dim), np.float32)
+        image_grid_thw = np.zeros((0, 3), np.int32)
+    P = pixel_values.shape[0]
+    if P > budget:
+        raise ShapeError(f"{P} patches exceed the shape's budget of {budget}")
+    extra = budget - P
+    unit = grid[0] * grid[1] * grid[2]
+    grids = [np.asarray(image_grid_thw, np.int32).reshape(-1, 3)]
+    grids += [np.asarray([grid], np.int32)] * (extra // unit)
+    rest = extra % unit
+    if rest:
+        if rest % (merge * merge):
+            raise ShapeError(f"a patch budget remainder of {rest} is not a multiple of {merge}²")
+        grids.append(np.asarray([[1, merge, rest // merge]], np.int32))
+    if extra == 0:
+        return pixel_values, grids[0]
+    blank = np.zeros((extra, pixel_values.shape[1]), pixel_values.dtype)
+    return np.concatenate([pixel_values, blank]), np.concatenate(grids)

@@ -1,0 +1,135 @@
+"""Warm-up (#23): compile a run's programs ahead, before the first step, for the shape set the
+config decides: the learner's RL / SFT steps (`cua_jax.rl.shapes`) and the sampler's bucket set
+(`cua_jax.sampler.scheduler.BucketSet`: prefill rows x tokens x table columns, image prefills
+of 1..max_history_images screens, the decode chunk per table width, page copies, first-token
+sampling). Each program is `jax.jit(...).lower(...).compile()`d from abstract arguments; the
+later call with real arrays of the same shape finds it compiled (JAX's compile cache), and on a
+rerun the persistent compilation cache (`compile_cache_dir`) serves it.
+
+    report = warmup.warm_up(learner, engine, modes=("rl",), screens=shapes.grid, images=2)
+
+`train.py` runs it in a thread while the environments start.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+
+from cua_jax.sampler import steps
+from cua_jax.sampler.sampling import SlotSampling
+from cua_jax.sampler.scheduler import BucketSet, batch_bucket
+
+
+def sampler_buckets(engine: Any) -> BucketSet:
+    return BucketSet.of(engine.max_slots, engine.max_seq_len, engine.page_size)
+
+
+def _contiguous_decode(engine: Any, table_cols: int) -> bool:
+    """Which decode program the engine runs at this table width (as `Engine._decode_fn`)."""
+    from cua_jax.sampler import engine as engine_mod
+
+    return (
+        engine._attn == "reference"
+        and steps.contiguous_bytes(engine.cache, engine.max_slots, table_cols)
+        <= engine_mod._MAX_GATHERED_BYTES
+    )
+
+
+def sampler_programs(
+    engine: Any, screen: tuple[int, int, int] | None = None, max_images: int = 0
+) -> list[tuple[str, Any, tuple]]:
+    """(name, jitted fn, abstract args after none) of every program of the engine's bucket
+    set. Text prefills skip widths too narrow for their token bucket (a call of T tokens holds
+    more than T/2, so it reads at least that many tokens' pages). With `screen` (a screenshot's
+    patch grid), image prefills of 1..`max_images` such screens (one row)."""
+    b = sampler_buckets(engine)
+    fns, state, cache = engine._fns, engine._state, engine.cache
+    page = engine.page_size
+    out: list[tuple[str, Any, tuple]] = []
+
+    def wide_enough(t: int, p: int) -> bool:
+        return p * page >= min(t // 2 + 1, engine.max_seq_len)
+
+    for rows, t, p in b.prefill_shapes():
+        if wide_enough(t, p):
+            args = (state, cache, *steps.prefill_arg_shapes(rows, t, p))
+            out.append((f"prefill {rows}x{t} cols {p}", fns.prefill(()), args))
+    if screen is not None and max_images > 0:
+        cfg = engine.config
+        v = cfg.vision
+        unit = screen[0] * screen[1] * screen[2]
+        dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+        tokens = unit // v.spatial_merge_size**2
+        for k in range(1, max_images + 1):
+            for t in b.prefill_tokens:
+                if t < k * (tokens + 2):
+                    continue
+                for p in b.table_cols:
+                    if wide_enough(t, p):
+                        args = (state, cache, *steps.prefill_arg_shapes(1, t, p, (k * unit, dim)))
+                        out.append(
+                            (
+                                f"prefill {k} screens 1x{t} cols {p}",
+                                fns.prefill((screen,) * k),
+                                args,
+                            )
+                        )
+    S = engine.max_slots
+    for p in b.table_cols:
+        fn = fns.decode_contiguous if _contiguous_decode(engine, p) else fns.decode_paged
+        out.append((f"decode cols {p}", fn, (state, cache, *steps.decode_arg_shapes(S, p))))
+    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    for n in b.copies:
+        out.append((f"copy {n}", fns.copy_pages, (cache, sds((n,), i32), sds((n,), i32))))
+    # First tokens: logits of one prefill call (X = its rows, n <= X sampled), or rows stacked
+    # from several calls (X = the number of fresh requests, n = its batch bucket).
+    V = engine.config.text.vocab_size
+    pairs = {(x, n) for x in b.prefill_rows for n in b.prefill_rows if n <= x}
+    pairs |= {(x, batch_bucket(x)) for x in range(2, S + 1)}
+    for x, n in sorted(pairs):
+        samp = SlotSampling(
+            temperature=sds((n,), jnp.float32),
+            top_k=sds((n,), i32),
+            top_p=sds((n,), jnp.float32),
+            key_data=sds((n, 2), jnp.uint32),
+            banned=sds((n, steps.MAX_BANNED), i32),
+        )
+        args = (sds((x, V), jnp.float32), sds((n,), i32), samp, sds((n,), i32))
+        out.append((f"sample_first {x}->{n}", fns.sample_first, args))
+    return out
+
+
+def compile_all(programs: Sequence[tuple[str, Any, tuple]]) -> dict[str, float]:
+    """Lowers and compiles each program; {name: seconds}."""
+    times = {}
+    for name, fn, args in programs:
+        t0 = time.perf_counter()
+        fn.lower(*args).compile()
+        times[name] = time.perf_counter() - t0
+    return times
+
+
+def warm_up(
+    learner: Any,
+    engine: Any | None,
+    *,
+    modes: Sequence[str] = ("rl",),
+    screen: tuple[int, int, int] | None = None,
+    max_images: int = 0,
+) -> dict[str, float]:
+    """Compiles the learner's steps for its shape set in `modes` (`Learner.warmup`) and, with
+    an `engine`, the sampler's bucket set; returns {program: seconds}."""
+    t0 = time.perf_counter()
+    times: dict[str, float] = {}
+    for mode in modes:
+        times.update(learner.warmup(mode))
+    if engine is not None:
+        times.update(compile_all(sampler_programs(engine, screen, max_images)))
+    logging.info("warm-up: %d programs compiled in %.1f s", len(times), time.perf_counter() - t0)
+    return times
