@@ -34,6 +34,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -132,15 +133,20 @@ def get_topology(name: str) -> Topology:
 
 def local_topology(devices: list[Any]) -> Topology:
     """The devices actually present (launch-time check: `launch/tpu.py --dry_run`) as a
-    Topology: a known TPU chip's published figures, else the device's own memory limit (GPU,
-    CPU) and no peak figures (no roofline)."""
+    Topology: a known TPU chip's published figures, else the device's own memory limit (GPU; CPU
+    devices: the host's memory split between them) and no peak figures (no roofline)."""
     kind = devices[0].device_kind.lower()
     table = (("v6 lite", "v6e"), ("v6e", "v6e"), ("v5 lite", "v5e"), ("v5e", "v5e"),
              ("v5p", "v5p"), ("v5", "v5p"), ("v4", "v4"))  # fmt: skip
     chip = next((CHIPS[c] for key, c in table if kind.startswith("tpu") and key in kind), None)
     if chip is None:
         stats = getattr(devices[0], "memory_stats", lambda: None)() or {}
-        chip = Chip(devices[0].device_kind, int(stats.get("bytes_limit", 0)), 0.0, 0.0)
+        limit = int(stats.get("bytes_limit", 0))
+        if not limit and devices[0].platform == "cpu":
+            # CPU devices share the host's memory (this process's devices: one host's share)
+            local = sum(d.process_index == devices[0].process_index for d in devices)
+            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local
+        chip = Chip(devices[0].device_kind, limit, 0.0, 0.0)
     name = f"{len(devices)} x {devices[0].device_kind}"
     return Topology(name, chip, "", "", (1, 1, 1), len(devices))
 
@@ -700,7 +706,7 @@ def make_plan(
     cfg = model_config(config)
     m = config.mesh
     try:
-        mesh = shd.make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
+        mesh = shd.make_mesh(m.data, m.fsdp, m.tensor, devices=devices, expert=m.get("expert", 1))
     except ValueError as e:
         raise PlanInputError(f"mesh does not fit {topo.name} ({len(devices)} chips): {e}") from e
     rules = tuple(shd.DEFAULT_RULES) + tuple(tuple(r) for r in m.rules)
@@ -758,11 +764,19 @@ def format_plan(plan: Plan) -> str:
     """Human-readable tables: one per program, then the verdict."""
     topo, chip = plan.topology, plan.topology.chip
     s = plan.summary
+    if topo.topology_name:  # a TPU slice by name (abstract devices)
+        hw = f"{topo.num_chips} x TPU {chip.name}, {topo.num_hosts} host(s), "
+    else:  # the devices present (launch/tpu.py --dry_run)
+        hw = "the devices present, "
+    mem = f"{chip.hbm_bytes / GiB:.0f} GiB" if chip.hbm_bytes else "no memory limit reported"
+    peak = (
+        f", {chip.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16, {chip.hbm_bandwidth / 1e9:.0f} GB/s"
+        if chip.peak_bf16_flops
+        else ", no published peak figures (no roofline)"
+    )
     lines = [
-        f"plan for {topo.name} ({topo.num_chips} x TPU {chip.name}, {topo.num_hosts} host(s), "
-        f"{chip.hbm_bytes / GiB:.0f} GiB HBM, {chip.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16, "
-        f"{chip.hbm_bandwidth / 1e9:.0f} GB/s per chip); mesh {plan.mesh_shape}; {s['model']}, "
-        f"{s['trainable_params']:,} trainable",
+        f"plan for {topo.name} ({hw}{mem}{peak} per device); mesh {plan.mesh_shape}; "
+        f"{s['model']}, {s['trainable_params']:,} trainable",
     ]
     for p in plan.programs:
         took = f"; compiled in {p.compile_s:.0f} s" if p.compile_error is None else ""
@@ -788,9 +802,13 @@ def format_plan(plan: Plan) -> str:
             lines += [
                 "",
                 f"FLOPs/step {p.flops:.3e} (Pallas, by hand: {p.pallas_flops:.3e}); bytes "
-                f"accessed {p.bytes_accessed:.3e} (Pallas: {p.pallas_bytes:.3e}); roofline "
-                f"{p.roofline_s * 1e3:.2f} ms; "
-                + (f"MFU {p.mfu:.1%}" if p.name == "train_step" else f"MBU {p.mbu:.1%}"),
+                f"accessed {p.bytes_accessed:.3e} (Pallas: {p.pallas_bytes:.3e}); "
+                + (
+                    f"roofline {p.roofline_s * 1e3:.2f} ms; "
+                    + (f"MFU {p.mfu:.1%}" if p.name == "train_step" else f"MBU {p.mbu:.1%}")
+                    if p.roofline_s
+                    else "no roofline (no published peak figures for this device)"
+                ),
             ]
     lines.append("")
     if plan.fits and not chip.hbm_bytes:
@@ -804,3 +822,16 @@ def format_plan(plan: Plan) -> str:
     else:
         lines.append("does not fit: " + plan.reason())
     return "\n".join(lines)
+
+
+def dry_run(config: Any, devices: list[Any] | None = None, prog: str = "launch/tpu.py") -> int:
+    """The launch-time check (`launch/tpu.py --dry_run`): the run's programs compiled for the
+    devices present (`jax.devices()`: real TPU / GPU chips, or CPU devices), the plan printed on
+    stdout; returns the exit status: 0 fits, 1 does not (the one-line reason on stderr, prefixed
+    with `prog`). Raises PlanInputError for bad input (the caller's exit 2)."""
+    plan = make_plan(config, "", devices=list(devices if devices is not None else jax.devices()))
+    print(format_plan(plan), flush=True)
+    if plan.fits:
+        return 0
+    print(f"{prog}: {plan.reason()}", file=sys.stderr)
+    return 1

@@ -33,7 +33,15 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, optionally with a preset: configs/qwen3vl_grpo.py:smoke"
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and logs go.")
-flags.mark_flags_as_required(["config", "workdir"])
+_DRY_RUN = flags.DEFINE_bool(
+    "dry_run", False, "Compile the run's train step and decode chunk for the devices present, "
+    "print the memory / roofline plan (cua_jax/plan.py) and exit: 0 fits, 1 does not. No training."
+)  # fmt: skip
+flags.mark_flag_as_required("config")
+flags.register_multi_flags_validator(
+    ["workdir", "dry_run"], lambda f: f["workdir"] is not None or f["dry_run"],
+    "flag --workdir must have a value other than None (only --dry_run runs without one)",
+)  # fmt: skip
 
 
 class LaunchError(SystemExit):
@@ -152,6 +160,14 @@ def main(argv: list[str]) -> None:
         validate_config(config)
     except ConfigError as e:
         raise LaunchError(str(e)) from None
+    if _DRY_RUN.value:  # the plan for the devices present (the whole job's), then exit
+        from cua_jax import plan as plan_lib
+
+        maybe_initialize_distributed()
+        try:
+            raise SystemExit(plan_lib.dry_run(config))
+        except plan_lib.PlanInputError as e:
+            raise LaunchError(str(e)) from None
     _check_workdir(workdir)
     maybe_initialize_distributed()
     compose.enable_compile_cache(config.compile_cache_dir)
