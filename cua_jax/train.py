@@ -192,6 +192,7 @@ async def run(
                 t_step = time.perf_counter()
                 step_mark = compiles.snapshot()
                 rollouts = await _next_groups(source, step)
+                trained_on = learner.version  # these groups' staleness is counted from it
                 t0 = time.perf_counter()
                 info, train_metrics = await asyncio.to_thread(
                     ppo_update,
@@ -244,8 +245,8 @@ async def run(
                     last_eval = await evaluate(f"step{step}", step)
                     row.update(last_eval)
                 writer.write(step, row)
-                db.log_step(
-                    step, row, rollouts.groups, screens=rollouts.screens, version=learner.version
+                db.log_step(  # every sampled group (kept or not), as its screens are
+                    step, row, rollouts.sampled, screens=rollouts.screens, version=trained_on
                 )
                 shown = {"reward": row.get("rollout/reward", 0.0)}
                 if "eval/success" in last_eval:

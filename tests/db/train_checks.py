@@ -38,7 +38,8 @@ def check_train_database(
     - one run row, status "finished", last_step the metrics' last step;
     - one steps row per step of metrics.jsonl (the two step-0 rows merged), holding the same
       values (the metrics writer's "time" stamp aside);
-    - every GRPO step: groups_per_step groups of group_size rollouts; turns = the sum of the
+    - every GRPO step: groups_per_step groups of group_size rollouts, their staleness and
+      zero-variance drops as the metrics count them; turns = the sum of the
       rollouts' lengths = rollout/episode_turns x rollouts; generated tokens and success agree
       with the step's rollout/ metrics; the first `logged_groups` groups' turns carry their
       screenshot files, the others none;
@@ -100,6 +101,10 @@ def check_train_database(
                         else:
                             assert not any(shots), (step, g.index)
                     rollouts += members
+                # the learner's own counts: staleness and zero-variance filtering agree
+                assert max(g.staleness for g in groups) == metrics["rollout/staleness_max"]
+                dropped = sum(not g.kept and g.drop_reason == "zero_variance" for g in groups)
+                assert dropped == metrics["train/groups_filtered_zero_variance"], step
                 n = len(rollouts)
                 length = sum(r.length for r in rollouts)
                 assert length == pytest.approx(metrics["rollout/episode_turns"] * n), step
