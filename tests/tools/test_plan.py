@@ -156,10 +156,24 @@ def test_a_preset_far_too_big_exits_1_with_one_line():
     assert "does not fit" in r.stdout  # the table is printed too
 
 
-def test_unknown_topology_exits_2():
-    r = _tool("--config=configs/qwen3vl_grpo.py:8b", "--topology=v9-8")
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--topology=v9-8"], "unknown topology 'v9-8'; known: v4-8, "),
+        (["--topology=v5p-8", "--config.model.hf_path=/nope/ckpt"],
+         "--config.model.hf_path=/nope/ckpt is not a directory"),
+        (["--topology=v5p-16", "--config.mesh.fsdp=3"],
+         "mesh does not fit v5p-16 (8 chips): mesh data=1 x fsdp=3 x expert=1 x tensor=2 needs 6 "
+         "devices, have 8"),
+    ],
+)  # fmt: skip
+def test_bad_input_exits_2_with_one_line(args, expected):
+    r = _tool("--config=configs/qwen3vl_grpo.py:8b", *args)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert _last_line(r.stderr).startswith("tools/plan.py: error: unknown topology 'v9-8'")
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("tools/plan.py: error: "), lines
+    assert expected in lines[0], lines[0]
+    assert r.stdout == ""  # nothing compiled, no table
 
 
 def test_plan_for_the_devices_present(hf_dir):
