@@ -52,7 +52,10 @@ const CuaMonitor = (() => {
         box.appendChild(div);
         const opts = {
           width: width(), height: 200,
-          scales: { x: { time: false } },
+          // a flat series (0 staleness, 0 clip fraction) gets [0, max(1, 2v)], not [0, 100]
+          scales: { x: { time: false }, y: { range: (u, lo, hi) => (lo !== hi
+            ? uPlot.rangeNum(lo, hi, 0.1, true)
+            : lo >= 0 ? [0, Math.max(1, 2 * hi)] : [lo - 1, hi + 1]) } },
           axes: [{ label: "step", incrs: STEP_INCRS }, {}],
           series: [{ label: "step" }, ...keys.map((k, i) => ({
             label: k, stroke: COLORS[i % COLORS.length], width: 2, spanGaps: true,
