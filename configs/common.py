@@ -252,6 +252,8 @@ def build(family: str, arg: str | None, presets: tuple[str, ...]) -> ConfigDict:
     c.preset = preset
     if preset == "smoke":
         apply_smoke(c)
+    elif preset == "learn":
+        apply_learn(c)
     else:
         apply_real(c, size=preset)
     return lock(c)
@@ -382,3 +384,44 @@ def apply_smoke(c: ConfigDict) -> None:
     c.ckpt.keep = 2
     c.log.eval_every = 4
     c.log.num_groups_to_log = 1
+
+
+# The learn preset's tasks: the smoke's four one-click templates and two that take two actions
+# (pick, then submit / toggle, then save), where a weak policy sometimes succeeds.
+LEARN_TEMPLATES = (
+    "click-button",
+    "click-color",
+    "click-label",
+    "nav-tabs",
+    "radio-pick",
+    "toggle-switch",
+)
+
+
+def apply_learn(c: ConfigDict) -> None:
+    """RL that learns on a 2-core CPU (#24; BENCHMARKS.md, "RL that learns"): the smoke's tiny
+    model with a short SFT warm-up that leaves headroom, then GRPO with the levers the sweep
+    kept. Checkpoints at step 0 (after SFT) and every 10 steps are all kept, so
+    `tools/eval.py --step=0` and the final step score on the same held-out tasks."""
+    apply_smoke(c)
+    c.total_steps = 40
+    c.env.max_turns = 3  # two-action tasks, and one turn to recover from a miss
+    c.sft.steps = 150
+    c.sft.episodes_per_task = 2
+    c.rl.group_size = 4
+    c.rl.groups_per_batch = 4
+    c.rl.learning_rate = 1e-4
+    c.rl.temperature = 1.0
+    c.rl.dynamic_sampling = True
+    c.rl.max_sampling_rounds = 3
+    c.model.freeze_vision = True  # the RL phase trains the language model (and is 2-3x faster)
+    t = LEARN_TEMPLATES
+    c.tasks = (
+        {"source_type": "builtin", "split": "train", "templates": t, "seed": 0, "per_template": 20},
+    )
+    c.eval_tasks = (
+        {"source_type": "builtin", "split": "eval", "templates": t, "seed": 1000, "limit": 64},
+    )
+    c.ckpt.save_every = 10
+    c.ckpt.keep = 8
+    c.log.eval_every = 10

@@ -6,6 +6,8 @@ r"""Multi-turn GRPO for a Qwen2.5-VL computer-use agent.
     python tools/plan.py --config=configs/qwen25vl_grpo.py:7b --topology=v5p-8   # will it fit?
 
 Presets:
+  learn  the smoke's model and tasks plus two-action ones: a short SFT warm-up, then GRPO
+         with dynamic sampling that raises held-out success on a 2-core CPU (BENCHMARKS.md).
   smoke  tiny random Qwen2.5-VL, the shipped tokenizer, built-in browser tasks, 2-core CPU.
   3b, 7b, 32b, 72b  real dense Qwen2.5-VL checkpoints from --config.model.hf_path.
 
@@ -37,7 +39,8 @@ FIT = {
 
 
 def get_config(arg=None):
-    c = common.build("qwen2_5_vl", arg, PRESETS)
+    # learn: CPU-sized like smoke (not a checkpoint size), see common.apply_learn
+    c = common.build("qwen2_5_vl", arg, PRESETS + ("learn",))
     for key, value in FIT.get(c.preset, {}).items():
         section, name = key.split(".")
         c[section][name] = value

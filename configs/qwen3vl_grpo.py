@@ -6,6 +6,8 @@ r"""Multi-turn GRPO for a Qwen3-VL computer-use agent.
     python tools/plan.py --config=configs/qwen3vl_grpo.py:8b --topology=v5p-8   # will it fit?
 
 Presets:
+  learn  the smoke's model and tasks plus two-action ones: a short SFT warm-up, then GRPO
+         with dynamic sampling that raises held-out success on a 2-core CPU (BENCHMARKS.md).
   smoke  tiny random Qwen3-VL, the shipped tokenizer, built-in browser tasks; SFT warm-up on the
          tasks' oracles, then GRPO. Runs on a 2-core CPU.
   2b, 4b, 8b, 32b  real dense Qwen3-VL checkpoints from --config.model.hf_path (a local directory).
@@ -55,7 +57,8 @@ FIT = {
 
 
 def get_config(arg=None):
-    c = common.build("qwen3_vl", arg, PRESETS)
+    # learn: CPU-sized like smoke (not a checkpoint size), see common.apply_learn
+    c = common.build("qwen3_vl", arg, PRESETS + ("learn",))
     for key, value in FIT.get(c.preset, {}).items():
         section, name = key.split(".")
         c[section][name] = value
