@@ -20,7 +20,7 @@ from cua_jax.rl.trajectory import Sample, rope_position_fn, trajectory_to_sample
 from cua_jax.sampler import Engine
 from tests.rl.test_rollout import TASK, Pool
 
-BUCKET = (2048,)
+BUCKET = (256,)  # the compact prompt: a two-turn episode is ~220 tokens
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +31,10 @@ def episode():
     cfg = qwen_vl.tiny("qwen3_vl", vocab_size=tok.vocab_size, moe=True, **tok.vision_token_ids())
     engine = Engine(
         qwen_vl.init_random(cfg, seed=0), max_slots=2, page_size=16, num_pages=256,
-        max_seq_len=2048,
+        max_seq_len=512,
     )  # fmt: skip
-    loop = AgentLoop(engine, proc, RolloutSettings(max_turns=2, max_new_tokens=8))
+    settings = RolloutSettings(max_turns=2, max_new_tokens=8, system_prompt="compact")
+    loop = AgentLoop(engine, proc, settings)
     trajs = asyncio.run(loop.run_group(Pool(2), TASK, 2, seed=3, group_id="g"))
     samples = []
     for i, t in enumerate(trajs):
