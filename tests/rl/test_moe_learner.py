@@ -197,6 +197,30 @@ def test_router_aux_loss_equals_a_numpy_reference(episode):
     np.testing.assert_allclose(m_aux["loss"] - m_plain["loss"], coef * want, rtol=1e-4)
 
 
+def test_expert_parallel_learner_equals_one_device(episode):
+    """fsdp=2 x expert=2 x tensor=2 (8 devices: rows, routes and experts sharded) == 1 device:
+    replayed routes (changed ones, so replay matters), mismatch, aux loss, loss and gradients."""
+    from cua_jax import sharding as shd
+
+    assert len(jax.devices()) == 8
+    cfg, samples = episode
+    bad, _ = _tampered(samples, cfg.text.num_experts)
+    kw = dict(routing_replay=True, router_aux_coef=0.1)
+    one = _learner(cfg, **kw)
+    model = qwen_vl.init_random(cfg, seed=0)
+    mesh = shd.make_mesh(1, 2, 2, expert=2)
+    eight = Learner(model, mesh=mesh, loss=LossConfig(**kw), seq_len_buckets=BUCKET, donate=False)
+    gate_up = eight.model.model.language_model.layers[0].mlp.experts.gate_up_proj[...]
+    assert gate_up.sharding.spec[0] == "expert"
+    m1, g1 = one.loss_and_grads(one.pack(bad))
+    m8, g8 = eight.loss_and_grads(eight.pack(bad))
+    assert m1["routing_mismatch"] > 0
+    for k in ("loss", "routing_mismatch", "routing_recorded", "router_aux_loss", "grad_norm"):
+        assert m8[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-7), k
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g8), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-6)
+
+
 def test_dense_models_refuse_moe_options():
     cfg = qwen_vl.tiny("qwen3_vl")
     with pytest.raises(ValueError, match="need a MoE model"):
