@@ -371,6 +371,17 @@ class Learner:
     # --------------------------------------------------------------------------- public API
 
     @property
+    def route_shape(self) -> tuple[int, int] | None:
+        """MoE: (sparse layers, experts per token) of the batch's ``routes`` i32[R, L, *this]
+        (every MoE step takes one; `tools/plan.py` builds it abstractly); None: dense."""
+        return self._route_shape
+
+    @property
+    def route_sharding(self) -> NamedSharding:
+        """The sharding of the batch's ``routes`` (rows over data x fsdp, like the tokens)."""
+        return self._route_sh
+
+    @property
     def row_multiple(self) -> int:
         """Packed row counts must be multiples of this (num_substeps x data x fsdp)."""
         return self.num_substeps * self._batch_parallel
