@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import math
 import os
+import sqlite3
 import subprocess
 import sys
 
@@ -104,6 +105,10 @@ def test_every_episode_an_env_fault_stops_the_first_step(tmp_path):
         r"env_error: reset: display :99 is gone",
     ):
         _run(_config("sync"), tmp_path, EnvError("display :99 is gone"))
+    # the trajectory database records the run as failed, naming the error
+    with sqlite3.connect(tmp_path / "trajectories.sqlite") as db:
+        ((status,),) = db.execute("SELECT status FROM runs").fetchall()
+    assert status.startswith("failed: RolloutError: step 1"), status
 
 
 class _Agent:
