@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from cua_jax import compile_stats
@@ -83,8 +84,6 @@ def test_wall_share_from_metrics_rows():
 
 
 def _sample(n, images=0, task="t", unit=16, dim=8):
-    import numpy as np
-
     from cua_jax.rl.trajectory import Sample
 
     return Sample(
@@ -131,8 +130,6 @@ def test_a_sample_that_can_never_fit_is_an_error_naming_it():
 
 
 def test_first_fit_rows_equals_packing():
-    import numpy as np
-
     from cua_jax.rl import packing
     from cua_jax.rl.shapes import first_fit_rows
 
@@ -144,8 +141,6 @@ def test_first_fit_rows_equals_packing():
 
 
 def test_images_are_padded_to_the_budget_with_blank_screens():
-    import numpy as np
-
     from cua_jax.rl.shapes import ShapeError, pad_images
 
     pv = np.ones((2 * 16, 8), np.float32)
@@ -157,3 +152,79 @@ def test_images_are_padded_to_the_budget_with_blank_screens():
     assert out.shape == (32, 8) and g.tolist() == [[1, 4, 4]] * 2
     with pytest.raises(ShapeError, match="exceed"):
         pad_images(pv, grid, 16, (1, 4, 4), 2, 8)
+
+
+# ---- GRPO steps on the tiny learner ---------------------------------------------------------
+
+
+def _tiny_learner():
+    from cua_jax.rl.learner import Learner, OptimizerConfig
+    from cua_jax.rl.shapes import Shape, ShapeSet
+    from tests.rl.test_learner import _model
+
+    learner = Learner(
+        _model(), optimizer=OptimizerConfig(learning_rate=1e-3), seq_len_buckets=(64,)
+    )
+    # 4x4-patch screens (16 patches, 4 merged tokens) as tests.rl.test_learner's images
+    learner.shapes = ShapeSet(
+        rl=(Shape(12, 64, 8 * 16),), sft=(Shape(4, 64, 4 * 16),), grid=(1, 4, 4), strict=True
+    )
+    return learner
+
+
+@pytest.fixture(scope="module")
+def tiny_learner():
+    return _tiny_learner()
+
+
+def test_grpo_steps_with_varied_episodes_compile_nothing_after_the_warm_up(tiny_learner):
+    from cua_jax.rl.shapes import ShapeError
+    from tests.rl.test_learner import make_groups
+
+    learner = tiny_learner
+    stats = compile_stats.install()
+    mark = stats.snapshot()
+    times = learner.warmup("rl")
+    warm = stats.since(mark).per_program.get("rl_step", 0)
+    assert warm == len(times) == 1
+    stats.expect_no_compiles(("rl_step",), strict=True)
+    varied = set()
+    try:
+        for seed, n_groups in [(1, 1), (2, 3), (3, 2), (5, 3)]:
+            groups = make_groups(seed=seed, n_groups=n_groups)
+            for g in groups[1:]:  # fewer screenshots in later groups: image counts vary too
+                for t in g[2:]:
+                    t.turns[0].pixel_values = None
+                    t.turns[0].image_grid_thw = None
+                    t.turns[0].prompt_ids = np.arange(20, 20 + 3 * seed, dtype=np.int32)
+                    t.turns[1].prompt_ids = np.r_[t.turns[0].full_ids, 7, 8, 9].astype(np.int32)
+            batch, info = learner.prepare_batch(groups)
+            m = learner.train_step(batch)
+            assert np.isfinite(m["loss"]) and batch.shape == (12, 64)
+            varied.add((info["samples"], batch.pixel_values.shape[0], int(batch.segment_ids.sum())))
+            stats.check()  # raises on a compile of rl_step
+        assert stats.since(mark).per_program["rl_step"] == warm
+        assert len(varied) == 4  # every batch differed in samples, screenshots or tokens
+        with pytest.raises(ShapeError, match="fits none of the run's rl shapes"):
+            learner.prepare_batch(make_groups(seed=9, n_groups=8))  # 32 episodes > 12 rows
+    finally:
+        stats.reset_expectations()
+
+
+def test_the_patch_budget_padding_changes_no_loss_or_gradient(tiny_learner):
+    """A batch padded to its shape's patch budget with blank screens == the same batch with only
+    its own images (the reference layout without a shape set)."""
+    from tests.rl.test_learner import make_groups
+
+    learner = tiny_learner
+    batch, _ = learner.prepare_batch(make_groups(seed=4, n_groups=2))
+    assert 0 < batch.pixel_values.shape[0] < batch.patch_budget
+    m_pad, g_pad = learner.loss_and_grads(batch)
+    batch.patch_budget, learner._bucket_shapes = 0, False
+    try:
+        m_raw, g_raw = learner.loss_and_grads(batch)
+    finally:
+        learner._bucket_shapes = True
+    assert m_pad["loss"] == pytest.approx(m_raw["loss"], rel=1e-5)
+    for a, b in zip(jax.tree.leaves(g_pad), jax.tree.leaves(g_raw), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)

@@ -39,7 +39,9 @@ of the batch's trained tokens (= the whole batch's loss with one micro-batch), l
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -58,11 +60,13 @@ from cua_jax.models.qwen_vl.moe import load_balancing_loss
 from cua_jax.models.qwen_vl.text import make_dense_attn_fn
 from cua_jax.models.qwen_vl.vision import vision_metadata
 from cua_jax.rl import losses
+from cua_jax.rl import shapes as shapes_lib
 from cua_jax.rl.advantages import group_advantages
 from cua_jax.rl.packing import DEFAULT_BUCKETS, PackedBatch, pack, pick_bucket
 from cua_jax.rl.trajectory import (
     MIN_LIVE_EPISODES,
     PositionFn,
+    Sample,
     Trajectory,
     live_episodes,
     rope_position_fn,
@@ -353,6 +357,9 @@ class Learner:
         self._bucket_shapes = bucket_shapes
         self.logits_chunk = int(logits_chunk)
         self.compiled_shapes: set[tuple] = set()
+        # The run's fixed shape set (#23, `cua_jax.rl.shapes`; single process): `pack` puts every
+        # batch into one of its shapes and `warmup` compiles them ahead. None: rounded buckets.
+        self.shapes: shapes_lib.ShapeSet | None = None
         t = self.config.text
         self._moe = t.is_moe
         self._route_shape = (
@@ -389,9 +396,16 @@ class Learner:
     def position_fn(self) -> PositionFn:
         return rope_position_fn(self.config)
 
-    def pack(self, samples, num_rows: int | None = None) -> PackedBatch:
+    def pack(
+        self, samples, num_rows: int | None = None, *, mode: Literal["rl", "sft"] = "sft"
+    ) -> PackedBatch:
         """`packing.pack` with this learner's buckets, row multiple and aggregation mode; without
         `num_rows`, the row count is rounded up to a shape bucket (see `bucket_shapes`).
+
+        With a shape set (`self.shapes`) and no `num_rows`, the batch takes the smallest shape of
+        `mode` that holds it (its images padded to the shape's patch budget in the step); a
+        batch no shape holds is an error with `shapes.strict`, else it is packed into buckets as
+        without a shape set (a new compile, logged and counted by `cua_jax.compile_stats`).
 
         Multi-host (more than one process): `samples` are this process's, and the batch is its
         share of the global one (`_pack_share`); every process must call `pack` together."""
@@ -404,6 +418,17 @@ class Learner:
             loss_norm=self.loss_config.loss_norm,
             pad_id=int(self.config.text.pad_token_id or 0),
         )
+        if self.shapes is not None and num_rows is None:
+            shape = self.shapes.pick(mode, samples)
+            if shape is not None:
+                kw["seq_len_buckets"] = (shape.length,)
+                batch = pack(samples, num_rows=shape.rows, **kw)
+                batch.patch_budget = shape.patches
+                return batch
+            message = self.shapes.miss_message(mode, samples)
+            if self.shapes.strict:
+                raise shapes_lib.ShapeError(message + " (rl.strict_shapes)")
+            logging.warning("%s: packed into buckets instead, a new compile", message)
         batch = pack(samples, num_rows=num_rows, **kw)
         if num_rows is None and self._bucket_shapes:
             rows, k = batch.shape[0], self.row_multiple
@@ -461,7 +486,7 @@ class Learner:
                 return None, info
         elif not samples:
             return None, info
-        batch = self.pack(samples, num_rows)
+        batch = self.pack(samples, num_rows, mode="rl")
         info["padding_share"] = batch.padding_share
         info["rows"], info["row_len"] = map(float, batch.shape)
         return batch, info
@@ -490,6 +515,36 @@ class Learner:
         """The jitted step for `batch`, lowered but not run (`jax.stages.Lowered`):
         `.compile().memory_analysis()` is its XLA buffer assignment (tools/bench_*)."""
         return self._get_step(mode).lower(*self._step_args(batch))
+
+    def warmup(self, mode: Literal["rl", "sft"] = "rl") -> dict[str, float]:
+        """Compiles the train step of `mode` for every shape of the shape set (`self.shapes`)
+        ahead of time, from a blank batch of each shape packed as real ones are; a later step
+        of that shape runs the compiled program. Returns {program and shape: seconds}."""
+        if self.shapes is None:
+            raise ValueError("warmup needs a shape set: learner.shapes = ShapeSet.from_config(...)")
+        out = {}
+        for shape in self.shapes.of(mode):
+            blank = Sample(
+                input_ids=np.zeros(1, np.int32),
+                loss_mask=np.zeros(1, bool),
+                behaviour_logprobs=np.zeros(1, np.float32),
+                position_ids=np.zeros((3, 1), np.int32),
+                advantage=0.0,
+            )
+            batch = pack(
+                [blank],
+                seq_len_buckets=(shape.length,),
+                row_multiple=self.row_multiple,
+                num_rows=shape.rows,
+                agg_mode=self.loss_config.agg_mode,
+                loss_norm=self.loss_config.loss_norm,
+                pad_id=int(self.config.text.pad_token_id or 0),
+            )
+            batch.patch_budget = shape.patches
+            t0 = time.perf_counter()
+            self.lower_step(batch, mode).compile()
+            out[f"{mode}_step {shape}"] = time.perf_counter() - t0
+        return out
 
     def loss_and_grads(
         self, batch: PackedBatch, mode: Literal["rl", "sft"] = "rl"
@@ -656,7 +711,19 @@ class Learner:
                     self._route_sh, routes, (rows * shares, *want[1:])
                 )
         images = None
-        if batch.pixel_values is not None:
+        if batch.patch_budget:  # the shape set's fixed patch budget, padded with blank screens
+            v = self.config.vision
+            pv, grid = shapes_lib.pad_images(
+                batch.pixel_values,
+                batch.image_grid_thw,
+                batch.patch_budget,
+                self.shapes.grid,
+                v.spatial_merge_size,
+                v.in_channels * v.temporal_patch_size * v.patch_size**2,
+            )
+            meta = vision_metadata(self.config, grid)
+            images = jax.device_put((jnp.asarray(pv), meta), self._repl)
+        elif batch.pixel_values is not None:
             pv, grid = batch.pixel_values, batch.image_grid_thw
             if self._bucket_shapes:
                 pv, grid = pad_images_to_bucket(pv, grid, self.config.vision.spatial_merge_size)
@@ -881,8 +948,13 @@ class Learner:
             xs_sh["position_ids"] = self._pos_sh
             if self._moe:
                 xs_sh["routes"] = self._route_sh
+
+            def step(*a):
+                return self._step_fn(mode, *a)
+
+            step.__name__ = f"{mode}_step"  # the program's name in compile_stats' counts
             fn = jax.jit(
-                lambda *a: self._step_fn(mode, *a),
+                step,
                 in_shardings=(
                     self._trainable_sh,
                     self._opt_sh,
