@@ -626,6 +626,43 @@ class AgentEvalLoop(AgentLoop):
         return trajs, texts
 
 
+def agent_predictor(agent, processor, config):
+    """An `Agent` on a screenshot step: the step's screen and instruction (its history as a
+    text line), parsed with the run's action format in the agent's coordinate space."""
+    from cua_jax import actions as A
+    from cua_jax import builders
+
+    no_model = type("M", (), {"config": type("C", (), {"vision_placeholder_ids": ()})})
+    settings = builders.build_rollout_settings(config, no_model)
+    loop = AgentEvalLoop(processor, settings)
+    fmt = A.get_format(settings.action_format)
+
+    async def predict(step):
+        if step.screenshot is None:
+            raise ValueError("an agent predicts on screenshot steps (--steps)")
+        space = loop.space_for(step.screenshot)
+        instruction = step.instruction
+        if step.history:
+            instruction += "\nPrevious actions: " + "; ".join(step.history)
+        turn = AgentTurn(
+            instruction=instruction,
+            system_prompt=loop.system_prompt(space),
+            action_format=settings.action_format,
+            space=space,
+            screenshots=[step.screenshot],
+            feedback=[""],
+            replies=[],
+            turn=0,
+            max_history_images=1,
+            max_tokens=settings.max_new_tokens,
+            seed=0,
+        )
+        reply = await agent.act(turn)
+        return fmt.parse(reply.text, space)
+
+    return predict
+
+
 __all__ = [
     "Agent",
     "AgentError",
@@ -633,6 +670,7 @@ __all__ = [
     "AgentPolicy",
     "AgentReply",
     "AgentTurn",
+    "agent_predictor",
     "AnthropicAgent",
     "CheckpointAgent",
     "OpenAIAgent",

@@ -182,7 +182,7 @@ def test_jsonl_steps_boxes_and_an_agent(tmp_path, proc):
     assert O.random_click_rate(steps[0]) == pytest.approx(0.25)
     # an agent that clicks the box's corner region, in Qwen3's 0-1000 frame
     from configs.qwen3vl_grpo import get_config
-    from tools.offline_eval import agent_predictor
+    from tools.agents import agent_predictor
 
     class Corner:
         name = "corner"
