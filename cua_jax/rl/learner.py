@@ -59,7 +59,7 @@ from cua_jax.models import lora as lora_lib
 from cua_jax.models.qwen_vl.moe import load_balancing_loss
 from cua_jax.models.qwen_vl.text import make_dense_attn_fn
 from cua_jax.models.qwen_vl.vision import vision_metadata
-from cua_jax.rl import losses
+from cua_jax.rl import losses, sdpo
 from cua_jax.rl import shapes as shapes_lib
 from cua_jax.rl.advantages import group_advantages
 from cua_jax.rl.packing import DEFAULT_BUCKETS, PackedBatch, pack, pick_bucket
@@ -491,9 +491,14 @@ class Learner:
         info["rows"], info["row_len"] = map(float, batch.shape)
         return batch, info
 
-    def train_step(self, batch: PackedBatch) -> dict[str, float]:
-        """One GRPO optimizer step on a packed batch; bumps `version`."""
-        return self._step("rl", batch)
+    def train_step(
+        self, batch: PackedBatch, teacher: sdpo.TeacherTargets | None = None
+    ) -> dict[str, float]:
+        """One GRPO optimizer step on a packed batch; bumps `version`. With SDPO's `teacher`
+        targets the loss is (1 - λ) GRPO + λ self-distillation (`cua_jax.rl.sdpo`)."""
+        if teacher is None:
+            return self._step("rl", batch)
+        return self._step(teacher.mode, batch, teacher.arrays())
 
     def sft_step(self, batch: PackedBatch) -> dict[str, float]:
         """One cross-entropy step on the loss-masked tokens of a packed batch."""
@@ -672,7 +677,7 @@ class Learner:
         )
         return batch
 
-    def _device_batch(self, batch: PackedBatch, substeps: int):
+    def _device_batch(self, batch: PackedBatch, substeps: int, extra=None):
         rows, length = batch.shape
         shares = self._processes  # multi-host: `batch` is this process's rows (`_pack_share`)
         if rows * shares % (substeps * self._batch_parallel):
@@ -710,6 +715,8 @@ class Learner:
                 xs["routes"] = jax.make_array_from_process_local_data(
                     self._route_sh, routes, (rows * shares, *want[1:])
                 )
+        for k, v in (extra or {}).items():  # SDPO targets: [R, L, ...] like the rows
+            xs[k] = jax.device_put(v, self._rows_sharding(v.ndim))
         images = None
         if batch.patch_budget:  # the shape set's fixed patch budget, padded with blank screens
             v = self.config.vision
@@ -743,7 +750,9 @@ class Learner:
             emb, vmask, ds = model.embed(ids_RL, pv, vision_meta=meta)
         return (emb, ds), vmask
 
-    def _token_stats(self, trainable, frozen, rest, emb, ds, vmask, mb, temperature, entropy):
+    def _token_stats(
+        self, trainable, frozen, rest, emb, ds, vmask, mb, temperature, entropy, distill=None
+    ):
         """(log π(next token), entropy or None, MoE RoutingInfo or None), f32[mb, L-1], at
         `temperature`, with the banned ids masked; the logits are made `logits_chunk` positions
         at a time. MoE: the decoder replays `mb["routes"]` with `routing_replay`."""
@@ -768,6 +777,18 @@ class Learner:
                 logits = logits.at[..., banned].set(-1e30)
             return logits if temperature == 1.0 else logits / temperature
 
+        if distill is not None:  # SDPO: + the divergence from the teacher, from the same chunks
+            return sdpo.chunked_stats_and_divergence(
+                logits_fn,
+                hidden,
+                mb["input_ids"][:, 1:],
+                mb["sdpo_ids"][:, 1:],
+                mb["sdpo_logp"][:, 1:],
+                chunk=self.logits_chunk,
+                entropy=entropy,
+                divergence=distill.divergence,
+                js_beta=distill.js_beta,
+            ), info
         lp, ent = losses.chunked_token_stats(
             logits_fn, hidden, mb["input_ids"][:, 1:], chunk=self.logits_chunk, entropy=entropy
         )
@@ -826,9 +847,15 @@ class Learner:
                 trainable, frozen, rest, emb, ds, vmask, mb, temp, False
             )
             return (*losses.sft_loss(logp, weights, mask), info)
-        logp, entropy, info = self._token_stats(
-            trainable, frozen, rest, emb, ds, vmask, mb, temp, True
-        )
+        distill = sdpo.parse_mode(mode)
+        if distill is None:
+            logp, entropy, info = self._token_stats(
+                trainable, frozen, rest, emb, ds, vmask, mb, temp, True
+            )
+        else:
+            (logp, entropy, divergence), info = self._token_stats(
+                trainable, frozen, rest, emb, ds, vmask, mb, temp, True, distill
+            )
         if not lc.entropy_coef:
             entropy = jax.lax.stop_gradient(entropy)
         behaviour = jnp.where(mask, mb["behaviour_logprobs"][:, 1:], jax.lax.stop_gradient(logp))
@@ -856,6 +883,8 @@ class Learner:
             entropy_BT=entropy,
             entropy_coef=lc.entropy_coef,
         )
+        if distill is not None:
+            loss, metrics = sdpo.micro_loss(loss, metrics, divergence, mb, distill.weight)
         return loss, metrics, info
 
     def _grads_fn(self, mode, trainable, frozen, rest, ref_full, xs, images):
@@ -868,7 +897,7 @@ class Learner:
         (emb, ds), embed_vjp, vmask = jax.vjp(
             lambda tr: self._embed(tr, frozen, rest, ids, images), trainable, has_aux=True
         )
-        use_ref = mode == "rl" and self.loss_config.kl_coef > 0
+        use_ref = mode != "sft" and self.loss_config.kl_coef > 0
         ref = ref_emb = None
         if use_ref:
             ref = ref_full if ref_full is not None else self._reference_params(trainable)
@@ -926,7 +955,7 @@ class Learner:
         for k, v in metrics.items():
             if k.endswith("_max"):
                 out[k] = jnp.max(v)
-            elif k in ("loss", "pg_loss", "num_tokens"):
+            elif k in ("loss", "pg_loss", "num_tokens") or k.startswith("sdpo_"):
                 out[k] = jnp.sum(v)
             else:
                 out[k] = jnp.sum(v * n) / jnp.maximum(jnp.sum(n), 1.0)
@@ -946,6 +975,9 @@ class Learner:
             ref_sh = None if self._ref is None else self._trainable_sh
             xs_sh = {k: self._row_sh for k in _TEXT_KEYS}
             xs_sh["position_ids"] = self._pos_sh
+            if sdpo.parse_mode(mode) is not None:
+                for k in sdpo.TARGET_KEYS:
+                    xs_sh[k] = self._rows_sharding(3 if k in sdpo.TOPK_KEYS else 2)
             if self._moe:
                 xs_sh["routes"] = self._route_sh
 
@@ -970,12 +1002,16 @@ class Learner:
             self._jit[mode] = fn
         return fn
 
-    def _step_args(self, batch: PackedBatch) -> tuple:
-        xs, images = self._device_batch(batch, self.num_substeps)
+    def _rows_sharding(self, ndim: int) -> NamedSharding:
+        """Arrays with a leading row axis shard their rows like the batch's."""
+        return NamedSharding(self.mesh, P(*self._row_sh.spec[:1], *([None] * (ndim - 1))))
+
+    def _step_args(self, batch: PackedBatch, extra=None) -> tuple:
+        xs, images = self._device_batch(batch, self.num_substeps, extra)
         return (self._trainable, self._opt_state, self._frozen, self._rest, self._ref, xs, images)
 
-    def _step(self, mode: str, batch: PackedBatch) -> dict[str, float]:
-        args = self._step_args(batch)
+    def _step(self, mode: str, batch: PackedBatch, extra=None) -> dict[str, float]:
+        args = self._step_args(batch, extra)
         images = args[-1]
         pix_shape = None if images is None else images[0].shape
         self.compiled_shapes.add((mode, batch.shape, pix_shape))

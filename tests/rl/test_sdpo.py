@@ -308,3 +308,97 @@ def test_checker_message_and_config_errors(proc):
         sdpo.SelfDistiller(proc.chat, teacher="frozen")
     with pytest.raises(ValueError, match="weight"):
         sdpo.SelfDistiller(proc.chat, weight=1.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The learner's SDPO step
+# ---------------------------------------------------------------------------------------------
+
+
+def _sdpo_learner(proc, seed=0, lr=1e-5):
+    import dataclasses
+
+    from flax import nnx
+
+    from cua_jax.models import qwen_vl
+    from cua_jax.rl.learner import Learner, OptimizerConfig
+
+    tok = proc.tokenizer
+    tiny = qwen_vl.tiny("qwen3_vl", vocab_size=tok.vocab_size, **tok.vision_token_ids())
+    cfg = tiny.replace(
+        text=dataclasses.replace(tiny.text, num_hidden_layers=1),
+        vision=dataclasses.replace(tiny.vision, depth=1, deepstack_visual_indexes=(0,)),
+    )
+    model = qwen_vl.QwenVL(cfg, rngs=nnx.Rngs(seed))
+    return Learner(
+        model,
+        optimizer=OptimizerConfig(learning_rate=lr, max_grad_norm=None),
+        seq_len_buckets=(512,),
+        logits_chunk=64,
+    )
+
+
+def _group(proc):
+    return [
+        _episode(proc, 0, success=False, reason="max_turns"),
+        _episode(proc, 10, success=True, gens=("click Submit",)),
+        _episode(proc, 20, success=False, gens=("click C",)),
+    ]
+
+
+def _forward_kl(learner, batch, targets):
+    """Mean KL(teacher || student) over the distilled tokens, from the student's full
+    distribution on the packed batch (an independent pass: `teacher_topk` with k = 0)."""
+    _, s_logp = sdpo.teacher_topk(learner, learner._trainable, batch, 0)
+    t = targets.logp.astype(np.float64)
+    kl = np.sum(np.exp(t) * (t - s_logp), axis=-1)
+    return float(kl[targets.mask].mean())
+
+
+def test_sdpo_step_moves_the_student_toward_the_teacher(proc):
+    learner = _sdpo_learner(proc)
+    group = _group(proc)
+    batch, _ = learner.prepare_batch([group])
+    distiller = sdpo.SelfDistiller(proc.chat, weight=1.0, divergence="kl", topk=0)
+    targets, info = distiller.targets(learner, batch, [group])
+    assert info["sdpo/teacher_samples"] == 2  # the two failures; the success is no student
+    n_gen = sum(t.generated_ids.size for g in (group[0], group[2]) for t in g.turns)
+    assert targets.mask.sum() == n_gen
+    # Where a token is distilled its teacher distribution is a full one over the vocabulary.
+    np.testing.assert_allclose(np.exp(targets.logp[targets.mask]).sum(-1), 1.0, atol=1e-4)
+    before = _forward_kl(learner, batch, targets)
+    assert before > 0.0
+    m = learner.train_step(batch, teacher=targets)
+    # The step's SDPO loss (chunked, inside the step) is the same forward KL, token mean.
+    assert m["sdpo_loss"] == pytest.approx(before, rel=1e-4)
+    assert m["loss"] == pytest.approx(m["sdpo_loss"], rel=1e-6)  # λ = 1: no GRPO term
+    after = _forward_kl(learner, batch, targets)
+    assert after < before
+
+
+def test_sdpo_weight_zero_is_the_grpo_step(proc):
+    group = _group(proc)
+    a, b = _sdpo_learner(proc), _sdpo_learner(proc)
+    batch, _ = a.prepare_batch([group])
+    targets, _ = sdpo.SelfDistiller(proc.chat, weight=0.0, divergence="js", topk=8).targets(
+        b, batch, [group]
+    )
+    assert targets.ids.shape[-1] == 8 and targets.mask.any()
+    ma = a.train_step(batch)
+    mb = b.train_step(batch, teacher=targets)
+    assert mb["loss"] == pytest.approx(ma["loss"], rel=1e-6)
+    assert mb["grad_norm"] == pytest.approx(ma["grad_norm"], rel=1e-5)
+    assert mb["sdpo_loss"] > 0.0  # computed and reported, with no weight in the loss
+    for x, y in zip(jax.tree.leaves(a._trainable), jax.tree.leaves(b._trainable), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+
+
+def test_ema_teacher_follows_the_policy(proc):
+    learner = _sdpo_learner(proc)
+    d = sdpo.SelfDistiller(proc.chat, teacher="ema", ema=0.25)
+    p0 = [np.asarray(x) for x in jax.tree.leaves(d.teacher_params(learner))]
+    # a stand-in step: the trainable params move by +1
+    learner._trainable = jax.tree.map(lambda x: x + 1.0, learner._trainable)
+    d.update_teacher(learner)
+    for e, x in zip(jax.tree.leaves(d.teacher_params(learner)), p0, strict=True):
+        np.testing.assert_allclose(np.asarray(e), x + 0.25, rtol=1e-6, atol=1e-6)
