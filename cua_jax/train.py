@@ -37,7 +37,7 @@ from cua_jax.builders import init_model_weights
 from cua_jax.checkpoint.orbax_io import Checkpointer
 from cua_jax.config_checks import ConfigError, validate_config
 from cua_jax.env_api import Task
-from cua_jax.rl import entropulse, sft_data
+from cua_jax.rl import entropulse, sdpo, sft_data
 from cua_jax.rl.learner import check_finite
 from cua_jax.rl.rollout import AgentLoop, count_infra_faults
 from cua_jax.rl.sources import RolloutError
@@ -188,6 +188,7 @@ async def run(
 
             # ---- GRPO steps (with Entropulse: an SFT phase every rl.entropulse_every) ----------
             pulse = entropulse.from_config(config)
+            distiller = sdpo.from_config(rl, processor.chat)  # None unless rl.algorithm=sdpo
             while step < config.total_steps:
                 t_step = time.perf_counter()
                 step_mark = compiles.snapshot()
@@ -200,6 +201,7 @@ async def run(
                     rollouts.groups,
                     epochs=rl.ppo_epochs,
                     minibatches=rl.ppo_minibatches,
+                    distiller=distiller,
                 )
                 if train_metrics is not None:
                     check_finite(
@@ -468,7 +470,12 @@ def source_levers(config: Any, workdir: str) -> dict[str, Any]:
 
 
 def ppo_update(
-    learner: Any, groups: Sequence[Sequence[Trajectory]], *, epochs: int = 1, minibatches: int = 1
+    learner: Any,
+    groups: Sequence[Sequence[Trajectory]],
+    *,
+    epochs: int = 1,
+    minibatches: int = 1,
+    distiller: Any = None,
 ) -> tuple[dict[str, float], dict[str, float] | None]:
     """The learner step on one batch of groups: `epochs` passes over `minibatches` mini-batches
     of whole groups (groups i, i + M, i + 2M, ... form mini-batch i), one optimizer update per
@@ -480,7 +487,8 @@ def ppo_update(
     However many updates, the learner's version moves by one per call (a version is a learner
     step: the staleness bounds count steps). Returns (prepare_batch's info, the updates'
     metrics: means over updates, `*_max` the max, `ratio_mean_first`/`_last`, the last update's
-    clip fractions, `updates`), or metrics None when no group carried a signal."""
+    clip fractions, `updates`), or metrics None when no group carried a signal. With SDPO's
+    `distiller` (`cua_jax.rl.sdpo.SelfDistiller`) each update adds its self-distillation term."""
     if not groups:  # dynamic sampling kept nothing
         return {"groups": 0.0, "samples": 0.0}, None
     batch, info = learner.prepare_batch(groups)
@@ -496,7 +504,10 @@ def ppo_update(
     per_update = []
     for _ in range(epochs):
         for b in batches:
-            per_update.append(learner.train_step(b))
+            if distiller is None:
+                per_update.append(learner.train_step(b))
+            else:  # the teacher pass on b's failed episodes, then the blended step
+                per_update.append(distiller.train_step(learner, b, groups))
     learner.version = version + 1
     out: dict[str, float] = {}
     for k in per_update[0]:
