@@ -29,6 +29,7 @@ import collections
 import dataclasses
 import logging
 import threading
+import time
 from typing import Any
 
 from jax import monitoring
@@ -54,6 +55,7 @@ class Snapshot:
     cache_hits: int
     unplanned: int
     per_program: dict[str, int]
+    time: float = 0.0  # time.time() when taken
 
     @property
     def total_seconds(self) -> float:
@@ -87,6 +89,7 @@ class CompileStats:
         self._strict = False
         self._watched: set[str] = set()
         self._errors: list[str] = []
+        self._spans: list[tuple[float, float]] = []  # (start, end) time.time() of each compile
 
     # ---- JAX listeners ---------------------------------------------------------------------
     def _on_scalar(self, event: str, value: float, **kw: Any) -> None:
@@ -98,6 +101,23 @@ class CompileStats:
             with self._lock:
                 self.cache_hits += 1
                 self.cache_hits_per_program[getattr(self._local, "current", None) or "?"] += 1
+
+    def _on_span(self, event: str, start: float, end: float, **kw: Any) -> None:
+        if event in (BACKEND_COMPILE, LOWER):
+            with self._lock:
+                self._spans.append((start, end))
+
+    def busy_seconds(self, mark: Snapshot) -> float:
+        """Wall-clock seconds after `mark` during which anything was compiling: the union of the
+        compiles' time spans (compiles in several threads at once count once)."""
+        with self._lock:
+            spans = sorted((max(a, mark.time), b) for a, b in self._spans if b > mark.time)
+        total, end = 0.0, float("-inf")
+        for a, b in spans:
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
 
     def _on_duration(self, event: str, duration: float, **kw: Any) -> None:
         if event == LOWER:
@@ -131,6 +151,7 @@ class CompileStats:
                 self.cache_hits,
                 self.unplanned,
                 dict(self.per_program),
+                time.time(),
             )
 
     def since(self, mark: Snapshot) -> Snapshot:
@@ -144,6 +165,7 @@ class CompileStats:
             now.cache_hits - mark.cache_hits,
             now.unplanned - mark.unplanned,
             {k: v for k, v in per.items() if v},
+            now.time,
         )
 
     def step_metrics(self, mark: Snapshot, step_s: float | None = None) -> dict[str, float]:
@@ -201,15 +223,16 @@ def install() -> CompileStats:
             monitoring.register_event_duration_secs_listener(stats._on_duration)
             monitoring.register_event_listener(stats._on_event)
             monitoring.register_scalar_listener(stats._on_scalar)
+            monitoring.register_event_time_span_listener(stats._on_span)
             _STATS = stats
         return _STATS
 
 
 def wall_share(rows: list[dict[str, Any]], wall_s: float, total_compile_s: float) -> dict:
-    """`summary.json`'s compile entries from a run's metrics rows and its total compile seconds:
-    seconds compiling during the steps and before them (start-up, warm-up, evals), the share of
-    the run's wall time spent compiling, the steps' own share (``compile_share_steps``: compile
-    seconds over step seconds) and the median step without a compile."""
+    """`summary.json`'s compile entries from a run's metrics rows and the wall-clock seconds it
+    spent compiling (`CompileStats.busy_seconds`): those seconds and their share of the run's
+    wall time, the steps' compile seconds and their share of the step time
+    (``compile_share_steps``), and the median step without a compile."""
     steps = [r for r in rows if "time/step" in r]
     step_compile = sum(float(r.get("time/compile_s", 0.0)) for r in steps)
     step_time = sum(float(r["time/step"]) for r in steps)

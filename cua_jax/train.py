@@ -30,7 +30,7 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from cua_jax import builders, compile_stats, multihost
+from cua_jax import builders, compile_stats, multihost, warmup
 from cua_jax import db as db_lib
 from cua_jax import metrics as metrics_lib
 from cua_jax.builders import init_model_weights
@@ -137,6 +137,10 @@ async def run(
     episodes_dir = os.path.join(workdir, "episodes") if is_main else None
     n_logged = config.log.num_groups_to_log * rl.group_size
     last_eval: dict[str, float] = {}
+    # The learner's shape set, compiled ahead in a thread while the environments start (#23)
+    warm = warmup.begin(config, learner, engine, processor.image_config, sft_phase=run_sft)
+    if learner.shapes is not None:
+        progress.write(learner.shapes.describe())
 
     async with env_factory() as pool:
         # multi-host: this process's share of the tasks, and of each step's groups
@@ -171,6 +175,7 @@ async def run(
 
             # ---- SFT warm-up -------------------------------------------------------------------
             if run_sft:
+                await asyncio.to_thread(warm.wait, compiles)
                 sft_metrics = await _sft_warmup(
                     config, learner, agent, pool, multihost.task_share(tasks), workdir
                 )
@@ -179,6 +184,9 @@ async def run(
                 del learner  # its optimizer state goes before the RL learner makes its own
                 learner = builders.build_learner(policy, config, mesh, rules, sft=False)
                 use_advantage_estimator(learner, config)
+                warm = warmup.begin(
+                    config, learner, engine, processor.image_config, sft_phase=False
+                )
                 engine.update_params(builders.sampler_params(learner), learner.version)
                 last_eval = await evaluate("after_sft", 0)
                 writer.write(0, {**sft_metrics, **last_eval, "phase_sft": 1.0})
@@ -189,6 +197,7 @@ async def run(
             # ---- GRPO steps (with Entropulse: an SFT phase every rl.entropulse_every) ----------
             pulse = entropulse.from_config(config)
             distiller = sdpo.from_config(rl, processor.chat)  # None unless rl.algorithm=sdpo
+            await asyncio.to_thread(warm.wait, compiles)
             while step < config.total_steps:
                 t_step = time.perf_counter()
                 step_mark = compiles.snapshot()
@@ -212,6 +221,7 @@ async def run(
                     )
                 else:  # every group had equal rewards: nothing to learn from this batch
                     train_metrics = {"skipped_no_signal": 1.0}
+                compiles.check()  # rl.strict_shapes: a compile outside the warmed set fails
                 t_train = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 engine.update_params(builders.sampler_params(learner), learner.version)
@@ -283,7 +293,7 @@ async def run(
             **run_summary(rows),
             "steps": step,
             "wall_s": wall_s,
-            **compile_stats.wall_share(rows, wall_s, compiles.since(job_mark).total_seconds),
+            **compile_stats.wall_share(rows, wall_s, compiles.busy_seconds(job_mark)),
         }
         (epath.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2))
         progress.write(f"summary: {json.dumps(summary)}")

@@ -8,11 +8,14 @@ rerun the persistent compilation cache (`compile_cache_dir`) serves it.
 
     report = warmup.warm_up(learner, engine, modes=("rl",), screens=shapes.grid, images=2)
 
-`train.py` runs it in a thread while the environments start.
+`train.py` runs it in a thread while the environments start (`begin` ... `Warmup.wait`); after
+it, a compile of a warmed program is unplanned (`compile_stats`: logged and counted, an error
+with `rl.strict_shapes`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
+from cua_jax import compile_stats
+from cua_jax.rl.shapes import ShapeSet
 from cua_jax.sampler import steps
 from cua_jax.sampler.sampling import SlotSampling
 from cua_jax.sampler.scheduler import BucketSet, batch_bucket
@@ -133,3 +138,59 @@ def warm_up(
         times.update(compile_all(sampler_programs(engine, screen, max_images)))
     logging.info("warm-up: %d programs compiled in %.1f s", len(times), time.perf_counter() - t0)
     return times
+
+
+SAMPLER_PROGRAMS = ("prefill", "decode_paged", "decode_contiguous", "sample_first", "copy_pages")
+WARMUP_CHOICES = ("none", "learner", "all")
+
+
+class Warmup:
+    """A warm-up compiling in a background thread (`begin`); `wait` joins it."""
+
+    def __init__(self, fn, watched: tuple[str, ...], strict: bool) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="warmup")
+        self._future = self._pool.submit(fn)
+        self.watched, self.strict = watched, strict
+
+    def wait(self, stats: compile_stats.CompileStats | None = None) -> dict[str, float]:
+        """Waits for the compiles (re-raising their error); from then on a compile of a warmed
+        program is unplanned in `stats`."""
+        try:
+            times = self._future.result()
+        finally:
+            self._pool.shutdown(wait=False)
+        if stats is not None and self.watched:
+            stats.expect_no_compiles(self.watched, strict=self.strict)
+        return times
+
+
+def begin(
+    config: Any, learner: Any, engine: Any | None, image_config: Any, *, sft_phase: bool
+) -> Warmup:
+    """Gives `learner` the config's shape set (`cua_jax.rl.shapes`), logs it, and starts the
+    warm-up `config.rl.warmup` asks for in a thread: the learner's SFT step (`sft_phase`: the
+    SFT warm-up's learner) or its RL step (and SFT step with Entropulse), and with "all" the
+    sampler's bucket set. Multi-process jobs keep rounded buckets (each process packs its own
+    rows) and compile as they go."""
+    rl = config.rl
+    if rl.warmup not in WARMUP_CHOICES:
+        raise ValueError(f"config.rl.warmup={rl.warmup!r} is not one of {WARMUP_CHOICES}")
+    if jax.process_count() > 1:
+        return Warmup(dict, (), False)
+    learner.shapes = ShapeSet.from_config(config, image_config, row_multiple=learner.row_multiple)
+    logging.info("%s", learner.shapes.describe())
+    if engine is not None:
+        logging.info("%s", sampler_buckets(engine))
+    if rl.warmup == "none":
+        return Warmup(dict, (), False)
+    modes = ("sft",) if sft_phase else ("rl", "sft") if rl.entropulse_every > 0 else ("rl",)
+    sampler = engine if rl.warmup == "all" else None
+    watched = tuple(f"{m}_step" for m in modes) + (SAMPLER_PROGRAMS if sampler else ())
+    screens = config.env.max_history_images
+
+    def run() -> dict[str, float]:
+        return warm_up(
+            learner, sampler, modes=modes, screen=learner.shapes.grid, max_images=screens
+        )
+
+    return Warmup(run, watched, bool(rl.strict_shapes))

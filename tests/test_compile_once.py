@@ -35,6 +35,7 @@ def test_counts_compiles_per_program_and_a_call_after_lower_compile_reuses_it():
     assert m["compile/count"] >= 3.0
     assert m["time/compile_s"] > 0
     assert "time/step_steady" not in m  # the step compiled
+    assert 0 < stats.busy_seconds(mark) <= m["time/compile_s"] + 1e-6
     mark = stats.snapshot()
     f(x4)
     m = stats.step_metrics(mark, step_s=2.5)
@@ -63,6 +64,24 @@ def test_unplanned_compile_is_counted_and_strict_raises_naming_the_program():
         assert stats.step_metrics(mark)["compile/unplanned"] == 2.0
     finally:
         stats.reset_expectations()
+
+
+def test_busy_seconds_count_overlapping_compiles_once():
+    """Compiles in several threads at once: the wall time spent compiling is their union."""
+    stats = compile_stats.CompileStats()  # not installed: spans fed by hand
+    mark = stats.snapshot()
+    t = mark.time
+    for event, a, b in [
+        (compile_stats.BACKEND_COMPILE, t + 1, t + 4),
+        (compile_stats.LOWER, t + 2, t + 3),  # inside the first
+        (compile_stats.BACKEND_COMPILE, t + 3.5, t + 6),  # overlaps it
+        (compile_stats.BACKEND_COMPILE, t + 10, t + 11),
+        (compile_stats.BACKEND_COMPILE, t - 5, t - 1),  # before the mark
+        (compile_stats.BACKEND_COMPILE, t - 1, t + 0.5),  # straddles the mark
+        ("/jax/core/compile/jaxpr_trace_duration", t + 20, t + 30),  # not counted
+    ]:
+        stats._on_span(event, a, b)
+    assert stats.busy_seconds(mark) == pytest.approx(0.5 + 5 + 1)
 
 
 def test_wall_share_from_metrics_rows():
