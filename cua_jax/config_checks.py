@@ -32,6 +32,7 @@ ENUMS = {
     "rl.algorithm": ("grpo", "sdpo"),
     "rl.sdpo_divergence": ("kl", "rkl", "js"),
     "rl.sdpo_teacher": ("current", "ema"),
+    "rl.warmup": ("none", "learner", "all"),
     "optim.schedule": ("constant", "cosine"),
     "env.kind": ("browser", "vm"),
     "env.action_format": ("qwen25vl", "qwen3vl", "pyautogui"),
