@@ -18,8 +18,8 @@ Presets:
 Smallest TPU slice each real preset is meant for (TOPOLOGY), with the settings that make it fit
 (FIT). `tools/plan.py` compiles the learner's train step and the sampler's decode chunk for that
 slice (2b, 4b: both fit with >= 30% of HBM free; 8b: compiled with 4096 pages, 86.0 GiB, so the
-pool was cut to 3072 pages = 81.5 GiB of the 85.5 GiB budget; 32b: planned by hand, not yet
-compiled: run tools/plan.py before renting the slice):
+pool was cut to 3072 pages = 81.5 GiB of the 85.5 GiB budget; 32b: 73.3 GiB of 95; figures per
+preset in BENCHMARKS.md "TPU plan"):
   2b  v5p-8    full fine-tuning, fsdp=4; remat=full, 2 micro-batches, 4096 KV pages
   4b  v5p-8    full fine-tuning, fsdp=2 x tensor=2; remat=full, 4 micro-batches, 4096 KV pages
   8b  v5p-8    full fine-tuning, fsdp=2 x tensor=2; remat=full, 4 micro-batches, 3072 KV pages
