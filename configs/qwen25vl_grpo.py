@@ -13,8 +13,8 @@ Presets:
 
 Smallest TPU slice each real preset is meant for (TOPOLOGY), with the settings that make it fit
 (FIT). `tools/plan.py` compiles the learner's train step and the sampler's decode chunk for that
-slice (3b, 7b: both fit with >= 29% of HBM free; 32b, 72b: planned by hand from the Qwen3-VL
-32b plan, not yet compiled: run tools/plan.py before renting the slice):
+slice (3b, 7b: both fit with >= 29% of HBM free; 32b: 68.9 GiB of 95; 72b: planned by hand from
+the 32b plan, not yet compiled: run tools/plan.py before renting the slice):
   3b  v5p-8    full fine-tuning, fsdp=4; remat=full, 2 micro-batches, 4096 KV pages
   7b  v5p-8    full fine-tuning, fsdp=2 x tensor=2; remat=full, 4 micro-batches, 4096 KV pages
   32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4; remat=full, 8 micro-batches, 4096 pages
