@@ -412,15 +412,13 @@ def model_config(config: Any) -> qwen_vl.QwenVLConfig:
     tok = QwenVLProcessor.default(mc.family, max_pixels=w * h, min_pixels=32 * 32).tokenizer
     return qwen_vl.tiny(
         mc.family, vocab_size=tok.vocab_size, **tok.vision_token_ids(), eos_token_id=tok.eos_id,
-        pad_token_id=tok.pad_id, **options,
+        pad_token_id=tok.pad_id, moe=mc.preset == "tiny_moe", **options,
     )  # fmt: skip
 
 
 def _build_learner_fn() -> Callable[..., Any]:
-    try:  # the trainer's builders are moving out of train.py
-        from cua_jax.builders import build_learner  # type: ignore[import-not-found]
-    except ImportError:
-        from cua_jax.train import build_learner
+    from cua_jax.builders import build_learner
+
     return build_learner
 
 
@@ -492,11 +490,15 @@ def _param_count(tree: Any) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
 
 
-def _text_param_count(state: Any) -> int:
-    n = 0
+def _text_param_count(state: Any, active_expert_share: float = 1.0) -> float:
+    """Text-model parameters a token passes through: a MoE layer's expert weights count with
+    `active_expert_share` (top-k / experts), every other weight whole."""
+    n = 0.0
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-        if "visual" not in jax.tree_util.keystr(path):
-            n += math.prod(x.shape)
+        key = jax.tree_util.keystr(path)
+        if "visual" not in key:
+            share = active_expert_share if ".experts" in key or "'experts'" in key else 1.0
+            n += math.prod(x.shape) * share
     return n
 
 
@@ -556,6 +558,8 @@ def plan_train_step(
         "loss_weights": arr((rows, row_len), jnp.float32, row_sh),
         "position_ids": arr((3, rows, row_len), jnp.int32, pos_sh),
     }
+    if learner.route_shape is not None:  # MoE: the sampler's recorded experts (routing replay)
+        xs["routes"] = arr((rows, row_len, *learner.route_shape), jnp.int32, learner.route_sharding)
     args = (ab.trainable, ab.opt_state, ab.frozen, ab.rest, ab.ref, xs, None)
     arguments = {
         "params (trainable)": tree_shard_bytes(ab.trainable),
@@ -571,12 +575,14 @@ def plan_train_step(
     # causal attention 6 x layers x T x L x (heads x head_dim) (half of the 12 of full attention).
     t = ab.learner.config.text
     tokens = rows * row_len
-    n_tr = _text_param_count(ab.trainable)
-    n_fr = _text_param_count(ab.frozen)
+    moe = getattr(t, "num_experts", 0) or 0
+    active = (t.num_experts_per_tok / moe) if moe else 1.0
+    n_tr = _text_param_count(ab.trainable, active)
+    n_fr = _text_param_count(ab.frozen, active)
     attn = 6 * t.num_hidden_layers * tokens * row_len * t.num_attention_heads * t.head_dim
     flops = 6 * n_tr * tokens + 4 * n_fr * tokens + attn
     if ab.ref is not None:
-        flops += 2 * (_text_param_count(ab.ref) + n_fr) * tokens + attn / 3
+        flops += 2 * (_text_param_count(ab.ref, active) + n_fr) * tokens + attn / 3
     prog.model_flops = flops / mesh.size
     prog.notes.append(
         f"{rows} rows x {row_len} tokens, text only (no screenshots); "
