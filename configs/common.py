@@ -236,6 +236,15 @@ def base_config(family: str) -> ConfigDict:
     # db_url "" -> $DATABASE_URL if set, else the SQLite file WORKDIR/trajectories.sqlite
     c.log.db = True
     c.log.db_url = _str()  # e.g. postgresql://user@host/cua
+
+    # ---- live policy server (the trainer's own Engine; OpenAI /v1/chat/completions) --------
+    # port 0: off. Replies name the weights version that wrote them. host: non-loopback needs a
+    # token; token "" -> $CUA_SERVE_TOKEN, else made up (WORKDIR/serve.json, owner-only).
+    c.serve = ConfigDict()
+    c.serve.port = 0
+    c.serve.host = "127.0.0.1"
+    c.serve.token = _str()
+    c.serve.max_tokens = 256  # the default max_tokens of a request that sets none
     return c
 
 

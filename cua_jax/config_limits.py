@@ -162,6 +162,9 @@ LIMITS: dict[str, Limit] = {
     # ---- log
     "log.eval_every": _int(1),
     "log.num_groups_to_log": _int(0),
+    # ---- serve
+    "serve.port": _int(0, 65535, why="0: no live policy server"),
+    "serve.max_tokens": _int(1),
 }
 
 

@@ -161,11 +161,45 @@ def test_resume_after_sigkill_reproduces_the_following_steps(full_run, tmp_path)
     assert info["steps"] == [0, 1, 2, 3] and info["uid"] in uid
 
 
+def _ask_live_policy(wd, proc):
+    """A client of the run's live policy server (config.serve.port) until the run exits: greedy
+    requests naming the server's model, answered by the weights version the run has then."""
+    import httpx
+
+    path = os.path.join(wd, "serve.json")
+    while not os.path.exists(path):
+        if proc.poll() is not None:
+            return None, []
+        time.sleep(0.2)
+    time.sleep(0.2)  # written whole before the loop goes on; read it once it is there
+    info = json.load(open(path))
+    auth = {"Authorization": f"Bearer {info['token']}"}
+    body = {"messages": [{"role": "user", "content": "click OK"}], "max_tokens": 3}
+    replies = []
+    with httpx.Client(timeout=120) as client:
+        while proc.poll() is None:
+            try:
+                r = client.post(info["url"] + "/chat/completions", json=body, headers=auth)
+            except httpx.TransportError:  # the run stopped serving as it finished
+                break
+            replies.append((r.status_code, r.json()))
+            time.sleep(0.3)
+    return info, replies
+
+
 def test_async_mode_keeps_staleness_within_the_bound(tmp_path):
     """Rollouts keep running while the learner trains; the staleness gate and the store keep
-    every trained group within max_steps_off_policy, and the learner's idle share is logged."""
+    every trained group within max_steps_off_policy, and the learner's idle share is logged.
+    The run serves its live policy (config.serve.port) to a client meanwhile: the replies come
+    from the rollouts' engine and name the learner version that wrote them."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     wd = str(tmp_path / "async")
     extra = (
+        f"--config.serve.port={port}",
         "--config.rl.mode=async",
         "--config.total_steps=5",
         "--config.log.eval_every=5",
@@ -175,10 +209,33 @@ def test_async_mode_keeps_staleness_within_the_bound(tmp_path):
         "--config.ckpt.save_every=100",
         "--config.log.db=False",
     )
-    r = subprocess.run(
-        _cmd(wd, *extra), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900
+    proc = subprocess.Popen(
+        _cmd(wd, *extra),
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    assert r.returncode == 0, r.stderr[-4000:]
+    try:
+        info, replies = _ask_live_policy(wd, proc)
+        _, err = proc.communicate(timeout=900)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    assert info is not None and info["url"] == f"http://127.0.0.1:{port}/v1"
+    assert (
+        info["model"] == "async" and f"serving the live policy as 'async' at {info['url']}" in err
+    )
+    assert len(replies) >= 2 and all(code == 200 for code, _ in replies), replies[:3]
+    versions = [reply["policy_version"] for _, reply in replies]
+    assert versions == sorted(versions) and versions[-1] >= 1, versions  # served while training
+    assert all(reply["model"] == "async" for _, reply in replies)
+    assert all(
+        reply["system_fingerprint"] == f"cua_jax-v{reply['policy_version']}" for _, reply in replies
+    )
+    with pytest.raises(OSError):  # the server stopped with the run
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
     rows = [row for row in _rows(wd) if row["step"] >= 1]
     assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]
     for row in rows:

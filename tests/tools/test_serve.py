@@ -389,3 +389,91 @@ def test_embedded_server_reports_the_live_weights_version(engine, proc, model):
     assert before["policy_version"] == 0 and after["policy_version"] == 7
     assert after["system_fingerprint"] == "cua_jax-v7"
     assert after["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]  # same weights
+
+
+def _serve_config(**kw):
+    from ml_collections import ConfigDict
+
+    return ConfigDict(
+        {"serve": {"port": 0, "host": "127.0.0.1", "token": "", "max_tokens": 4, **kw}}
+    )
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_run_serves_its_live_policy_with_a_made_up_token_in_serve_json(
+    engine, proc, model, tmp_path, monkeypatch
+):
+    """config.serve.port: the trainer's helper starts the server on its loop; serve.json (owner
+    only) names the URL, model and made-up token, which the server then requires."""
+    import json
+    import os
+
+    import aiohttp
+
+    from cua_jax.train import serve_live_policy
+
+    monkeypatch.delenv("CUA_SERVE_TOKEN", raising=False)
+    wd = tmp_path / "run7"
+    wd.mkdir()
+    banned = model.config.vision_placeholder_ids
+
+    async def run():
+        assert await serve_live_policy(_serve_config(), str(wd), engine, proc, banned) is None
+        port = _free_port()
+        srv = await serve_live_policy(_serve_config(port=port), str(wd), engine, proc, banned)
+        try:
+            info = json.loads((wd / "serve.json").read_text())
+            assert info["url"] == f"http://127.0.0.1:{port}/v1" and info["model"] == "run7"
+            body = {"messages": _first_turn(_screen(3)), "temperature": 0}
+            async with aiohttp.ClientSession() as s:
+                url = info["url"] + "/chat/completions"
+                async with s.post(url, json=body) as r:
+                    assert r.status == 401
+                auth = {"Authorization": f"Bearer {info['token']}"}
+                async with s.post(url, json=body, headers=auth) as r:
+                    return info, await r.json()
+        finally:
+            await srv.stop()
+
+    info, reply = asyncio.run(run())
+    assert os.stat(wd / "serve.json").st_mode & 0o777 == 0o600
+    assert reply["model"] == "run7" and reply["policy_version"] == engine.version
+    assert 1 <= len(reply["choices"][0]["token_ids"]) <= 4  # serve.max_tokens is the default
+
+
+def test_live_serving_refuses_what_it_cannot_do_by_name(engine, proc, model, tmp_path, monkeypatch):
+    """Several processes, a public address without a token, a port already taken: ConfigError
+    naming the config key (launch/tpu.py prints it as one line, exit 2)."""
+    import socket
+
+    import jax
+
+    from cua_jax.config_checks import ConfigError
+    from cua_jax.train import serve_live_policy
+
+    monkeypatch.delenv("CUA_SERVE_TOKEN", raising=False)
+    banned = model.config.vision_placeholder_ids
+
+    def start(**kw):
+        return asyncio.run(
+            serve_live_policy(_serve_config(**kw), str(tmp_path), engine, proc, banned)
+        )
+
+    with pytest.raises(ConfigError, match=r"config.serve.host='0.0.0.0'.*needs --token"):
+        start(port=_free_port(), host="0.0.0.0")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"config.serve.port={port}: cannot serve"):
+            start(port=port, token="t")
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"config.serve.port=.*2 processes"):
+        start(port=_free_port(), token="t")
