@@ -44,6 +44,9 @@ def base_config(family: str) -> ConfigDict:
     c.model.dtype = "float32"  # activations / compute
     c.model.param_dtype = "float32"
     c.model.remat = "none"  # "none" | "full" | "dots"
+    # the learner's attention in query blocks of this many tokens (f32 scores [heads, block, L]
+    # instead of [heads, L, L]); 0: dense
+    c.model.attn_block = 0
     c.model.lora_rank = 0  # 0 = full fine-tuning
     c.model.lora_alpha = 16.0
     # Regexes over dotted module paths (= cua_jax.models.lora.DEFAULT_TARGETS): the language

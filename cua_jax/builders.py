@@ -54,7 +54,9 @@ def build_model_and_processor(config: Any, mesh: Any, rules: Any):
     mc = config.model
     if mc.hf_path is not None:
         model = qwen_vl.from_pretrained(mc.hf_path, dtype=mc.param_dtype, mesh=mesh, rules=rules)
-        model.config = model.config.replace(dtype=mc.dtype, remat=mc.remat)
+        model.config = model.config.replace(
+            dtype=mc.dtype, remat=mc.remat, attn_block=mc.attn_block
+        )
         processor = QwenVLProcessor.from_pretrained(mc.hf_path)
         return model, processor
     # Tiny screens: a screenshot of the smoke viewport is a few dozen merged tokens.
@@ -70,6 +72,7 @@ def build_model_and_processor(config: Any, mesh: Any, rules: Any):
         dtype=mc.dtype,
         param_dtype=mc.param_dtype,
         remat=mc.remat,
+        attn_block=mc.attn_block,
         moe=mc.preset == "tiny_moe",
     )
     return qwen_vl.init_random(cfg, seed=config.seed), processor

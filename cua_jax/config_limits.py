@@ -91,6 +91,7 @@ LIMITS: dict[str, Limit] = {
     # ---- model
     "model.lora_rank": _int(0, why="0: full fine-tuning"),
     "model.lora_alpha": _POS,
+    "model.attn_block": _int(0, why="query tokens per attention block in the learner; 0: dense"),
     # ---- mesh
     "mesh.data": _int(1),
     "mesh.fsdp": _int(1, also=(-1,), why="-1: all remaining devices"),

@@ -391,7 +391,9 @@ def model_config(config: Any) -> qwen_vl.QwenVLConfig:
     """The preset's model: `model.hf_path/config.json` when set, else the published checkpoint of
     the preset's size, else (the smoke preset) the tiny model train.py builds."""
     mc = config.model
-    options = dict(dtype=mc.dtype, param_dtype=mc.param_dtype, remat=mc.remat)
+    options = dict(
+        dtype=mc.dtype, param_dtype=mc.param_dtype, remat=mc.remat, attn_block=mc.attn_block
+    )
     if mc.hf_path is not None:
         path = os.path.expanduser(str(mc.hf_path))
         if not os.path.isdir(path):

@@ -122,6 +122,10 @@ class QwenVLConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype of activations; logits are always f32
     remat: str = "none"  # "none" | "full" | "dots" (per decoder layer)
+    # full-sequence attention (the learner's) in query blocks of this many tokens, each block's
+    # scores recomputed in the backward pass: f32 scores [heads, block, T] instead of [heads,
+    # T, T]; 0: dense. The sampler brings its own attention.
+    attn_block: int = 0
 
     @property
     def model_type(self) -> str:
@@ -145,6 +149,8 @@ class QwenVLConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r}: use one of {DTYPES}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat={self.remat!r}: use one of {REMAT_POLICIES}")
+        if self.attn_block < 0:
+            raise ValueError(f"attn_block={self.attn_block}: use 0 (dense) or a block length")
         t, v = self.text, self.vision
         if t.num_attention_heads % t.num_key_value_heads:
             raise ValueError(

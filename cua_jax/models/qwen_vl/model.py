@@ -263,7 +263,7 @@ class QwenVL(nnx.Module):
         position_ids = jnp.asarray(position_ids)
         if position_ids.ndim == 2:  # [B, T] text positions -> all three axes
             position_ids = jnp.broadcast_to(position_ids[None], (3, *position_ids.shape))
-        attn_fn = make_dense_attn_fn(attention_mask, segment_ids)
+        attn_fn = make_dense_attn_fn(attention_mask, segment_ids, self.config.attn_block)
         out = self.decode(
             embeds,
             position_ids,
