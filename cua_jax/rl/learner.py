@@ -757,7 +757,7 @@ class Learner:
         `temperature`, with the banned ids masked; the logits are made `logits_chunk` positions
         at a time. MoE: the decoder replays `mb["routes"]` with `routing_replay`."""
         model = self._merge(trainable, frozen, rest)
-        attn = make_dense_attn_fn(None, mb["segment_ids"])
+        attn = make_dense_attn_fn(None, mb["segment_ids"], model.config.attn_block)
         info = None
         if self._moe:
             replay = None

@@ -79,3 +79,56 @@ def test_the_model_with_attn_block_gives_the_dense_logits():
 def test_a_negative_attn_block_is_refused_by_name():
     with pytest.raises(ValueError, match="attn_block=-1"):
         qwen_vl.tiny("qwen3_vl", vocab_size=256).replace(attn_block=-1)
+
+
+def test_the_learner_honours_attn_block(monkeypatch):
+    """The learner builds its own attn_fn (packed rows): with model.attn_block=5 it traces the
+    blockwise path, and its log-probs and gradients equal the dense learner's on the same
+    packed batch."""
+    from flax import nnx
+
+    from cua_jax.models.qwen_vl import text
+
+    traced = []
+    real_blockwise = text.blockwise_attention
+
+    def counting(*a, **kw):
+        traced.append(a[3])  # the block length
+        return real_blockwise(*a, **kw)
+
+    monkeypatch.setattr(text, "blockwise_attention", counting)
+
+    from cua_jax.rl.learner import Learner, LossConfig, OptimizerConfig
+    from cua_jax.rl.trajectory import Trajectory, Turn
+
+    tiny = qwen_vl.tiny("qwen3_vl", vocab_size=256)
+    cfg = tiny.replace(
+        text=dataclasses.replace(tiny.text, num_hidden_layers=1),
+        vision=dataclasses.replace(tiny.vision, depth=1, deepstack_visual_indexes=(0,)),
+    )
+    rng = np.random.default_rng(0)
+    group = []
+    for _ in range(4):
+        p, n = rng.integers(0, 200, rng.integers(4, 12)), int(rng.integers(3, 9))
+        turn = Turn(p, rng.integers(0, 200, n), -rng.random(n) * 4)
+        group.append(Trajectory("t", "g", [turn], reward=float(rng.random())))
+    learners = [
+        Learner(
+            qwen_vl.QwenVL(cfg.replace(attn_block=block), rngs=nnx.Rngs(0)),
+            seq_len_buckets=(32,),
+            loss=LossConfig(),
+            optimizer=OptimizerConfig(learning_rate=1e-2),
+        )
+        for block in (0, 5)
+    ]
+    batch, _ = learners[0].prepare_batch([group])
+    assert batch.shape[1] > 5 and (batch.segment_ids.max(axis=1) > 1).any()  # packed, blocked
+    real = batch.segment_ids != 0
+    dense = learners[0].token_logprobs(batch)
+    assert traced == []
+    blocked = learners[1].token_logprobs(batch)
+    assert traced == [5]  # one decoder layer
+    np.testing.assert_allclose(blocked[real], dense[real], rtol=1e-5, atol=1e-5)
+    (_, g_dense), (_, g_blocked) = (lrn.loss_and_grads(batch) for lrn in learners)
+    for a, b in zip(jax.tree.leaves(g_blocked), jax.tree.leaves(g_dense), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
