@@ -79,7 +79,10 @@ def write_kv(
     page_BT: jax.Array,  # i32[B, T] page id of each new token (TRASH_PAGE for padding)
     offset_BT: jax.Array,  # i32[B, T] slot inside that page
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatters new K/V into their (page, offset) cells. Duplicate trash writes are harmless."""
+    """Scatters new K/V into their (page, offset) cells. Duplicate trash writes are harmless.
+
+    The plain reference: the engine's steps use `steps.write_kv` (same cells and values, one
+    [H] row per index, which keeps the pool in the Pallas kernels' layout on TPU)."""
     # Advanced indices on adjacent axes 1, 2 -> the indexed block is [K, B, T, H].
     k_new = jnp.transpose(k_BTKH, (2, 0, 1, 3)).astype(k_pages.dtype)
     v_new = jnp.transpose(v_BTKH, (2, 0, 1, 3)).astype(v_pages.dtype)

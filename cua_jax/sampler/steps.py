@@ -479,7 +479,7 @@ def decode_contiguous(
     for li in range(cache.num_layers):
         k_new = jnp.take_along_axis(kv[0][li], pos_SC[:, None, None, :], axis=3)  # [S,K,H,C]
         v_new = jnp.take_along_axis(kv[1][li], pos_SC[:, None, :, None], axis=2)  # [S,K,C,H]
-        k_pools[li], v_pools[li] = kv_cache.write_kv(
+        k_pools[li], v_pools[li] = write_kv(
             k_pools[li],
             v_pools[li],
             jnp.transpose(k_new, (0, 3, 1, 2)),
