@@ -1,18 +1,20 @@
 r"""Throughput of tools/serve.py against direct `Engine` use, side by side on one engine.
 
     python tools/bench_serve.py [--config=configs/qwen3vl_grpo.py:smoke] [--requests=64] \
-        [--max_tokens=32] [--repeats=3]
+        [--max_tokens=32] [--repeats=3] [--screens=ui|noise]
 
 The same N chat requests (a system prompt, a screenshot, an instruction; greedy, `max_tokens`
 each, every token generated: no stop tokens) go
   direct: rendered by the project's renderer (the server's, in-process) and sent to
           `engine.generate` all at once (asyncio.gather), as the rollout workers do;
-  server: as JSON bodies (screenshots as PNG data URIs, encoded before the clock starts, as a
-          load generator holds them) POSTed all at once to tools/serve.py on a loopback port
-          (uvicorn, aiohttp client), which decodes, renders and calls the same engine.
-A warm-up pass of each compiles every shape first; the timed passes alternate (direct, server,
-...). Prints generated tokens/s of each (best of --repeats) and the ratio server/direct. Timing
-only here, never in a test.
+  server: as JSON bodies (screenshots as PNG data URIs; bodies serialised before the clock
+          starts, as a load generator holds them) POSTed all at once to tools/serve.py on a
+          loopback port (uvicorn, aiohttp client), which decodes, renders and calls the same
+          engine.
+Screenshots are page-like (--screens=ui: flat colours, boxes, text bars) or uniform noise (the
+worst case for the server's PNG decoding). A warm-up pass of each compiles every shape first;
+the timed passes alternate (direct, server, ...). Prints generated tokens/s of each (best of
+--repeats) and the ratio server/direct. Timing only here, never in a test.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
@@ -33,18 +36,38 @@ _CONFIG = config_flags.DEFINE_config_file(
 _REQUESTS = flags.DEFINE_integer("requests", 64, "Concurrent requests per pass.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 32, "Generated tokens per request.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed passes of each (best kept).")
+_SCREENS = flags.DEFINE_enum(
+    "screens",
+    "ui",
+    ["ui", "noise"],
+    "ui: flat page-like screenshots (boxes, text bars) that compress as real ones do; noise: "
+    "uniform random pixels, the worst case for PNG decoding on the server.",
+)
+
+
+def ui_screen(rng, h, w):
+    """A page-like u8[h, w, 3] screenshot: a flat background, coloured boxes (buttons, fields)
+    and dark text bars, as the built-in tasks' pages look."""
+    img = np.full((h, w, 3), rng.integers(230, 256), np.uint8)
+    for _ in range(6):
+        y, x = rng.integers(0, h - 24), rng.integers(0, w - 64)
+        img[y : y + rng.integers(12, 24), x : x + rng.integers(32, 64)] = rng.integers(0, 256, 3)
+    for _ in range(12):
+        y, x = rng.integers(0, h - 6), rng.integers(0, w - 80)
+        img[y : y + 5, x : x + rng.integers(20, 80)] = rng.integers(0, 80)
+    return img
 
 
 def main(argv: list[str]) -> None:
     import asyncio
     import contextlib
+    import json
     import socket
     import threading
     import time
 
     import aiohttp
     import jax
-    import numpy as np
     import uvicorn
 
     from cua_jax import builders
@@ -60,7 +83,10 @@ def main(argv: list[str]) -> None:
     engine = builders.build_engine(model, config, processor.tokenizer, mesh=mesh, rules=rules)
     w, h = config.env.viewport_width, config.env.viewport_height
     rng = np.random.default_rng(0)
-    shots = [rng.integers(0, 255, (h, w, 3), dtype=np.uint8) for _ in range(_REQUESTS.value)]
+    if _SCREENS.value == "ui":
+        shots = [ui_screen(rng, h, w) for _ in range(_REQUESTS.value)]
+    else:
+        shots = [rng.integers(0, 255, (h, w, 3), dtype=np.uint8) for _ in range(_REQUESTS.value)]
     system = "You operate a computer. Reply with one tool call."
     n_tok = _MAX_TOKENS.value
 
@@ -87,7 +113,9 @@ def main(argv: list[str]) -> None:
             "max_tokens": n_tok,
         }
 
-    bodies = [body(i) for i in range(len(shots))]
+    # serialised before the clock starts, as a load generator holds its requests
+    bodies = [json.dumps(body(i)).encode() for i in range(len(shots))]
+    png_kib = sum(len(encode_image(x)) for x in shots) * 3 / 4 / len(shots) / 1024
     # No stop tokens: every request generates exactly max_tokens in both paths.
     params = SamplingParams(temperature=0.0, max_new_tokens=n_tok)
     renderer = MessageRenderer(processor)
@@ -126,7 +154,8 @@ def main(argv: list[str]) -> None:
         async with aiohttp.ClientSession(connector=limits) as s:
 
             async def one(b):
-                async with s.post(url, json=b) as r:
+                json_type = {"Content-Type": "application/json"}
+                async with s.post(url, data=b, headers=json_type) as r:
                     data = await r.json()
                     assert r.status == 200, data
                     return data["usage"]["completion_tokens"]
@@ -152,7 +181,8 @@ def main(argv: list[str]) -> None:
     d, s = expect / best_direct, expect / best_server
     print(
         f"{config.preset} on {jax.devices()[0].device_kind}: {len(shots)} concurrent requests "
-        f"x {n_tok} tokens, one {w}x{h} screenshot each (max_slots={config.sampler.max_slots})\n"
+        f"x {n_tok} tokens, one {w}x{h} {_SCREENS.value} screenshot each ({png_kib:.0f} KiB "
+        f"PNG), max_slots={config.sampler.max_slots}\n"
         f"  direct Engine: {d:9.1f} tokens/s ({best_direct:.3f} s)\n"
         f"  tools/serve.py: {s:8.1f} tokens/s ({best_server:.3f} s)\n"
         f"  ratio server/direct: {s / d:.3f}"

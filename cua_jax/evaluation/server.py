@@ -139,8 +139,8 @@ async def _read_json(request: Request, max_bytes: int) -> Any:
                 413, f"the body is over the {max_bytes}-byte limit", "invalid_request_error"
             )
         chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
+    try:  # off the event loop: a body with screenshots is megabytes of JSON
+        return await asyncio.to_thread(json.loads, b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise _HTTPError(
             400, f"the body is not JSON: {e}", "invalid_request_error", "invalid_json"
@@ -193,8 +193,11 @@ class ChatServer:
         from cua_jax.sampler import SamplingParams
 
         eng = self.engine
-        req = parse_request(
-            body, max_tokens_default=self.max_tokens, max_tokens_limit=eng.max_seq_len
+        req = await asyncio.to_thread(  # base64 + PNG decoding, off the loop that drives eng
+            parse_request,
+            body,
+            max_tokens_default=self.max_tokens,
+            max_tokens_limit=eng.max_seq_len,
         )
         if req.model is not None and req.model != self.model_name:
             raise RequestError(
