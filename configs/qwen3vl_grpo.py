@@ -25,8 +25,11 @@ preset in BENCHMARKS.md "TPU plan"):
   8b  v5p-8    full fine-tuning, fsdp=2 x tensor=2; remat=full, 4 micro-batches, 3072 KV pages
   32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4; remat=full, 8 micro-batches, 4096 pages
   30b-a3b v5p-8  LoRA rank 32 (attention + experts) on bf16 weights, expert=2 x fsdp=2;
-         remat=full, 2 micro-batches, 4096 KV pages, routing replay; planned by hand (61 GB of
-         bf16 weights, a quarter per chip), not yet compiled by tools/plan.py
+         remat=full, 2 micro-batches, 4096 KV pages, routing replay. DOES NOT FIT as set:
+         tools/plan.py's TPU compile asks 180.8 GB of HLO temporaries per chip (132.9 GB with 8
+         micro-batches) against 95 GB; the arguments are 44.6 GB. Next to try (#22):
+         model.attn_block (the learner's f32 attention scores are [32 heads, L, L] per row
+         otherwise), more micro-batches, mesh.tensor=2, or v5p-16
 The KV pool stays resident next to the learner (colocated sampler) and its pages are sharded over
 `tensor` only, so it is sized here rather than left at 8192 pages (60-77 GB on one device).
 """
