@@ -182,6 +182,9 @@ def base_config(family: str) -> ConfigDict:
     # (cua_jax.data.sft); file batches hold rl.rows_per_step episodes.
     c.sft.source = "oracle"
     c.sft.episodes_per_task = 4
+    # oracle demonstrations of the first this many training tasks only (0: all): RL may then
+    # train on far more distinct tasks than the warm-up demonstrates
+    c.sft.num_tasks = 0
     # Share of oracle demonstrations that start with a scripted miss (a click at a random point,
     # no loss on it) and then recover: the model sees second turns, not only perfect first ones.
     c.sft.recovery_share = 0.0
@@ -412,25 +415,31 @@ LEARN_TEMPLATES = (
 
 def apply_learn(c: ConfigDict) -> None:
     """RL that learns on a 2-core CPU (#24; BENCHMARKS.md, "RL that learns"): the smoke's tiny
-    model with a short SFT warm-up that leaves headroom, then GRPO with the levers the sweep
-    kept. Checkpoints at step 0 (after SFT) and every 10 steps are all kept, so
-    `tools/eval.py --step=0` and the final step score on the same held-out tasks."""
+    model with a short SFT warm-up that leaves headroom, then GRPO with the settings the
+    sweeps measured best so far (one seed each; the issue's goal is not met). Checkpoints at
+    step 0 (after SFT) and every 10 steps are all kept, so `tools/eval.py --step=0` and the
+    final step score on the same held-out tasks."""
     apply_smoke(c)
-    c.total_steps = 40
+    c.total_steps = 50  # held-out success peaked near step 50 and fell after (session 8)
     c.env.max_turns = 3  # two-action tasks, and one turn to recover from a miss
     c.sft.steps = 150
     c.sft.episodes_per_task = 2
+    c.sft.num_tasks = 120  # the SFT demonstrations: 20 tasks per template
     c.rl.group_size = 4
     c.rl.groups_per_batch = 4
-    c.rl.learning_rate = 1e-4
-    c.rl.temperature = 1.0
-    c.rl.dynamic_sampling = True
+    c.rl.learning_rate = 1e-4  # 1e-3 collapsed the policy (invalid actions 0.05 -> 0.7)
+    # 0.7: invalid actions per turn 0.46 -> 0.05 and a step 4-6x faster than at 1.0
+    c.rl.temperature = 0.7
+    c.rl.dynamic_sampling = False  # at 1.0 its batches were OOM-killed on this VM
     c.rl.max_sampling_rounds = 3
     c.model.freeze_vision = True  # the RL phase trains the language model (and is 2-3x faster)
     t = LEARN_TEMPLATES
+    # RL on 12000 distinct tasks (each group a task not yet trained on): the best held-out
+    # curve of the sweep; the first 120 are the SFT tasks (the list is round-robin, seeded)
     c.tasks = (
-        {"source_type": "builtin", "split": "train", "templates": t, "seed": 0, "per_template": 20},
-    )
+        {"source_type": "builtin", "split": "train", "templates": t, "seed": 0,
+         "per_template": 2000},
+    )  # fmt: skip
     c.eval_tasks = (
         {"source_type": "builtin", "split": "eval", "templates": t, "seed": 1000, "limit": 64},
     )

@@ -146,6 +146,7 @@ LIMITS: dict[str, Limit] = {
     "sft.steps": _int(0, why="0: no warm-up"),
     "sft.learning_rate": _POS,
     "sft.episodes_per_task": _int(1),
+    "sft.num_tasks": _int(0, why="0: every training task"),
     "sft.recovery_share": _float(0, 1),
     # ---- env
     "env.concurrency": _int(1),

@@ -180,8 +180,9 @@ async def run(
             # ---- SFT warm-up -------------------------------------------------------------------
             if run_sft:
                 await asyncio.to_thread(warm.wait, compiles)
+                sft_tasks = tasks[: config.sft.num_tasks or None]
                 sft_metrics = await _sft_warmup(
-                    config, learner, agent, pool, multihost.task_share(tasks), workdir
+                    config, learner, agent, pool, multihost.task_share(sft_tasks), workdir
                 )
                 sft_metrics = _job_metrics(sft_metrics)
                 policy = learner.model

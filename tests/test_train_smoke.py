@@ -27,6 +27,7 @@ SHORT = [
     "--config.total_steps=3",
     "--config.sft.steps=2",
     "--config.sft.episodes_per_task=1",
+    "--config.sft.num_tasks=2",  # demonstrations of 2 of the 4 training tasks
     "--config.rl.group_size=2",
     "--config.rl.groups_per_batch=2",
     "--config.rl.max_tokens=40",
@@ -88,6 +89,8 @@ def test_smoke_run_writes_everything(full_run):
     step0, after_sft = rows[0], rows[1]
     assert step0["phase_sft"] == 0.0 and "eval/success" in step0
     assert after_sft["phase_sft"] == 1.0 and after_sft["sft/demos"] >= 1
+    # sft.num_tasks=2: 2 of the 4 training tasks demonstrated (some demonstrations may fail)
+    assert round(after_sft["sft/demos"] / after_sft["sft/demo_success"]) == 2
     assert after_sft["sft/loss_last"] < after_sft["sft/loss_first"]
     for r in rows[2:]:
         assert r["rollout/staleness_max"] == 0.0  # sync mode is on-policy
