@@ -428,9 +428,11 @@ def apply_learn(c: ConfigDict) -> None:
     c.rl.group_size = 4
     c.rl.groups_per_batch = 4
     c.rl.learning_rate = 1e-4  # 1e-3 collapsed the policy (invalid actions 0.05 -> 0.7)
-    # 0.7: invalid actions per turn 0.46 -> 0.05 and a step 4-6x faster than at 1.0
+    # 0.7: invalid actions per turn 0.46 -> 0.05, 27% fewer generated tokens than at 1.0
     c.rl.temperature = 0.7
     c.rl.dynamic_sampling = False  # at 1.0 its batches were OOM-killed on this VM
+    # held the invalid-action rate down over 100 steps (0.07 -> 0.02) where it rose without
+    c.rl.invalid_action_penalty = 0.1
     c.rl.max_sampling_rounds = 3
     c.model.freeze_vision = True  # the RL phase trains the language model (and is 2-3x faster)
     t = LEARN_TEMPLATES
