@@ -37,7 +37,7 @@ SEGMENTS = np.array([[1, 1, 1, 2, 2, 2, 2, 3, 3, 0, 0], [1] * 8 + [0] * 3], np.i
 ATTENTION = (SEGMENTS != 0).astype(np.int32)
 
 
-@pytest.mark.parametrize("block", [1, 3, 4, 10])
+@pytest.mark.parametrize("block", [3, 10])  # uneven last blocks: 3+3+3+2, 10+1
 @pytest.mark.parametrize("packed", [True, False])
 def test_blockwise_equals_dense_with_gradients(block, packed):
     q, k, v = _qkv()
