@@ -27,9 +27,10 @@ preset in BENCHMARKS.md "TPU plan"):
   30b-a3b v5p-8  LoRA rank 32 (attention + experts) on bf16 weights, expert=2 x fsdp=2;
          remat=full, 2 micro-batches, 4096 KV pages, routing replay. DOES NOT FIT as set:
          tools/plan.py's TPU compile asks 180.8 GB of HLO temporaries per chip (132.9 GB with 8
-         micro-batches) against 95 GB; the arguments are 44.6 GB. Next to try (#22):
-         model.attn_block (the learner's f32 attention scores are [32 heads, L, L] per row
-         otherwise), more micro-batches, mesh.tensor=2, or v5p-16
+         micro-batches) against 95 GB; the arguments are 44.6 GB. With model.attn_block=1024
+         it compiles: temp 74.2 GiB, total 119.1 GiB per chip (budget 85.5). Next to try
+         (#22): attn_block=1024 with rl.num_substeps=4 (the plan's own hint), mesh.tensor=2,
+         or v5p-16
 The KV pool stays resident next to the learner (colocated sampler) and its pages are sharded over
 `tensor` only, so it is sized here rather than left at 8192 pages (60-77 GB on one device).
 """
