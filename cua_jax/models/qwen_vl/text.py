@@ -137,14 +137,7 @@ def make_attention_mask(
 
     segment_ids i32[B, T]: packed rows; 0 marks padding (never attended).
     """
-    pos = jnp.arange(seq_len)
-    mask = jnp.broadcast_to(pos[None, :, None] >= pos[None, None, :], (batch, seq_len, seq_len))
-    if attention_mask is not None:
-        mask = mask & (jnp.asarray(attention_mask) != 0)[:, None, :]
-    if segment_ids is not None:
-        seg = jnp.asarray(segment_ids)
-        mask = mask & (seg[:, :, None] == seg[:, None, :]) & (seg != 0)[:, None, :]
-    return mask
+    return block_mask(0, seq_len, seq_len, batch, attention_mask, segment_ids)
 
 
 def block_mask(
@@ -155,8 +148,9 @@ def block_mask(
     attention_mask: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
 ) -> jax.Array:
-    """bool[B, q_end - q_start, kv_len]: rows q_start:q_end of `make_attention_mask`'s mask,
-    keys 0:kv_len (kv_len >= q_end: every key a causal row may see)."""
+    """bool[B, q_end - q_start, kv_len]: rows q_start:q_end of the causal mask (keys with
+    attention_mask 1, in the same non-zero segment), keys 0:kv_len (kv_len >= q_end: every key
+    a causal row may see). `make_attention_mask` is the whole square."""
     q_pos = jnp.arange(q_start, q_end)
     k_pos = jnp.arange(kv_len)
     mask = jnp.broadcast_to(q_pos[:, None] >= k_pos[None, :], (batch, q_end - q_start, kv_len))
