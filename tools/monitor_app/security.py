@@ -15,12 +15,9 @@ from urllib.parse import parse_qsl, urlencode
 from starlette.responses import PlainTextResponse, RedirectResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from cua_jax.evaluation.server import is_loopback  # one loopback rule for both servers
+
 COOKIE = "cua_monitor_token"
-LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]", "::1")
-
-
-def is_loopback(host: str) -> bool:
-    return host in LOOPBACK_NAMES or host.startswith("127.")
 
 
 def allowed_hosts(host: str, port: int, extra: Iterable[str] = ()) -> set[str]:
