@@ -47,6 +47,10 @@ def base_config(family: str) -> ConfigDict:
     # the learner's attention in query blocks of this many tokens (f32 scores [heads, block, L]
     # instead of [heads, L, L]); 0: dense
     c.model.attn_block = 0
+    # "xla" (the jnp attention, dense or in attn_block query blocks) or "splash" (the Pallas
+    # TPU splash attention kernel in attn_block tiles, 512 when 0: flash-style, no [L, L]
+    # scores; a TPU kernel, interpret mode on CPU)
+    c.model.attn_impl = "xla"
     c.model.lora_rank = 0  # 0 = full fine-tuning
     c.model.lora_alpha = 16.0
     # Regexes over dotted module paths (= cua_jax.models.lora.DEFAULT_TARGETS): the language

@@ -55,7 +55,7 @@ def build_model_and_processor(config: Any, mesh: Any, rules: Any):
     if mc.hf_path is not None:
         model = qwen_vl.from_pretrained(mc.hf_path, dtype=mc.param_dtype, mesh=mesh, rules=rules)
         model.config = model.config.replace(
-            dtype=mc.dtype, remat=mc.remat, attn_block=mc.attn_block
+            dtype=mc.dtype, remat=mc.remat, attn_block=mc.attn_block, attn_impl=mc.attn_impl
         )
         processor = QwenVLProcessor.from_pretrained(mc.hf_path)
         return model, processor
@@ -73,6 +73,7 @@ def build_model_and_processor(config: Any, mesh: Any, rules: Any):
         param_dtype=mc.param_dtype,
         remat=mc.remat,
         attn_block=mc.attn_block,
+        attn_impl=mc.attn_impl,
         moe=mc.preset == "tiny_moe",
     )
     return qwen_vl.init_random(cfg, seed=config.seed), processor

@@ -24,6 +24,7 @@ ENUMS = {
     "model.dtype": ("float32", "bfloat16"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.remat": ("none", "full", "dots"),
+    "model.attn_impl": ("xla", "splash"),
     "rl.mode": ("sync", "async"),
     "rl.kl_estimator": ("k1", "k2", "k3"),
     "rl.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),

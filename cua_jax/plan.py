@@ -392,8 +392,9 @@ def model_config(config: Any) -> qwen_vl.QwenVLConfig:
     the preset's size, else (the smoke preset) the tiny model train.py builds."""
     mc = config.model
     options = dict(
-        dtype=mc.dtype, param_dtype=mc.param_dtype, remat=mc.remat, attn_block=mc.attn_block
-    )
+        dtype=mc.dtype, param_dtype=mc.param_dtype, remat=mc.remat, attn_block=mc.attn_block,
+        attn_impl=mc.attn_impl,
+    )  # fmt: skip
     if mc.hf_path is not None:
         path = os.path.expanduser(str(mc.hf_path))
         if not os.path.isdir(path):
@@ -590,6 +591,9 @@ def plan_train_step(
         f"{rows} rows x {row_len} tokens, text only (no screenshots); "
         f"remat={ab.learner.config.remat}, logits_chunk={ab.learner.logits_chunk}"
     )
+    if ab.learner.config.attn_impl == "splash":
+        prog.pallas_flops, prog.pallas_bytes = _splash_cost(ab.learner.config, rows, row_len, mesh)
+        prog.notes.append("splash attention (Pallas): FLOPs and bytes counted by hand")
     _compile(learner._get_step("rl"), args, prog)
     s = learner.num_substeps
     if s > 1 and prog.compile_error is None:
@@ -600,6 +604,28 @@ def plan_train_step(
         prog.bytes_accessed *= s
         prog.notes.append(f"FLOPs and bytes: XLA's count x {s} micro-batches")
     return prog
+
+
+def _splash_cost(cfg: qwen_vl.QwenVLConfig, rows: int, row_len: int, mesh: Any) -> tuple:
+    """FLOPs and HBM bytes per device of the learner's splash attention kernels in one step
+    (XLA's cost analysis counts a Pallas call as almost nothing), by hand.
+
+    Per layer and row, one causal [T, T] x [heads x head_dim] matmul is T^2 N H FLOPs (half
+    of 2 T^2 N H: the kernel skips the masked tiles). The forward kernel runs two (QK^T, PV),
+    the backward's dK/dV kernel four (QK^T, dV, dP, dK) and its dQ kernel three (QK^T, dP,
+    dQ): 9; remat="full" runs the forward once more: 11. Bytes: the forward reads Q and
+    writes O once and reads K and V once per query tile below the diagonal (T / block / 2
+    times on average); the backward reads and writes about twice that."""
+    t = cfg.text
+    T, N, K, H = row_len, t.num_attention_heads, t.num_key_value_heads, t.head_dim
+    block = min(cfg.attn_block or 512, T)
+    matmuls = 9 + (2 if cfg.remat == "full" else 0)
+    flops = matmuls * T * T * N * H * rows * t.num_hidden_layers
+    size = jnp.dtype(cfg.dtype).itemsize
+    fwd = (2 * T * N * H + 2 * T * K * H * max(1.0, T / block / 2)) * size
+    fwd_runs = 2 if cfg.remat == "full" else 1
+    nbytes = (fwd_runs + 2) * fwd * rows * t.num_hidden_layers
+    return flops / mesh.size, nbytes / mesh.size
 
 
 # ------------------------------------------------------------------------------- decode step

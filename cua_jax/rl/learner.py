@@ -57,7 +57,6 @@ from cua_jax import multihost
 from cua_jax import sharding as shd
 from cua_jax.models import lora as lora_lib
 from cua_jax.models.qwen_vl.moe import load_balancing_loss
-from cua_jax.models.qwen_vl.text import make_dense_attn_fn
 from cua_jax.models.qwen_vl.vision import vision_metadata
 from cua_jax.rl import losses, sdpo
 from cua_jax.rl import shapes as shapes_lib
@@ -757,7 +756,7 @@ class Learner:
         `temperature`, with the banned ids masked; the logits are made `logits_chunk` positions
         at a time. MoE: the decoder replays `mb["routes"]` with `routing_replay`."""
         model = self._merge(trainable, frozen, rest)
-        attn = make_dense_attn_fn(None, mb["segment_ids"], model.config.attn_block)
+        attn = model.attn_fn(None, mb["segment_ids"])
         info = None
         if self._moe:
             replay = None

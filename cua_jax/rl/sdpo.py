@@ -503,12 +503,11 @@ def teacher_topk(
 
 
 def _teacher_topk_fn(learner, k, params, frozen, rest, xs, images):
-    from cua_jax.models.qwen_vl.text import make_dense_attn_fn
 
     params = jax.lax.stop_gradient(params)
     (emb, ds), vmask = learner._embed(params, frozen, rest, xs["input_ids"], images)
     model = learner._merge(params, frozen, rest)
-    attn = make_dense_attn_fn(None, xs["segment_ids"], model.config.attn_block)
+    attn = model.attn_fn(None, xs["segment_ids"])
     hidden_BTD = model.decode(emb, xs["position_ids"], attn, vmask, ds)[:, :-1]
     banned = jnp.asarray(learner._banned, jnp.int32) if learner._banned else None
     temperature = learner.loss_config.temperature

@@ -124,6 +124,23 @@ def test_kv_pool_and_kernel_counts_match_hand_arithmetic(plan):
     assert plan_lib.kv_pages_for_budget(cfg, 10 * per_page + 1, PAGE, "bfloat16", 2) == 10
 
 
+def test_the_train_step_with_splash_attention_compiles_for_tpu(hf_dir):
+    """model.attn_impl="splash": the learner's attention is JAX's Pallas splash kernel, compiled
+    through Mosaic for the TPU devices (forward and backward kernels, under shard_map on the
+    fsdp=2 x tensor=2 mesh); its FLOPs are added by hand (9 causal matmuls of T^2 N H per
+    layer and row: forward 2, dK/dV 4, dQ 3)."""
+    c = _config(hf_dir)
+    c.model.attn_impl, c.model.attn_block = "splash", 128
+    with jax.default_matmul_precision("default"):
+        p = plan_lib.make_plan(c, "v5e-4", rows=ROWS, row_len=ROW_LEN, programs=("train_step",))
+    (train,) = p.programs
+    assert train.compile_error is None, train.compile_error
+    heads, layers = 4, 2
+    assert train.pallas_flops == 9 * ROW_LEN**2 * heads * 128 * ROWS * layers / 4
+    assert train.pallas_bytes > 0 and train.flops > train.pallas_flops
+    assert train.temp_bytes > 0 and train.total_bytes < p.budget_bytes
+
+
 def test_bad_input_raises_a_plan_input_error(hf_dir, tmp_path):
     c = _config(hf_dir)
     c.model.hf_path = str(tmp_path / "missing")

@@ -29,6 +29,7 @@ ARCHITECTURES = {
 MODEL_TYPES = {"qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl"}
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots")
+ATTN_IMPLS = ("xla", "splash")
 _DEFAULT_MROPE = {"qwen2_5_vl": (16, 24, 24), "qwen3_vl": (24, 20, 20)}
 
 
@@ -126,6 +127,10 @@ class QwenVLConfig:
     # scores recomputed in the backward pass: f32 scores [heads, block, T] instead of [heads,
     # T, T]; 0: dense. The sampler brings its own attention.
     attn_block: int = 0
+    # "xla": the jnp attention above (dense or blockwise); "splash": the Pallas TPU splash
+    # attention kernel (flash-style: no [T, T] scores, segment-aware causal mask) in tiles of
+    # attn_block (512 when 0) tokens; a TPU kernel, run in interpret mode on CPU (tests only).
+    attn_impl: str = "xla"
 
     @property
     def model_type(self) -> str:
@@ -151,6 +156,8 @@ class QwenVLConfig:
             raise ValueError(f"remat={self.remat!r}: use one of {REMAT_POLICIES}")
         if self.attn_block < 0:
             raise ValueError(f"attn_block={self.attn_block}: use 0 (dense) or a block length")
+        if self.attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl={self.attn_impl!r}: use one of {ATTN_IMPLS}")
         t, v = self.text, self.vision
         if t.num_attention_heads % t.num_key_value_heads:
             raise ValueError(

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from cua_jax.models.qwen_vl.config import QwenVLConfig
 from cua_jax.models.qwen_vl.moe import RoutingInfo
@@ -80,12 +81,34 @@ class QwenVL(nnx.Module):
     def __init__(self, config: QwenVLConfig, *, rngs: nnx.Rngs):
         self.config = config
         self.model = Model(config, rngs=rngs)
+        # where the splash attention kernel runs its shard_map (`use_mesh`; None: one device)
+        self.attn_mesh: Mesh | None = None
+        self.attn_rules: tuple = ()
         t = config.text
         if not config.tie_word_embeddings:
             self.lm_head = Linear(
                 t.hidden_size, t.vocab_size, ("embed", "vocab"), bias=False, rngs=rngs,
                 param_dtype=jdtype(config.param_dtype), dtype=jdtype(config.dtype),
             )  # fmt: skip
+
+    def use_mesh(self, mesh: Mesh | None, rules: tuple | None = None) -> None:
+        """The mesh and rules the model's parameters live on (set by `sharding.shard_model`):
+        `attn_impl="splash"` runs its Pallas kernel under shard_map on it."""
+        from cua_jax import sharding as shd
+
+        self.attn_mesh = mesh
+        self.attn_rules = tuple(shd.DEFAULT_RULES if rules is None else rules)
+
+    def attn_fn(
+        self, attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None
+    ) -> AttnFn:
+        """The full-sequence causal attention of the config (`attn_impl`, `attn_block`) on the
+        model's mesh: what __call__, the learner and the SDPO teacher decode with."""
+        cfg = self.config
+        return make_dense_attn_fn(
+            attention_mask, segment_ids, cfg.attn_block, cfg.attn_impl,
+            self.attn_mesh, self.attn_rules,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------------------ embed
     def embed(
@@ -263,7 +286,7 @@ class QwenVL(nnx.Module):
         position_ids = jnp.asarray(position_ids)
         if position_ids.ndim == 2:  # [B, T] text positions -> all three axes
             position_ids = jnp.broadcast_to(position_ids[None], (3, *position_ids.shape))
-        attn_fn = make_dense_attn_fn(attention_mask, segment_ids, self.config.attn_block)
+        attn_fn = self.attn_fn(attention_mask, segment_ids)
         out = self.decode(
             embeds,
             position_ids,

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
 
 from cua_jax.models.qwen_vl.config import QwenVLConfig
 from cua_jax.models.qwen_vl.rope import apply_rotary
@@ -190,13 +191,116 @@ def blockwise_attention(
     return jnp.concatenate(outs, axis=1)
 
 
+def splash_attention(
+    q_BTNH: jax.Array,
+    k_BSKH: jax.Array,
+    v_BSKH: jax.Array,
+    block: int,
+    attention_mask: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    mesh: Mesh | None = None,
+    rules: Sequence = (),
+) -> jax.Array:
+    """`dense_attention` with the causal mask of `make_attention_mask`, as JAX's Pallas TPU
+    splash attention kernel (flash-style, online softmax in `block` x `block` tiles, causal
+    tiles skipped, segment ids for packed rows; its own backward kernels): no [T, T] scores
+    exist in HBM in either pass. Every real query row gets the dense path's output (padding
+    rows attend among themselves; their outputs are never used).
+
+    A TPU (Mosaic) kernel: on the CPU it runs in Pallas interpret mode (tests, the AOT plan
+    compiles the real one for TPU devices); a GPU is refused. Under a mesh the kernel runs in
+    `shard_map`: rows over the mesh axes of the logical "batch" axis, q / kv heads over those of
+    "heads" when the kv heads divide evenly (else heads stay whole on each device).
+    """
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    if T % block or block % 128:
+        raise ValueError(
+            f"attn_impl='splash' needs row length {T} to be a multiple of its block {block}, "
+            "and the block a multiple of 128 (model.attn_block; the TPU kernel's tiles)"
+        )
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    if platform not in ("tpu", "cpu"):
+        raise ValueError(
+            f"attn_impl='splash' is a TPU kernel and cannot run on {platform}; "
+            "use model.attn_impl='xla' (with model.attn_block for long rows)"
+        )
+    if segment_ids is not None:
+        seg = jnp.asarray(segment_ids, jnp.int32)
+        if attention_mask is not None:
+            seg = jnp.where(jnp.asarray(attention_mask) != 0, seg, 0)
+    elif attention_mask is not None:
+        seg = (jnp.asarray(attention_mask) != 0).astype(jnp.int32)
+    else:
+        seg = jnp.ones((B, T), jnp.int32)
+
+    def local(q, k, v, seg):
+        b, _, n, _ = q.shape
+        kk = k.shape[2]
+        g = n // kk
+        sizes = dict.fromkeys(("block_q", "block_kv", "block_kv_compute"), block)
+        sizes.update(dict.fromkeys(("block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute"), block))
+        sizes.update(dict.fromkeys(("block_q_dq", "block_kv_dq"), block))
+        kernel = sk.make_splash_mqa(
+            sm.MultiHeadMask([sm.CausalMask((T, T))] * g),
+            block_sizes=sk.BlockSizes(**sizes),
+            head_shards=1,
+            q_seq_shards=1,
+            interpret=platform != "tpu",
+        )
+        # f32 scale before the cast, as dense_attention scales its f32 scores
+        qs = (q.astype(jnp.float32) * (H**-0.5)).astype(q.dtype)
+        q_bkgth = jnp.transpose(qs.reshape(b, T, kk, g, H), (0, 2, 3, 1, 4))
+        k_bkth, v_bkth = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))
+
+        def row(q_kgth, k_kth, v_kth, seg_t):
+            ids = sk.SegmentIds(q=seg_t, kv=seg_t)
+            return jax.vmap(lambda qh, kh, vh: kernel(qh, kh, vh, segment_ids=ids))(
+                q_kgth, k_kth, v_kth
+            )
+
+        o = jax.vmap(row)(q_bkgth, k_bkth, v_bkth.astype(q.dtype), seg)  # [b, kk, g, T, H]
+        return jnp.transpose(o, (0, 3, 1, 2, 4)).reshape(b, T, n, H)
+
+    if mesh is None or mesh.size == 1:
+        return local(q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH, seg)
+
+    def axes(logical: str, size: int) -> str | tuple[str, ...] | None:
+        target = dict(rules).get(logical)
+        names = (target,) if isinstance(target, str) else tuple(target or ())
+        names = tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
+        n = 1
+        for a in names:
+            n *= mesh.shape[a]
+        return names if names and size % n == 0 else None
+
+    bs = axes("batch", B)
+    hs = axes("heads", K)  # kv heads split like q heads: each device keeps whole GQA groups
+    qspec = PartitionSpec(bs, None, hs, None)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(qspec, qspec, qspec, PartitionSpec(bs, None)),
+        out_specs=qspec,
+        check_vma=False,  # the Pallas kernel carries no varying-axes annotations
+    )(q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH, seg)
+
+
 def make_dense_attn_fn(
     attention_mask: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
     block: int = 0,
+    impl: str = "xla",
+    mesh: Mesh | None = None,
+    rules: Sequence = (),
 ) -> AttnFn:
     """The default `attn_fn`: causal attention over the whole [B, T] sequence, dense, or in
-    query blocks of `block` tokens when 0 < block < T (`blockwise_attention`).
+    query blocks of `block` tokens when 0 < block < T (`blockwise_attention`); with
+    impl="splash", the Pallas splash kernel in `block` (512 when 0) tiles on `mesh` under
+    `rules` (`splash_attention`).
 
     `attention_mask` i[B, T] (1 = real token) and `segment_ids` i32[B, T] (0 = padding; tokens
     attend only within their own segment) are the same inputs as the model's __call__.
@@ -205,6 +309,9 @@ def make_dense_attn_fn(
     def attn_fn(layer_idx: int, q_BTNH: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         del layer_idx
         B, T = q_BTNH.shape[:2]
+        if impl == "splash":
+            tile = min(block or 512, T)
+            return splash_attention(q_BTNH, k, v, tile, attention_mask, segment_ids, mesh, rules)
         if 0 < block < T:
             return blockwise_attention(q_BTNH, k, v, block, attention_mask, segment_ids)
         return dense_attention(q_BTNH, k, v, make_attention_mask(B, T, attention_mask, segment_ids))
@@ -345,4 +452,5 @@ __all__ = [
     "deepstack_add",
     "make_attention_mask",
     "make_dense_attn_fn",
+    "splash_attention",
 ]
