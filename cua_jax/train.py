@@ -138,7 +138,10 @@ async def run(
     n_logged = config.log.num_groups_to_log * rl.group_size
     last_eval: dict[str, float] = {}
     # The learner's shape set, compiled ahead in a thread while the environments start (#23)
-    warm = warmup.begin(config, learner, engine, processor.image_config, sft_phase=run_sft)
+    distiller = sdpo.from_config(rl, processor.chat)  # None unless rl.algorithm=sdpo
+    warm = warmup.begin(
+        config, learner, engine, processor.image_config, sft_phase=run_sft, distiller=distiller
+    )
     if learner.shapes is not None:
         progress.write(learner.shapes.describe())
 
@@ -190,7 +193,12 @@ async def run(
                 learner = builders.build_learner(policy, config, mesh, rules, sft=False)
                 use_advantage_estimator(learner, config)
                 warm = warmup.begin(
-                    config, learner, engine, processor.image_config, sft_phase=False
+                    config,
+                    learner,
+                    engine,
+                    processor.image_config,
+                    sft_phase=False,
+                    distiller=distiller,
                 )
                 engine.update_params(builders.sampler_params(learner), learner.version)
                 last_eval = await evaluate("after_sft", 0)
@@ -201,7 +209,6 @@ async def run(
 
             # ---- GRPO steps (with Entropulse: an SFT phase every rl.entropulse_every) ----------
             pulse = entropulse.from_config(config)
-            distiller = sdpo.from_config(rl, processor.chat)  # None unless rl.algorithm=sdpo
             await asyncio.to_thread(warm.wait, compiles)
             while step < config.total_steps:
                 t_step = time.perf_counter()

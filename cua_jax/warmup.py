@@ -165,11 +165,18 @@ class Warmup:
 
 
 def begin(
-    config: Any, learner: Any, engine: Any | None, image_config: Any, *, sft_phase: bool
+    config: Any,
+    learner: Any,
+    engine: Any | None,
+    image_config: Any,
+    *,
+    sft_phase: bool,
+    distiller: Any = None,
 ) -> Warmup:
     """Gives `learner` the config's shape set (`cua_jax.rl.shapes`), logs it, and starts the
     warm-up `config.rl.warmup` asks for in a thread: the learner's SFT step (`sft_phase`: the
-    SFT warm-up's learner) or its RL step (and SFT step with Entropulse), and with "all" the
+    SFT warm-up's learner) or its RL step (and SFT step with Entropulse; with SDPO's
+    `distiller`, its SDPO step and teacher pass instead of the RL step), and with "all" the
     sampler's bucket set. Multi-process jobs keep rounded buckets (each process packs its own
     rows) and compile as they go."""
     rl = config.rl
@@ -184,13 +191,23 @@ def begin(
     if rl.warmup == "none":
         return Warmup(dict, (), False)
     modes = ("sft",) if sft_phase else ("rl", "sft") if rl.entropulse_every > 0 else ("rl",)
+    sdpo_warm = distiller is not None and not sft_phase
+    if sdpo_warm:  # every update is an SDPO step: the plain RL step never runs
+        modes = tuple(m for m in modes if m != "rl")
     sampler = engine if rl.warmup == "all" else None
     watched = tuple(f"{m}_step" for m in modes) + (SAMPLER_PROGRAMS if sampler else ())
+    if sdpo_warm:
+        from cua_jax.rl import sdpo
+
+        watched += (f"{distiller.step_mode}_step", sdpo.TEACHER_PROGRAM)
     screens = config.env.max_history_images
 
     def run() -> dict[str, float]:
-        return warm_up(
+        times = warm_up(
             learner, sampler, modes=modes, screen=learner.shapes.grid, max_images=screens
         )
+        if sdpo_warm:
+            times.update(distiller.warmup(learner))
+        return times
 
     return Warmup(run, watched, bool(rl.strict_shapes))

@@ -115,3 +115,25 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_the_last_good_checkpoint(t
     with pytest.raises(NonFiniteError, match=rf"GRPO step 2: loss is nan.*{ckpts}/1\b"):
         train.main(c, str(tmp_path), env_factory=lambda: _Pool(size), load_tasks=_load_tasks)
     assert sorted(os.listdir(ckpts)) == ["1"]  # the NaN step is not saved
+
+
+def test_sdpo_steps_on_all_forced_devices_compile_nothing_after_the_warm_up(tmp_path):
+    """rl.algorithm=sdpo through the main job on the 8-device mesh, with strict shapes: the
+    warm-up compiles the SDPO step and the teacher pass for the run's shape set, and the two
+    steps (each failure distilled from its feedback) compile neither; a compile would raise."""
+    c = _config()
+    c.total_steps = 2
+    c.rl.algorithm = "sdpo"
+    c.rl.strict_shapes = True
+    c.rl.warmup = "learner"
+    size = (c.env.viewport_width, c.env.viewport_height)
+    train.main(c, str(tmp_path), env_factory=lambda: _Pool(size), load_tasks=_load_tasks)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    steps = [r for r in rows if r["step"] in (1, 2) and "train/loss" in r]
+    assert len(steps) == 2
+    assert sum(r["train/sdpo/teacher_samples"] for r in steps) >= 1  # a failure was distilled
+    for r in steps:  # (the sampler's programs compile in step 1: rl.warmup="learner")
+        assert np.isfinite(r["train/loss"]) and r["compile/unplanned"] == 0.0
+        learner_compiles = {k: v for k, v in r.items() if k.startswith("compile/count/sdpo")}
+        assert learner_compiles == {}, learner_compiles
+    assert "time/step_steady" in steps[1]  # nothing compiled in step 2

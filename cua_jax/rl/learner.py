@@ -515,10 +515,33 @@ class Learner:
         out = fn(ref, self._frozen, self._rest, xs, images, bool(batch.pixel_values is not None))
         return np.asarray(out).reshape(batch.shape)
 
-    def lower_step(self, batch: PackedBatch, mode: Literal["rl", "sft"] = "rl") -> Any:
-        """The jitted step for `batch`, lowered but not run (`jax.stages.Lowered`):
+    def lower_step(self, batch: PackedBatch, mode: str = "rl", extra=None) -> Any:
+        """The jitted step of `mode` ("rl", "sft", or an SDPO mode with its target arrays in
+        `extra`) for `batch`, lowered but not run (`jax.stages.Lowered`):
         `.compile().memory_analysis()` is its XLA buffer assignment (tools/bench_*)."""
-        return self._get_step(mode).lower(*self._step_args(batch))
+        return self._get_step(mode).lower(*self._step_args(batch, extra))
+
+    def blank_batch(self, shape: shapes_lib.Shape) -> PackedBatch:
+        """An all-padding batch of `shape` (rows x length + patch budget), packed as real ones
+        are: what the warm-up compiles a program of that shape from."""
+        blank = Sample(
+            input_ids=np.zeros(1, np.int32),
+            loss_mask=np.zeros(1, bool),
+            behaviour_logprobs=np.zeros(1, np.float32),
+            position_ids=np.zeros((3, 1), np.int32),
+            advantage=0.0,
+        )
+        batch = pack(
+            [blank],
+            seq_len_buckets=(shape.length,),
+            row_multiple=self.row_multiple,
+            num_rows=shape.rows,
+            agg_mode=self.loss_config.agg_mode,
+            loss_norm=self.loss_config.loss_norm,
+            pad_id=int(self.config.text.pad_token_id or 0),
+        )
+        batch.patch_budget = shape.patches
+        return batch
 
     def warmup(self, mode: Literal["rl", "sft"] = "rl") -> dict[str, float]:
         """Compiles the train step of `mode` for every shape of the shape set (`self.shapes`)
@@ -528,25 +551,8 @@ class Learner:
             raise ValueError("warmup needs a shape set: learner.shapes = ShapeSet.from_config(...)")
         out = {}
         for shape in self.shapes.of(mode):
-            blank = Sample(
-                input_ids=np.zeros(1, np.int32),
-                loss_mask=np.zeros(1, bool),
-                behaviour_logprobs=np.zeros(1, np.float32),
-                position_ids=np.zeros((3, 1), np.int32),
-                advantage=0.0,
-            )
-            batch = pack(
-                [blank],
-                seq_len_buckets=(shape.length,),
-                row_multiple=self.row_multiple,
-                num_rows=shape.rows,
-                agg_mode=self.loss_config.agg_mode,
-                loss_norm=self.loss_config.loss_norm,
-                pad_id=int(self.config.text.pad_token_id or 0),
-            )
-            batch.patch_budget = shape.patches
             t0 = time.perf_counter()
-            self.lower_step(batch, mode).compile()
+            self.lower_step(self.blank_batch(shape), mode).compile()
             out[f"{mode}_step {shape}"] = time.perf_counter() - t0
         return out
 

@@ -427,6 +427,7 @@ def locate(
 
 TARGET_KEYS = ("sdpo_ids", "sdpo_logp", "sdpo_mask", "sdpo_weights")  # the step's extra inputs
 TOPK_KEYS = ("sdpo_ids", "sdpo_logp")  # [R, L, K]; the others are [R, L]
+TEACHER_PROGRAM = "sdpo_teacher"  # the teacher pass's jitted function (compile_stats names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -492,14 +493,24 @@ def teacher_topk(
     distribution of token q given tokens < q (q = 0: zeros). ``k <= 0`` or ``k >= V``: the
     whole vocabulary in id order. Logits are made `learner.logits_chunk` positions at a time;
     no gradient. One compile per batch shape (kept in `cache`)."""
-    cache = {} if cache is None else cache
-    fn = cache.get(k)
-    if fn is None:
-        fn = jax.jit(lambda *a: _teacher_topk_fn(learner, k, *a))
-        cache[k] = fn
+    fn = _teacher_jit(learner, k, cache)
     xs, images = learner._device_batch(batch, substeps=1)
     ids, logp = fn(params, learner._frozen, learner._rest, xs, images)
     return np.asarray(ids), np.asarray(logp)
+
+
+def _teacher_jit(learner: Any, k: int, cache: dict | None) -> Any:
+    """The jitted teacher pass for top-`k`, kept in `cache` (one per learner)."""
+    cache = {} if cache is None else cache
+    fn = cache.get(k)
+    if fn is None:
+
+        def teacher(*a):
+            return _teacher_topk_fn(learner, k, *a)
+
+        teacher.__name__ = TEACHER_PROGRAM  # the program's name in compile_stats' counts
+        fn = cache[k] = jax.jit(teacher)
+    return fn
 
 
 def _teacher_topk_fn(learner, k, params, frozen, rest, xs, images):
@@ -630,6 +641,45 @@ class SelfDistiller:
             self._ema_params = jax.tree.map(
                 lambda e, p: e + r * (p - e), self._ema_params, learner._trainable
             )
+
+    @property
+    def step_mode(self) -> str:
+        """The learner step mode (and jit key) every SDPO update runs (`TeacherTargets.mode`)."""
+        return f"sdpo:{self.divergence}:{self.js_beta}:{self.weight}"
+
+    def warmup(self, learner: Any) -> dict[str, float]:
+        """Compiles ahead what an SDPO step runs, for the learner's shape set (#23): the
+        learner's SDPO step for every RL shape (with all-zero teacher targets of the step's
+        top-k width) and the teacher pass for every shape a teacher batch takes (`learner.pack`
+        packs it with the SFT shapes). Returns {program and shape: seconds}."""
+        import time
+
+        if learner.shapes is None:
+            raise ValueError("warmup needs a shape set: learner.shapes = ShapeSet.from_config(...)")
+        if self._jit_owner is not learner:
+            self._jit, self._jit_owner = {}, learner
+        vocab = learner.config.text.vocab_size
+        k = vocab if self.topk <= 0 or self.topk >= vocab else self.topk
+        out = {}
+        for shape in learner.shapes.of("rl"):
+            batch = learner.blank_batch(shape)
+            r, length = batch.shape
+            zeros = TeacherTargets(
+                np.zeros((r, length, k), np.int32), np.zeros((r, length, k), np.float32),
+                np.zeros((r, length), bool), np.zeros((r, length), np.float32),
+                self.divergence, self.js_beta, self.weight,
+            )  # fmt: skip
+            t0 = time.perf_counter()
+            learner.lower_step(batch, zeros.mode, zeros.arrays()).compile()
+            out[f"{zeros.mode}_step {shape}"] = time.perf_counter() - t0
+        fn = _teacher_jit(learner, self.topk, self._jit)
+        params = self.teacher_params(learner)
+        for shape in learner.shapes.of("sft"):
+            xs, images = learner._device_batch(learner.blank_batch(shape), substeps=1)
+            t0 = time.perf_counter()
+            fn.lower(params, learner._frozen, learner._rest, xs, images).compile()
+            out[f"{TEACHER_PROGRAM} {shape}"] = time.perf_counter() - t0
+        return out
 
     def targets(
         self, learner: Any, batch: Any, groups: Sequence[Sequence[Trajectory]]

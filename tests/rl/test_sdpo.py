@@ -402,3 +402,39 @@ def test_ema_teacher_follows_the_policy(proc):
     d.update_teacher(learner)
     for e, x in zip(jax.tree.leaves(d.teacher_params(learner)), p0, strict=True):
         np.testing.assert_allclose(np.asarray(e), x + 0.25, rtol=1e-6, atol=1e-6)
+
+
+def test_sdpo_steps_compile_nothing_after_the_warm_up(proc):
+    """#23 for SDPO: `SelfDistiller.warmup` compiles the SDPO step for the RL shapes and the
+    teacher pass for the shapes teacher batches take (the SFT shapes); SDPO steps on groups of
+    different lengths and screenshot counts then compile neither (strict: a compile raises)."""
+    from cua_jax import compile_stats
+    from cua_jax.rl.shapes import Shape, ShapeSet
+
+    learner = _sdpo_learner(proc)
+    # 64x64 screens: 4x4 patches each; budgets of 16 screens per batch
+    learner.shapes = ShapeSet(
+        rl=(Shape(4, 512, 16 * 16),), sft=(Shape(4, 512, 16 * 16),), grid=(1, 4, 4), strict=True
+    )
+    d = sdpo.SelfDistiller(proc.chat, weight=0.5, divergence="js", topk=8)
+    stats = compile_stats.install()
+    mark = stats.snapshot()
+    times = d.warmup(learner)
+    programs = (f"{d.step_mode}_step", sdpo.TEACHER_PROGRAM)
+    assert sorted(times) == sorted(f"{p} 4x512 +256 patches" for p in programs)
+    warm = stats.since(mark).per_program
+    assert [warm.get(p, 0) for p in programs] == [1, 1]
+    stats.expect_no_compiles(programs, strict=True)
+    try:
+        short = [
+            _episode(proc, 30, success=False, gens=("click D",)),
+            _episode(proc, 40, success=True, gens=("click Submit",)),
+        ]
+        for group in (_group(proc), short):
+            batch, _ = learner.prepare_batch([group])
+            m = d.train_step(learner, batch, [group])
+            assert np.isfinite(m["loss"]) and m["sdpo/teacher_samples"] >= 1
+            stats.check()  # raises on a compile of either program
+        assert [stats.since(mark).per_program.get(p, 0) for p in programs] == [1, 1]
+    finally:
+        stats.reset_expectations()
