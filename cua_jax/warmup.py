@@ -28,7 +28,7 @@ from cua_jax import compile_stats
 from cua_jax.rl.shapes import ShapeSet
 from cua_jax.sampler import steps
 from cua_jax.sampler.sampling import SlotSampling
-from cua_jax.sampler.scheduler import BucketSet, batch_bucket
+from cua_jax.sampler.scheduler import BucketSet
 
 
 def sampler_buckets(engine: Any) -> BucketSet:
@@ -92,11 +92,10 @@ def sampler_programs(
     sds, i32 = jax.ShapeDtypeStruct, jnp.int32
     for n in b.copies:
         out.append((f"copy {n}", fns.copy_pages, (cache, sds((n,), i32), sds((n,), i32))))
-    # First tokens: logits of one prefill call (X = its rows, n <= X sampled), or rows stacked
-    # from several calls (X = the number of fresh requests, n = its batch bucket).
+    # First tokens: one sampling call per prefill call, on its logits (X = its rows, n <= X
+    # sampled, both prefill row buckets)
     V = engine.config.text.vocab_size
     pairs = {(x, n) for x in b.prefill_rows for n in b.prefill_rows if n <= x}
-    pairs |= {(x, batch_bucket(x)) for x in range(2, S + 1)}
     for x, n in sorted(pairs):
         samp = SlotSampling(
             temperature=sds((n,), jnp.float32),

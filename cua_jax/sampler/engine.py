@@ -520,22 +520,27 @@ class Engine:
         fresh = self.sched.prefilled(batch)
         if not fresh:
             return
-        rows = [logits_of[a.slot] for a in fresh]
-        if len({id(lg) for lg, _ in rows}) == 1:  # one prefill call: pick its rows on device
-            logits_XV, idx = rows[0][0], [i for _, i in rows]
-        else:
-            logits_XV, idx = jnp.stack([lg[i] for lg, i in rows]), list(range(len(rows)))
-        n = _batch_bucket(len(fresh))
-        idx = np.asarray(idx + [0] * (n - len(fresh)), np.int32)  # padding rows: ignored
-        sampling = SlotSampling.from_params(
-            [a.req.params for a in fresh] + [None] * (n - len(fresh))
-        )
-        tok, lp, mlp = map(
-            _to_host, self._fns.sample_first(logits_XV, idx, sampling, np.zeros((n,), np.int32))
-        )
-        for j, a in enumerate(fresh):
-            self.sched.next_tok[a.slot] = int(tok[j])
-            self.sched.append(a.req, [int(tok[j])], [float(lp[j])], [float(mlp[j])], self.version)
+        # First tokens, one sampling call per prefill call, on that call's logits f32[X, V]
+        # (X a prefill row bucket, n <= X sampled rows): no eager stacking of rows from several
+        # calls, so every (X, n) is in the warm-up's bucket set (cua_jax.warmup)
+        calls: dict[int, tuple[jax.Array, list[tuple[Admitted, int]]]] = {}
+        for a in fresh:
+            logits, i = logits_of[a.slot]
+            calls.setdefault(id(logits), (logits, []))[1].append((a, i))
+        for logits_XV, members in calls.values():
+            n = _batch_bucket(len(members))
+            pad = n - len(members)
+            idx = np.asarray([i for _, i in members] + [0] * pad, np.int32)  # padding: ignored
+            sampling = SlotSampling.from_params([a.req.params for a, _ in members] + [None] * pad)
+            tok, lp, mlp = map(
+                _to_host,
+                self._fns.sample_first(logits_XV, idx, sampling, np.zeros((n,), np.int32)),
+            )
+            for j, (a, _) in enumerate(members):
+                self.sched.next_tok[a.slot] = int(tok[j])
+                self.sched.append(
+                    a.req, [int(tok[j])], [float(lp[j])], [float(mlp[j])], self.version
+                )
 
     def _copy(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
