@@ -108,7 +108,24 @@ def validate_config(config: Any) -> None:
             )
     if config.sft.steps > 0 and config.sft.source != "oracle":
         check_sft_source(config.sft.source)
+    _check_splash(config)
     _check_model(config)
+
+
+def _check_splash(config: Any) -> None:
+    """model.attn_impl='splash' tiles every learner row in blocks of model.attn_block tokens
+    (512 when 0), multiples of 128 (the TPU kernel's lanes)."""
+    m = config.model
+    if m.attn_impl != "splash":
+        return
+    block = m.attn_block or 512
+    bad = [n for n in config.rl.row_lengths if n % min(block, n) or min(block, n) % 128]
+    if block % 128 or bad:
+        raise ConfigError(
+            f"config.model.attn_impl='splash' tiles rows in blocks of config.model.attn_block="
+            f"{block} tokens: the block must be a multiple of 128 and divide every "
+            f"config.rl.row_lengths entry (these do not: {bad or list(config.rl.row_lengths)})"
+        )
 
 
 # model.preset values built at random init when model.hf_path is unset (builders)

@@ -76,6 +76,19 @@ def _launch(*args):
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.sampler.gpu_kernel=warps=8"],
             "config.sampler.gpu_kernel='warps=8': GPU kernel option 'warps=8'",
         ),
+        (
+            [
+                "--config=configs/qwen3vl_grpo.py:smoke",
+                "--config.model.attn_impl=splash",
+                "--config.model.attn_block=384",
+            ],
+            "attn_block=384 tokens: the block must be a multiple of 128 and divide every "
+            "config.rl.row_lengths entry (these do not: [512, 1024])",
+        ),
+        (
+            ["--config=configs/qwen3vl_grpo.py:smoke", "--config.model.attn_impl=flash"],
+            "config.model.attn_impl='flash' is not one of xla, splash",
+        ),
     ],
 )
 def test_bad_command_line_fails_at_start(args, expected):
