@@ -16,6 +16,7 @@ with `rl.strict_shapes`).
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -176,14 +177,18 @@ def begin(
     warm-up `config.rl.warmup` asks for in a thread: the learner's SFT step (`sft_phase`: the
     SFT warm-up's learner) or its RL step (and SFT step with Entropulse; with SDPO's
     `distiller`, its SDPO step and teacher pass instead of the RL step), and with "all" the
-    sampler's bucket set. Multi-process jobs keep rounded buckets (each process packs its own
-    rows) and compile as they go."""
+    sampler's bucket set. Multi-process jobs use the same global shapes (rows rounded to a
+    multiple of the process count), each process packing its 1/n share of a shape's rows
+    (`Learner._agreed_shape`), compiled before returning rather than in a thread; SDPO's
+    teacher pass runs on one process only, so it is not warmed there."""
     rl = config.rl
     if rl.warmup not in WARMUP_CHOICES:
         raise ValueError(f"config.rl.warmup={rl.warmup!r} is not one of {WARMUP_CHOICES}")
-    if jax.process_count() > 1:
-        return Warmup(dict, (), False)
-    learner.shapes = ShapeSet.from_config(config, image_config, row_multiple=learner.row_multiple)
+    n = jax.process_count()
+    multiple = learner.row_multiple * n // math.gcd(learner.row_multiple, n)
+    learner.shapes = ShapeSet.from_config(config, image_config, row_multiple=multiple)
+    if n > 1:
+        distiller = None
     logging.info("%s", learner.shapes.describe())
     if engine is not None:
         logging.info("%s", sampler_buckets(engine))
@@ -208,5 +213,12 @@ def begin(
         if sdpo_warm:
             times.update(distiller.warmup(learner))
         return times
+
+    if n > 1:
+        # Multi-process: placing the blank batches' images on the job's replicated sharding is
+        # a collective, which must not interleave with the main thread's (gloo would pair the
+        # wrong messages): compile here, in program order on every process.
+        done = run()
+        return Warmup(lambda: done, watched, bool(rl.strict_shapes))
 
     return Warmup(run, watched, bool(rl.strict_shapes))

@@ -409,7 +409,7 @@ class Learner:
         Multi-host (more than one process): `samples` are this process's, and the batch is its
         share of the global one (`_pack_share`); every process must call `pack` together."""
         if self._processes > 1:
-            return self._pack_share(samples, num_rows)
+            return self._pack_share(samples, num_rows, mode)
         kw = dict(
             seq_len_buckets=self.seq_len_buckets,
             row_multiple=self.row_multiple,
@@ -523,7 +523,8 @@ class Learner:
 
     def blank_batch(self, shape: shapes_lib.Shape) -> PackedBatch:
         """An all-padding batch of `shape` (rows x length + patch budget), packed as real ones
-        are: what the warm-up compiles a program of that shape from."""
+        are (multi-host: this process's 1/n share of the rows): what the warm-up compiles a
+        program of that shape from."""
         blank = Sample(
             input_ids=np.zeros(1, np.int32),
             loss_mask=np.zeros(1, bool),
@@ -534,8 +535,8 @@ class Learner:
         batch = pack(
             [blank],
             seq_len_buckets=(shape.length,),
-            row_multiple=self.row_multiple,
-            num_rows=shape.rows,
+            row_multiple=1,
+            num_rows=shape.rows // self._processes,  # multi-host: this process's share
             agg_mode=self.loss_config.agg_mode,
             loss_norm=self.loss_config.loss_norm,
             pad_id=int(self.config.text.pad_token_id or 0),
@@ -623,13 +624,44 @@ class Learner:
             return self._ref
         raise ValueError("no reference policy: build the learner with LossConfig(kl_coef > 0)")
 
-    def _pack_share(self, samples, num_rows: int | None) -> PackedBatch:
-        """This process's rows of the global batch (multi-host): every process packs its own
-        samples into rows of one agreed length and count (the longest sample's bucket, the
-        largest row count), its loss weights scaled so the global batch's add up as one
-        batch's would, and the images of every process gathered (the vision tower runs on all
-        of them, replicated, in process order: the order of the rows)."""
+    def _agreed_shape(self, samples, mode: str) -> shapes_lib.Shape | None:
+        """The shape-set shape every process packs its share into (multi-host): the largest of
+        the processes' smallest shapes whose 1/n share holds their samples. None (a logged
+        recompile, or ShapeError with `shapes.strict`) when some share fits none; a sample no
+        shape can ever hold is a ShapeError on every process (none is left waiting)."""
         n = self._processes
+        error = None
+        try:
+            mine = self.shapes.pick_index(mode, samples, parts=n)
+        except shapes_lib.ShapeError as e:
+            mine, error = -2, e
+        picks = multihost.allgather_ints([mine])[:, 0]
+        if (picks == -2).any():
+            bad = int(np.argmax(picks == -2))
+            raise error or shapes_lib.ShapeError(f"process {bad} holds a sample no shape fits")
+        if (picks < 0).any():
+            message = (
+                f"process {int(np.argmax(picks < 0))}'s share of a {mode} batch fits none of "
+                f"the run's {mode} shapes {', '.join(map(str, self.shapes.of(mode)))} split "
+                f"over {n} processes; raise rl.learner_rows / rl.images_per_row"
+            )
+            if self.shapes.strict:
+                raise shapes_lib.ShapeError(message + " (rl.strict_shapes)")
+            logging.warning("%s: packed into buckets instead, a new compile", message)
+            return None
+        return self.shapes.by_size(mode)[int(picks.max())]
+
+    def _pack_share(self, samples, num_rows: int | None, mode: str = "sft") -> PackedBatch:
+        """This process's rows of the global batch (multi-host): every process packs its own
+        samples into rows of one agreed length and count (with a shape set, its 1/n share of
+        the agreed shape, `_agreed_shape`; else the longest sample's bucket and the largest row
+        count), its loss weights scaled so the global batch's add up as one batch's would, and
+        the images of every process gathered (the vision tower runs on all of them,
+        replicated, in process order: the order of the rows)."""
+        n = self._processes
+        shape = None
+        if self.shapes is not None and num_rows is None:
+            shape = self._agreed_shape(samples, mode)
         lc = self.loss_config
         pad_id = int(self.config.text.pad_token_id or 0)
         n_tok = sum(int(np.sum(s.loss_mask)) for s in samples)
@@ -642,7 +674,10 @@ class Learner:
         )
         longest = max((s.length for s in samples), default=0)
         agreed = multihost.allgather_ints([longest, n_tok, n_seq])
-        seq_len = pick_bucket(int(agreed[:, 0].max()), self.seq_len_buckets)
+        if shape is not None:
+            seq_len = shape.length
+        else:
+            seq_len = pick_bucket(int(agreed[:, 0].max()), self.seq_len_buckets)
         multiple = self.row_multiple // math.gcd(self.row_multiple, n)
         kw = dict(
             seq_len_buckets=(seq_len,),
@@ -653,7 +688,9 @@ class Learner:
         )
         local = pack(samples, **kw) if samples else None
         rows = int(multihost.allgather_ints([multiple if local is None else local.shape[0]]).max())
-        if num_rows is not None:
+        if shape is not None:
+            rows = shape.rows // n
+        elif num_rows is not None:
             if num_rows % n:
                 raise ValueError(f"num_rows={num_rows} is not a multiple of {n} processes")
             rows = num_rows // n
@@ -680,6 +717,8 @@ class Learner:
         batch.pixel_values, batch.image_grid_thw = _gather_images(
             batch.pixel_values, batch.image_grid_thw
         )
+        if shape is not None:
+            batch.patch_budget = shape.patches
         return batch
 
     def _device_batch(self, batch: PackedBatch, substeps: int, extra=None):

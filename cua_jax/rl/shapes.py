@@ -137,20 +137,33 @@ class ShapeSet:
                 f"budget {budget} (rl.images_per_row x rows x {self.grid} screens)"
             )
 
+    def by_size(self, mode: Mode) -> tuple[Shape, ...]:
+        """The shapes of `mode`, smallest (rows x length) first: the order `pick` tries."""
+        return tuple(sorted(self.of(mode), key=lambda sh: (sh.rows * sh.length, sh.length)))
+
     def pick(self, mode: Mode, samples: Sequence[Sample]) -> Shape | None:
         """The smallest shape of `mode` that holds `samples` (rows of its first-fit packing,
         patches), or None when none does."""
+        i = self.pick_index(mode, samples)
+        return None if i < 0 else self.by_size(mode)[i]
+
+    def pick_index(self, mode: Mode, samples: Sequence[Sample], parts: int = 1) -> int:
+        """Index in `by_size(mode)` of the smallest shape whose 1/`parts` share (rows / parts
+        rows, patches / parts) holds `samples`, or -1. parts > 1: one process's share of a
+        multi-process batch, whose rows and images are concatenated over the processes."""
         for i, s in enumerate(samples):
             self.check_sample(s, i)
+        if not samples:
+            return 0
         longest = max(s.length for s in samples)
         patches = sum(sample_patches(s) for s in samples)
         lengths = [s.length for s in samples]
-        for sh in sorted(self.of(mode), key=lambda sh: (sh.rows * sh.length, sh.length)):
-            if sh.length < longest or patches > sh.patches:
+        for i, sh in enumerate(self.by_size(mode)):
+            if sh.rows % parts or sh.length < longest or patches > sh.patches // parts:
                 continue
-            if first_fit_rows(lengths, sh.length) <= sh.rows:
-                return sh
-        return None
+            if first_fit_rows(lengths, sh.length) <= sh.rows // parts:
+                return i
+        return -1
 
     def miss_message(self, mode: Mode, samples: Sequence[Sample]) -> str:
         patches = sum(sample_patches(s) for s in samples)

@@ -2,7 +2,11 @@
 model on 8 fixed samples (half with a screenshot), this process packing its
 share (every process_count-th sample); prints the steps' metrics as one JSON line.
 
-    python -m tests.multihost.global_batch_worker AGG_MODE
+    python -m tests.multihost.global_batch_worker AGG_MODE [shapes]
+
+With `shapes`, the learner has a strict shape set (one RL shape: 8 rows x 512 tokens, 8
+screens of 4x6 patches), compiled ahead by `learner.warmup("rl")`; the result then also holds
+how often the train step compiled after the warm-up.
 """
 
 import json
@@ -68,9 +72,27 @@ def main():
     learner = builders.build_learner(model, c, mesh, rules, sft=False)
     mine = samples(learner.config)[jax.process_index() :: jax.process_count()]
     out = {}
+    with_shapes = len(sys.argv) > 2 and sys.argv[2] == "shapes"
+    if with_shapes:
+        from cua_jax import compile_stats
+        from cua_jax.rl.shapes import Shape, ShapeSet
+
+        learner.shapes = ShapeSet(
+            rl=(Shape(8, 512, 8 * 24),), sft=(Shape(8, 512, 8 * 24),), grid=(1, 4, 6), strict=True
+        )
+        stats = compile_stats.install()
+        learner.warmup("rl")
+        mark = stats.snapshot()
+        stats.expect_no_compiles(("rl_step",), strict=True)
     for k in range(2):
-        m = learner.train_step(learner.pack(mine))
+        batch = learner.pack(mine, mode="rl")
+        m = learner.train_step(batch)
         out.update({f"rl{k}/{key}": m[key] for key in ("loss", "grad_norm", "num_tokens")})
+        if with_shapes:
+            stats.check()
+            out[f"rl{k}/rows"] = batch.shape[0] * jax.process_count()
+    if with_shapes:
+        out["compiles_after_warmup"] = stats.since(mark).per_program.get("rl_step", 0)
     print("RESULT " + json.dumps(out), flush=True)
     os._exit(0)  # no distributed shutdown handshake needed for a test worker
 

@@ -23,7 +23,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _job(processes: int, devices: int, agg: str) -> list[dict]:
+def _job(processes: int, devices: int, agg: str, *extra: str) -> list[dict]:
     port = _free_port()
     procs = []
     for i in range(processes):
@@ -41,7 +41,7 @@ def _job(processes: int, devices: int, agg: str) -> list[dict]:
             )
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "tests.multihost.global_batch_worker", agg],
+                [sys.executable, "-m", "tests.multihost.global_batch_worker", agg, *extra],
                 cwd=ROOT,
                 env=env,
                 stdout=subprocess.PIPE,
@@ -65,5 +65,20 @@ def test_two_processes_train_on_the_batch_one_process_would():
     assert two[0] == two[1]  # every process sees the job's metrics
     assert one.keys() == two[0].keys()
     assert one["rl0/num_tokens"] == 8 * 12
+    for k, v in one.items():
+        assert two[0][k] == pytest.approx(v, rel=2e-4, abs=1e-6), k
+
+
+def test_two_processes_pack_their_shares_of_the_shape_set_and_compile_once():
+    """With a strict shape set (#23), each of 2 processes packs its half of the one RL shape
+    (4 of 8 rows, the images of both gathered and padded to the shape's budget): the warm-up's
+    compile serves both steps, and the loss and gradient norm are the 1-process job's with the
+    same shape set."""
+    agg = "token-mean"
+    (one,) = _job(1, 4, agg, "shapes")
+    two = _job(2, 2, agg, "shapes")
+    assert two[0] == two[1]
+    for r in (one, *two):
+        assert r["compiles_after_warmup"] == 0 and r["rl0/rows"] == r["rl1/rows"] == 8
     for k, v in one.items():
         assert two[0][k] == pytest.approx(v, rel=2e-4, abs=1e-6), k
