@@ -247,3 +247,23 @@ def test_the_patch_budget_padding_changes_no_loss_or_gradient(tiny_learner):
     assert m_pad["loss"] == pytest.approx(m_raw["loss"], rel=1e-5)
     for a, b in zip(jax.tree.leaves(g_pad), jax.tree.leaves(g_raw), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
+
+
+def test_the_config_shape_set_has_rows_for_every_turn_when_history_drops_screens():
+    """`ShapeSet.from_config`: one row per episode, and when the history window drops screens
+    (env.max_history_images < env.max_turns: each turn its own sample) as many rows again per
+    turn, so a step of multi-turn episodes always has a shape (the learn preset's run fell off
+    its 16 rows with 41 turn samples and recompiled)."""
+    from configs.qwen3vl_grpo import get_config
+    from cua_jax.data.processor import QwenVLProcessor
+    from cua_jax.rl.shapes import ShapeSet
+
+    c = get_config("learn")
+    ic = QwenVLProcessor.default("qwen3_vl", max_pixels=384 * 288, min_pixels=32 * 32).image_config
+    rl = ShapeSet.from_config(c, ic).rl
+    assert [(s.rows, s.length) for s in rl] == [(16, 512), (16, 1024), (48, 512), (48, 1024)]
+    assert rl[2].patches == 3 * rl[0].patches  # the same screens per row
+    c.env.max_history_images = c.env.max_turns  # turns extend one sample: one row per episode
+    assert [(s.rows, s.length) for s in ShapeSet.from_config(c, ic).rl] == [(16, 512), (16, 1024)]
+    c.rl.learner_rows = 24  # a configured row count is the only one
+    assert {s.rows for s in ShapeSet.from_config(c, ic).rl} == {24}

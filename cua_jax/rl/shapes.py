@@ -8,7 +8,9 @@ step compiles once per shape at start-up and never again.
 
 A shape is (rows R, row length L, patch budget P). RL batches use R = `rl.learner_rows` (0: one
 row per episode of a step, group_size x groups_per_batch, rounded up to the learner's row
-multiple), SFT batches R = `rl.rows_per_step`; L is each of `rl.row_lengths`. A batch goes to
+multiple; when the history window drops screens, env.max_history_images < env.max_turns, an
+episode's turns are separate samples, so R x env.max_turns rows as well), SFT batches R =
+`rl.rows_per_step`; L is each of `rl.row_lengths`. A batch goes to
 the smallest shape of its mode whose rows hold its first-fit packing and whose patch budget
 holds its images; a batch too big for one is tried in the next larger one (never cut: no
 sample is dropped). The patch budget of a shape is R x `rl.images_per_row` screens (0: as many
@@ -108,7 +110,12 @@ class ShapeSet:
                 out.append(Shape(up(rows), length, up(rows) * per_row * unit))
             return tuple(out)
 
-        return ShapeSet(shapes(rl_rows), shapes(sft_rows), grid, bool(rl.strict_shapes))
+        rl_shapes = shapes(rl_rows)
+        if not rl.learner_rows and env.max_history_images < env.max_turns:
+            # The history window drops screens, so an episode's turns are separate samples
+            # (up to max_turns of them): a second row count gives each its own row at worst
+            rl_shapes += shapes(rl_rows * env.max_turns)
+        return ShapeSet(rl_shapes, shapes(sft_rows), grid, bool(rl.strict_shapes))
 
     def of(self, mode: Mode) -> tuple[Shape, ...]:
         return self.rl if mode == "rl" else self.sft
