@@ -13,13 +13,13 @@ Presets:
 
 Smallest TPU slice each real preset is meant for (TOPOLOGY), with the settings that make it fit
 (FIT). `tools/plan.py` compiles the learner's train step and the sampler's decode chunk for that
-slice (3b, 7b: both fit with >= 29% of HBM free; 32b: 68.9 GiB of 95; 72b: planned by hand from
-the 32b plan, not yet compiled: run tools/plan.py before renting the slice):
+slice (3b, 7b: both fit with >= 29% of HBM free; 32b: 68.9 GiB of 95; 72b: 59.8 GiB of 95 on
+v5p-16; figures per preset in BENCHMARKS.md "TPU plan"):
   3b  v5p-8    full fine-tuning, fsdp=4; remat=full, 2 micro-batches, 4096 KV pages
   7b  v5p-8    full fine-tuning, fsdp=2 x tensor=2; remat=full, 4 micro-batches, 4096 KV pages
   32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4; remat=full, 8 micro-batches, 4096 pages
-  72b v5p-16   LoRA rank 64 on bf16 weights, tensor=8 (2 hosts); remat=full, 8 micro-batches,
-               4096 KV pages
+  72b v5p-16   LoRA rank 64 on bf16 weights, tensor=8 (2 hosts); splash attention, remat=full,
+               8 micro-batches, 4096 KV pages
 The KV pool stays resident next to the learner (colocated sampler) and its pages are sharded over
 `tensor` only, so it is sized here rather than left at 8192 pages.
 """
@@ -34,7 +34,8 @@ FIT = {
     "3b": {"model.remat": "full", "rl.num_substeps": 2, "sampler.num_pages": 4096},
     "7b": {"model.remat": "full", "rl.num_substeps": 4, "sampler.num_pages": 4096},
     "32b": {"model.remat": "full", "rl.num_substeps": 8, "sampler.num_pages": 4096},
-    "72b": {"model.remat": "full", "rl.num_substeps": 8, "sampler.num_pages": 4096},
+    "72b": {"model.remat": "full", "rl.num_substeps": 8, "sampler.num_pages": 4096,
+            "model.attn_impl": "splash"},
 }
 
 

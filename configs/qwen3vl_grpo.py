@@ -18,19 +18,17 @@ Presets:
 Smallest TPU slice each real preset is meant for (TOPOLOGY), with the settings that make it fit
 (FIT). `tools/plan.py` compiles the learner's train step and the sampler's decode chunk for that
 slice (2b, 4b: both fit with >= 30% of HBM free; 8b: compiled with 4096 pages, 86.0 GiB, so the
-pool was cut to 3072 pages = 81.5 GiB of the 85.5 GiB budget; 32b: 73.3 GiB of 95; figures per
-preset in BENCHMARKS.md "TPU plan"):
+pool was cut to 3072 pages = 81.5 GiB of the 85.5 GiB budget; 32b: 73.3 GiB of 95; 30b-a3b: 69.8
+GiB; figures per preset in BENCHMARKS.md "TPU plan"):
   2b  v5p-8    full fine-tuning, fsdp=4; remat=full, 2 micro-batches, 4096 KV pages
   4b  v5p-8    full fine-tuning, fsdp=2 x tensor=2; remat=full, 4 micro-batches, 4096 KV pages
   8b  v5p-8    full fine-tuning, fsdp=2 x tensor=2; remat=full, 4 micro-batches, 3072 KV pages
   32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4; remat=full, 8 micro-batches, 4096 pages
-  30b-a3b v5p-8  LoRA rank 32 (attention + experts) on bf16 weights, expert=2 x fsdp=2;
-         remat=full, 2 micro-batches, 4096 KV pages, routing replay. DOES NOT FIT as set:
-         tools/plan.py's TPU compile asks 180.8 GB of HLO temporaries per chip (132.9 GB with 8
-         micro-batches) against 95 GB; the arguments are 44.6 GB. With model.attn_block=1024
-         it compiles: temp 74.2 GiB, total 119.1 GiB per chip (budget 85.5). Next to try
-         (#22): attn_block=1024 with rl.num_substeps=4 (the plan's own hint), mesh.tensor=2,
-         or v5p-16
+  30b-a3b v5p-8  LoRA rank 32 (attention + experts) on bf16 weights, expert=4 (32 experts on
+         each chip, attention and embeddings replicated); splash attention, remat=full, 4
+         micro-batches, 2048 KV pages, routing replay: 69.8 GiB (train) / 44.7 GiB (decode).
+         With fsdp=2 x expert=2 it did not fit: 72 / 66 GiB of temporaries at 2 / 4
+         micro-batches, so not activations (most likely the FSDP-gathered frozen weights)
 The KV pool stays resident next to the learner (colocated sampler) and its pages are sharded over
 `tensor` only, so it is sized here rather than left at 8192 pages (60-77 GB on one device).
 """
@@ -49,10 +47,13 @@ FIT = {
            "mesh.tensor": 2},
     "8b": {"model.remat": "full", "rl.num_substeps": 4, "sampler.num_pages": 3072},
     "32b": {"model.remat": "full", "rl.num_substeps": 8, "sampler.num_pages": 4096},
-    # MoE: the experts split over expert=2 (64 on each device), attention and embeddings FSDP;
-    # LoRA on the expert stacks too (cua_jax.models.lora.MOE_TARGETS), routing replay on
-    "30b-a3b": {"model.remat": "full", "rl.num_substeps": 2, "sampler.num_pages": 4096,
-                "mesh.expert": 2, "mesh.fsdp": 2, "rl.routing_replay": True,
+    # MoE: the experts split over expert=4 (32 on each device), attention and embeddings
+    # replicated (with FSDP over 2, 66-72 GiB of temporaries whatever the micro-batching);
+    # the learner's attention as the splash kernel; LoRA on the expert stacks too
+    # (cua_jax.models.lora.MOE_TARGETS), routing replay on
+    "30b-a3b": {"model.remat": "full", "rl.num_substeps": 4, "sampler.num_pages": 2048,
+                "mesh.expert": 4, "mesh.fsdp": 1, "model.attn_impl": "splash",
+                "rl.routing_replay": True,
                 "model.lora_targets": (
                     r"language_model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj$",
                     r"language_model\.layers\.\d+\.mlp\.(gate|up|down)_proj$",
