@@ -34,8 +34,12 @@ FIT = {
     "3b": {"model.remat": "full", "rl.num_substeps": 2, "sampler.num_pages": 4096},
     "7b": {"model.remat": "full", "rl.num_substeps": 4, "sampler.num_pages": 4096},
     "32b": {"model.remat": "full", "rl.num_substeps": 8, "sampler.num_pages": 4096},
-    "72b": {"model.remat": "full", "rl.num_substeps": 8, "sampler.num_pages": 4096,
-            "model.attn_impl": "splash"},
+    "72b": {
+        "model.remat": "full",
+        "rl.num_substeps": 8,
+        "sampler.num_pages": 4096,
+        "model.attn_impl": "splash",
+    },
 }
 
 
