@@ -262,7 +262,9 @@ def test_the_config_shape_set_has_rows_for_every_turn_when_history_drops_screens
     ic = QwenVLProcessor.default("qwen3_vl", max_pixels=384 * 288, min_pixels=32 * 32).image_config
     rl = ShapeSet.from_config(c, ic).rl
     assert [(s.rows, s.length) for s in rl] == [(16, 512), (16, 1024), (48, 512), (48, 1024)]
-    assert rl[2].patches == 3 * rl[0].patches  # the same screens per row
+    # 3 screens a row (3 turns x 1 screen); the turn rows' budget stays 16 episodes x 3 turns
+    # x 1 screen, not 48 rows x 3 screens of blank padding through the vision tower
+    assert rl[0].patches == 16 * 3 * 432 and rl[2].patches == rl[0].patches
     c.env.max_history_images = c.env.max_turns  # turns extend one sample: one row per episode
     assert [(s.rows, s.length) for s in ShapeSet.from_config(c, ic).rl] == [(16, 512), (16, 1024)]
     c.rl.learner_rows = 24  # a configured row count is the only one

@@ -101,20 +101,27 @@ class ShapeSet:
         def up(n: int) -> int:
             return -(-n // row_multiple) * row_multiple
 
-        def shapes(rows: int) -> tuple[Shape, ...]:
+        def shapes(rows: int, most_screens: int = 0) -> tuple[Shape, ...]:
             out = []
             for length in sorted(rl.row_lengths):
                 per_row = rl.images_per_row or min(
                     length // image_tokens, env.max_turns * env.max_history_images
                 )
-                out.append(Shape(up(rows), length, up(rows) * per_row * unit))
+                screens = up(rows) * per_row
+                if most_screens and not rl.images_per_row:
+                    screens = min(screens, most_screens)
+                out.append(Shape(up(rows), length, screens * unit))
             return tuple(out)
 
         rl_shapes = shapes(rl_rows)
         if not rl.learner_rows and env.max_history_images < env.max_turns:
             # The history window drops screens, so an episode's turns are separate samples
-            # (up to max_turns of them): a second row count gives each its own row at worst
-            rl_shapes += shapes(rl_rows * env.max_turns)
+            # (up to max_turns of them): a second row count gives each its own row at worst;
+            # a step still holds at most max_turns x max_history_images screens an episode,
+            # so the patch budget (blank screens through the vision tower) stays that
+            episodes = rl.group_size * rl.groups_per_batch
+            most = episodes * env.max_turns * env.max_history_images
+            rl_shapes += shapes(rl_rows * env.max_turns, most)
         return ShapeSet(rl_shapes, shapes(sft_rows), grid, bool(rl.strict_shapes))
 
     def of(self, mode: Mode) -> tuple[Shape, ...]:
