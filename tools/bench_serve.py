@@ -1,7 +1,7 @@
 r"""Throughput of tools/serve.py against direct `Engine` use, side by side on one engine.
 
     python tools/bench_serve.py [--config=configs/qwen3vl_grpo.py:smoke] [--requests=64] \
-        [--max_tokens=32] [--repeats=3] [--screens=ui|noise]
+        [--max_tokens=32] [--repeats=3] [--screens=ui|noise] [--client=process|inline]
 
 The same N chat requests (a system prompt, a screenshot, an instruction; greedy, `max_tokens`
 each, every token generated: no stop tokens) go
@@ -9,8 +9,9 @@ each, every token generated: no stop tokens) go
           `engine.generate` all at once (asyncio.gather), as the rollout workers do;
   server: as JSON bodies (screenshots as PNG data URIs; bodies serialised before the clock
           starts, as a load generator holds them) POSTed all at once to tools/serve.py on a
-          loopback port (uvicorn, aiohttp client), which decodes, renders and calls the same
-          engine.
+          loopback port (uvicorn; an aiohttp client in its own process by default, as a real
+          load generator is, or inline in the server's process), which decodes, renders and
+          calls the same engine.
 Screenshots are page-like (--screens=ui: flat colours, boxes, text bars) or uniform noise (the
 worst case for the server's PNG decoding). A warm-up pass of each compiles every shape first;
 the timed passes alternate (direct, server, ...). Prints generated tokens/s of each (best of
@@ -56,6 +57,42 @@ def ui_screen(rng, h, w):
         y, x = rng.integers(0, h - 6), rng.integers(0, w - 80)
         img[y : y + 5, x : x + rng.integers(20, 80)] = rng.integers(0, 80)
     return img
+
+
+_CLIENT = flags.DEFINE_enum(
+    "client",
+    "process",
+    ["process", "inline"],
+    "process: the HTTP load generator runs in its own process, as a real client would (it "
+    "still shares the machine's cores); inline: in the server's process and event loop thread "
+    "pool, where its JSON and socket work take the server's GIL too.",
+)
+
+
+def _client_worker(conn, url: str, bodies: list[bytes]) -> None:
+    """The load generator's process: on each "go" POSTs every body at once and sends back
+    (completion tokens, seconds); None ends it."""
+    import asyncio
+    import time
+
+    import aiohttp
+
+    async def one_pass() -> int:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+
+            async def one(b):
+                json_type = {"Content-Type": "application/json"}
+                async with s.post(url, data=b, headers=json_type) as r:
+                    data = await r.json()
+                    assert r.status == 200, data
+                    return data["usage"]["completion_tokens"]
+
+            return sum(await asyncio.gather(*(one(b) for b in bodies)))
+
+    while conn.recv() is not None:
+        t0 = time.perf_counter()
+        toks = asyncio.run(one_pass())
+        conn.send((toks, time.perf_counter() - t0))
 
 
 def main(argv: list[str]) -> None:
@@ -168,13 +205,32 @@ def main(argv: list[str]) -> None:
         return toks, time.perf_counter() - t0
 
     expect = len(shots) * n_tok
-    with serving() as url:
+    with serving() as url, contextlib.ExitStack() as stack:
+        if _CLIENT.value == "process":
+            import multiprocessing
+
+            conn, child_conn = multiprocessing.Pipe()
+            client = multiprocessing.get_context("spawn").Process(
+                target=_client_worker, args=(child_conn, url, bodies), daemon=True
+            )
+            client.start()
+            stack.callback(client.join, 30)
+            stack.callback(conn.send, None)
+
+            def server_timed():
+                conn.send("go")
+                return conn.recv()
+        else:
+
+            def server_timed():
+                return timed(lambda: asyncio.run(server_pass(url)))
+
         asyncio.run(direct_pass())  # warm-up: compiles every shape
-        asyncio.run(server_pass(url))
+        server_timed()
         direct, server = [], []
         for _ in range(_REPEATS.value):  # interleaved, so load changes hit both alike
             direct.append(timed(lambda: asyncio.run(direct_pass())))
-            server.append(timed(lambda: asyncio.run(server_pass(url))))
+            server.append(server_timed())
     assert all(t == expect for t, _ in direct + server), (direct, server, expect)
     best_direct = min(t for _, t in direct)
     best_server = min(t for _, t in server)
@@ -182,7 +238,7 @@ def main(argv: list[str]) -> None:
     print(
         f"{config.preset} on {jax.devices()[0].device_kind}: {len(shots)} concurrent requests "
         f"x {n_tok} tokens, one {w}x{h} {_SCREENS.value} screenshot each ({png_kib:.0f} KiB "
-        f"PNG), max_slots={config.sampler.max_slots}\n"
+        f"PNG), max_slots={config.sampler.max_slots}, client {_CLIENT.value}\n"
         f"  direct Engine: {d:9.1f} tokens/s ({best_direct:.3f} s)\n"
         f"  tools/serve.py: {s:8.1f} tokens/s ({best_server:.3f} s)\n"
         f"  ratio server/direct: {s / d:.3f}"
