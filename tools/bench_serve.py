@@ -75,24 +75,28 @@ def _client_worker(conn, url: str, bodies: list[bytes]) -> None:
     import asyncio
     import time
 
-    import aiohttp
-
-    async def one_pass() -> int:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-
-            async def one(b):
-                json_type = {"Content-Type": "application/json"}
-                async with s.post(url, data=b, headers=json_type) as r:
-                    data = await r.json()
-                    assert r.status == 200, data
-                    return data["usage"]["completion_tokens"]
-
-            return sum(await asyncio.gather(*(one(b) for b in bodies)))
-
     while conn.recv() is not None:
         t0 = time.perf_counter()
-        toks = asyncio.run(one_pass())
+        toks = asyncio.run(_post_all(url, bodies))
         conn.send((toks, time.perf_counter() - t0))
+
+
+async def _post_all(url: str, bodies: list[bytes]) -> int:
+    """POSTs every body at once (aiohttp, no connection limit); the completion tokens."""
+    import asyncio
+
+    import aiohttp
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+
+        async def one(b):
+            json_type = {"Content-Type": "application/json"}
+            async with s.post(url, data=b, headers=json_type) as r:
+                data = await r.json()
+                assert r.status == 200, data
+                return data["usage"]["completion_tokens"]
+
+        return sum(await asyncio.gather(*(one(b) for b in bodies)))
 
 
 def main(argv: list[str]) -> None:
@@ -103,7 +107,6 @@ def main(argv: list[str]) -> None:
     import threading
     import time
 
-    import aiohttp
     import jax
     import uvicorn
 
@@ -186,19 +189,6 @@ def main(argv: list[str]) -> None:
             server.should_exit = True
             th.join(30)
 
-    async def server_pass(url):
-        limits = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=limits) as s:
-
-            async def one(b):
-                json_type = {"Content-Type": "application/json"}
-                async with s.post(url, data=b, headers=json_type) as r:
-                    data = await r.json()
-                    assert r.status == 200, data
-                    return data["usage"]["completion_tokens"]
-
-            return sum(await asyncio.gather(*(one(b) for b in bodies)))
-
     def timed(fn):
         t0 = time.perf_counter()
         toks = fn()
@@ -223,7 +213,7 @@ def main(argv: list[str]) -> None:
         else:
 
             def server_timed():
-                return timed(lambda: asyncio.run(server_pass(url)))
+                return timed(lambda: asyncio.run(_post_all(url, bodies)))
 
         asyncio.run(direct_pass())  # warm-up: compiles every shape
         server_timed()
