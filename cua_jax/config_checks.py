@@ -118,8 +118,11 @@ def _check_splash(config: Any) -> None:
     m = config.model
     if m.attn_impl != "splash":
         return
-    block = m.attn_block or 512
-    bad = [n for n in config.rl.row_lengths if n % min(block, n) or min(block, n) % 128]
+    from cua_jax.models.qwen_vl.text import SPLASH_BLOCK, splash_tile
+
+    block = m.attn_block or SPLASH_BLOCK
+    tiles = {n: splash_tile(m.attn_block, n) for n in config.rl.row_lengths}
+    bad = [n for n, tile in tiles.items() if n % tile or tile % 128]
     if block % 128 or bad:
         raise ConfigError(
             f"config.model.attn_impl='splash' tiles rows in blocks of config.model.attn_block="

@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from cua_jax import sharding as shd
 from cua_jax.models import qwen_vl
+from cua_jax.models.qwen_vl.text import splash_tile
 
 GiB = 1 << 30
 
@@ -618,7 +619,7 @@ def _splash_cost(cfg: qwen_vl.QwenVLConfig, rows: int, row_len: int, mesh: Any) 
     times on average); the backward reads and writes about twice that."""
     t = cfg.text
     T, N, K, H = row_len, t.num_attention_heads, t.num_key_value_heads, t.head_dim
-    block = min(cfg.attn_block or 512, T)
+    block = splash_tile(cfg.attn_block, T)
     matmuls = 9 + (2 if cfg.remat == "full" else 0)
     flops = matmuls * T * T * N * H * rows * t.num_hidden_layers
     size = jnp.dtype(cfg.dtype).itemsize

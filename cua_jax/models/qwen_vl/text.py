@@ -191,6 +191,15 @@ def blockwise_attention(
     return jnp.concatenate(outs, axis=1)
 
 
+SPLASH_BLOCK = 512  # the splash kernel's tile when model.attn_block is 0
+
+
+def splash_tile(attn_block: int, row_len: int) -> int:
+    """The splash kernel's tile for rows of `row_len` tokens: `attn_block` (SPLASH_BLOCK when
+    0), at most the row."""
+    return min(attn_block or SPLASH_BLOCK, row_len)
+
+
 def splash_attention(
     q_BTNH: jax.Array,
     k_BSKH: jax.Array,
@@ -310,7 +319,7 @@ def make_dense_attn_fn(
         del layer_idx
         B, T = q_BTNH.shape[:2]
         if impl == "splash":
-            tile = min(block or 512, T)
+            tile = splash_tile(block, T)
             return splash_attention(q_BTNH, k, v, tile, attention_mask, segment_ids, mesh, rules)
         if 0 < block < T:
             return blockwise_attention(q_BTNH, k, v, block, attention_mask, segment_ids)
@@ -453,4 +462,5 @@ __all__ = [
     "make_attention_mask",
     "make_dense_attn_fn",
     "splash_attention",
+    "splash_tile",
 ]
