@@ -105,7 +105,10 @@ def sampler_programs(
             key_data=sds((n, 2), jnp.uint32),
             banned=sds((n, steps.MAX_BANNED), i32),
         )
-        args = (sds((x, V), jnp.float32), sds((n,), i32), samp, sds((n,), i32))
+        # the logits are a prefill's output, on the engine's devices: a committed array's
+        # sharding (its mesh) is part of jit's cache key, host arrays' is not
+        logits = sds((x, V), jnp.float32, sharding=engine.shardings.small)
+        args = (logits, sds((n,), i32), samp, sds((n,), i32))
         out.append((f"sample_first {x}->{n}", fns.sample_first, args))
     return out
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -16,6 +17,7 @@ from cua_jax.models import qwen_vl
 from cua_jax.sampler import Engine, SamplingParams
 from cua_jax.sampler import engine as engine_mod
 from cua_jax.sampler.scheduler import BucketSet, batch_bucket, pages_bucket, token_bucket
+from cua_jax.sharding import make_mesh
 
 _T = qwen_vl.tiny("qwen2_5_vl", vocab_size=256)
 CFG = _T.replace(
@@ -115,10 +117,15 @@ async def _workload(engine, seed, episodes=6, turns=3):
     await asyncio.gather(*(episode(e) for e in range(episodes)))
 
 
-@pytest.fixture(scope="module")
-def engine():
+@pytest.fixture(scope="module", params=["device", "mesh"])
+def engine(request):
+    """One engine on a device, one on a (1-device) mesh as the main job builds it: a prefill's
+    logits then carry the mesh, which the warm-up's first-token programs must match."""
     model = qwen_vl.QwenVL(CFG, rngs=nnx.Rngs(0))
-    return Engine(model, max_slots=4, page_size=8, num_pages=160, max_seq_len=128, decode_chunk=4)
+    mesh = make_mesh(devices=jax.devices()[:1]) if request.param == "mesh" else None
+    return Engine(
+        model, max_slots=4, page_size=8, num_pages=160, max_seq_len=128, decode_chunk=4, mesh=mesh
+    )
 
 
 def test_multi_turn_workload_compiles_only_the_warmed_bucket_set(engine):
@@ -151,4 +158,6 @@ def test_multi_turn_workload_compiles_only_the_warmed_bucket_set(engine):
     assert images and all(b == 1 and set(g) == {SCREEN} for g, b, _, _ in images)
     assert seen["decode"] <= set(buckets.table_cols)
     assert seen["copy"] <= set(buckets.copies)
+    firsts = {(x, n) for x in buckets.prefill_rows for n in buckets.prefill_rows if n <= x}
+    assert seen["first"] and seen["first"] <= firsts
     assert len(seen["prefill"]) >= 4 and engine.stats["cached_tokens"] > 0
