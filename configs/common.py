@@ -95,6 +95,9 @@ def base_config(family: str) -> ConfigDict:
     c.rl.top_p = 1.0
     # reward = task score - this x (invalid actions in the episode); success uses the score
     c.rl.invalid_action_penalty = 0.0
+    # dense shaping, off at 0: a failed episode's reward += this x the checker's closeness in
+    # [0, 1] (how near its clicks came to the task's targets; built-in browser tasks report it)
+    c.rl.closeness_reward = 0.0
     c.rl.kl_penalty_coef = 0.0
     c.rl.kl_estimator = "k3"
     c.rl.clip_low = 0.2

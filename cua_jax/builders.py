@@ -235,6 +235,9 @@ def build_rollout_settings(config: Any, model: Any) -> RolloutSettings:
         temperature=rl.temperature,
         top_p=rl.top_p,
         invalid_action_penalty=rl.invalid_action_penalty,
+        closeness_reward=rl.closeness_reward,
+        # SDPO's teacher is shown the screen after a failed episode's last action
+        keep_final_screen=rl.algorithm == "sdpo" and "final_screenshot" in rl.sdpo_feedback,
         action_format=env.action_format,
         system_prompt=env.system_prompt,
         banned_token_ids=model.config.vision_placeholder_ids,

@@ -112,6 +112,9 @@ LIMITS: dict[str, Limit] = {
     "rl.temperature": _POS,
     "rl.top_p": _float(0, 1, lo_open=True),
     "rl.invalid_action_penalty": _float(0, why="subtracted from the reward per invalid action"),
+    "rl.closeness_reward": _float(
+        0, 1, hi_open=True, why="a failed episode's reward must stay below a success's"
+    ),
     "rl.kl_penalty_coef": _float(0),
     "rl.clip_low": _float(0, 1, hi_open=True, why="the PPO ratio's floor 1 - clip_low is > 0"),
     "rl.clip_high": _float(0, why="the PPO ratio's ceiling is 1 + clip_high"),

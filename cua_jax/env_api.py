@@ -149,6 +149,53 @@ class StepResult:
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckerReport:
+    """What a task's checker can say about an attempt beyond its score (an env's optional
+    ``report()``; the built-in browser tasks have one).
+
+    Attributes:
+      clicks: (x, y, label) of each press the page got, in screen pixels, in order; label is what
+        it landed on (a button's text, a field's label, an id).
+      targets: (label, x, y) of the elements the task's plan clicks that are on the final screen,
+        x, y their centres in screen pixels.
+      closeness: in [0, 1], how near the clicks came to the targets (1: every target clicked;
+        falls off with distance, see ``envs/browser/static/cua.js``); None where the checker
+        cannot say (no click targets).
+      note: the task's own sentence on what was wrong ("" when it has none).
+    """
+
+    clicks: tuple[tuple[float, float, str], ...] = ()
+    targets: tuple[tuple[str, float, float], ...] = ()
+    closeness: float | None = None
+    note: str = ""
+
+    def message(self, to_model: Any = None) -> str:
+        """The report as text for the policy (SDPO's teacher): `to_model` maps screen pixels to
+        the policy's coordinate frame (`CoordinateSpace.to_model`), so the positions are the ones
+        the policy itself writes."""
+
+        def at(x: float, y: float) -> str:
+            mx, my = to_model(x, y) if to_model is not None else (round(x), round(y))
+            return f"({mx}, {my})"
+
+        parts = []
+        if self.clicks:
+            parts.append(
+                "clicked " + ", then ".join(f'"{lb}" at {at(x, y)}' for x, y, lb in self.clicks)
+            )
+        elif self.targets:
+            parts.append("made no click")
+        if self.targets:
+            parts.append(
+                "the target was "
+                + " and ".join(f'"{lb}" at {at(x, y)}' for lb, x, y in self.targets)
+            )
+        text = "; ".join(parts)
+        text = (text[:1].upper() + text[1:] + ".") if text else ""
+        return f"{text} {self.note}".strip()
+
+
 @runtime_checkable
 class Env(Protocol):
     """An interactive environment that runs one task at a time.
@@ -169,6 +216,11 @@ class Env(Protocol):
     async def evaluate(self) -> float:
         """Score the current state for the current task (1.0 = solved, 0.0 = not)."""
         ...
+
+    # Optional (not part of the protocol check): ``async def report(self) -> CheckerReport |
+    # None``, read after ``evaluate``: what the checker can say beyond the score (the rollout
+    # loop records it on ``Trajectory.checker_report``; SDPO's teacher reads its message, and
+    # ``rl.closeness_reward`` shapes failed episodes' rewards with its closeness).
 
     async def close(self) -> None:
         """Release everything the env holds (pages, browsers, VMs). Safe to call twice."""

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -36,7 +37,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from cua_jax import actions as A
-from cua_jax.env_api import INFO_ERROR, INFO_INVALID_ACTION, Env, EnvError, Task
+from cua_jax.env_api import (
+    INFO_ERROR,
+    INFO_INVALID_ACTION,
+    CheckerReport,
+    Env,
+    EnvError,
+    Task,
+)
 from cua_jax.rl.policies import (
     Detour,
     OraclePolicy,
@@ -56,6 +64,9 @@ class EnvPool(Protocol):
     def acquire(self) -> contextlib.AbstractAsyncContextManager[Env]: ...
 
     def __len__(self) -> int: ...
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +91,14 @@ class RolloutSettings:
     # Never sampled: the vision placeholder tokens (`QwenVLConfig.vision_placeholder_ids`); the
     # learner masks the same ids so its log-probs are of the same policy.
     banned_token_ids: tuple[int, ...] = ()
+    # Dense shaping (off at 0): a failed episode's reward gains closeness_reward x the checker's
+    # closeness in [0, 1] (`CheckerReport.closeness`: how near its clicks came to the task's
+    # targets), so groups whose rollouts all fail still rank each other by how close they came.
+    # Successes keep their score; eval and `Trajectory.success` use the score itself.
+    closeness_reward: float = 0.0
+    # Keep the screen after a failed episode's last action (`Trajectory.final_screen`), for
+    # SDPO's final_screenshot feedback; one more preprocessed image per failed episode.
+    keep_final_screen: bool = False
 
     def __post_init__(self) -> None:
         if self.system_prompt not in ("tools", "compact"):
@@ -88,6 +107,11 @@ class RolloutSettings:
             raise ValueError(
                 f"invalid_action_penalty={self.invalid_action_penalty} must be >= 0 (it is "
                 "subtracted from the reward)"
+            )
+        if not 0 <= self.closeness_reward < self.success_threshold:
+            raise ValueError(
+                f"closeness_reward={self.closeness_reward} must be in [0, success_threshold="
+                f"{self.success_threshold}): a failed episode must never earn a success's reward"
             )
 
 
@@ -100,9 +124,14 @@ as ``AgentLoop(..., reward_fn=...)``; eval and ``Trajectory.success`` use the sc
 
 
 def default_reward(traj: Trajectory, score: float, settings: RolloutSettings) -> float:
-    """The task's score, minus ``settings.invalid_action_penalty`` per invalid action."""
+    """The task's score, minus ``settings.invalid_action_penalty`` per invalid action; a failed
+    episode whose checker reported a closeness gains ``settings.closeness_reward`` x it."""
     invalid = traj.timings.get("invalid_actions", 0.0)
-    return float(score) - settings.invalid_action_penalty * float(invalid)
+    reward = float(score) - settings.invalid_action_penalty * float(invalid)
+    report = traj.checker_report
+    if not traj.success and report is not None and report.closeness is not None:
+        reward += settings.closeness_reward * float(report.closeness)
+    return reward
 
 
 COMPACT_SYSTEM_PROMPT = (
@@ -461,6 +490,13 @@ class AgentLoop:
         traj.timings = timings
         traj.score = score
         traj.success = score >= self.settings.success_threshold
+        if not traj.infra_fault:
+            traj.checker_report = await _report(env, traj)
+            if traj.checker_report is not None:
+                traj.checker_message = traj.checker_report.message(space.to_model)
+            if self.settings.keep_final_screen and not traj.success and traj.turns:
+                images = self.processor.preprocess_images([obs.screenshot])
+                traj.final_screen = (images["pixel_values"], images["image_grid_thw"])
         # Oracle demonstrations and greedy eval report the score itself.
         shaped = policy.shaped_reward
         traj.reward = float(self.reward_fn(traj, score, self.settings)) if shaped else score
@@ -591,6 +627,19 @@ async def _score(env: Env, traj: Trajectory) -> float:
     except Exception as e:  # noqa: BLE001 -- a broken checker fails this episode only
         traj.failure_reason = f"evaluate_error: {type(e).__name__}: {e}"
         return 0.0
+
+
+async def _report(env: Env, traj: Trajectory) -> CheckerReport | None:
+    """The checker's report (`Env.report`, optional) on a scored episode; None for an env
+    without one. A report that raises is logged and the episode keeps its score."""
+    report = getattr(env, "report", None)
+    if report is None:
+        return None
+    try:
+        return await report()
+    except Exception as e:  # noqa: BLE001 -- the report is extra: the score stands
+        log.warning("checker report for %s failed: %s: %s", traj.task_id, type(e).__name__, e)
+        return None
 
 
 def count_infra_faults(trajs: Sequence[Trajectory]) -> int:

@@ -11,10 +11,11 @@ teacher), so one scalar reward becomes dense per-token credit:
                                                                         generated tokens t
 
 On screens the feedback f is what the environment can show (`FEEDBACK_KINDS`):
-  final_screenshot  the last screen of the failed attempt (the screen its last action was taken
-                    on; `Trajectory` does not record the screen after that action)
-  checker_message   the task checker's message (`Trajectory.checker_message` where the episode
-                    loop records one) or why the episode ended (`failure_reason`)
+  final_screenshot  the screen after the failed attempt's last action (`Trajectory.final_screen`;
+                    the last screen its policy saw where that was not kept)
+  checker_message   the task checker's report (`Trajectory.checker_message`: what the clicks
+                    hit and where the targets were, in the policy's coordinates) and why the
+                    episode ended (`failure_reason`)
   peer_success      the tool calls of a successful episode of the same group, as decoded text
 A successful episode never gets a teacher (there is nothing to correct, and its own success
 would be its feedback).
@@ -208,8 +209,12 @@ class Feedback:
 
 
 def last_screenshot(traj: Trajectory) -> tuple[np.ndarray, np.ndarray] | None:
-    """(pixel_values, grid i32[1, 3]) of the last screen the episode's policy saw: the last image
-    of the last turn that added images."""
+    """(pixel_values, grid i32[1, 3]) of the episode's final screen: the screen after its last
+    action (`Trajectory.final_screen`, kept when `RolloutSettings.keep_final_screen`), else the
+    last screen its policy saw (the last image of the last turn that added images)."""
+    if traj.final_screen is not None:
+        pv, grid = traj.final_screen
+        return np.asarray(pv), np.asarray(grid, np.int32).reshape(-1, 3)[-1:]
     for turn in reversed(traj.turns):
         if turn.image_grid_thw is None or not len(turn.image_grid_thw):
             continue
@@ -243,10 +248,10 @@ def episode_feedback(
     if "final_screenshot" in kinds:
         fb.screenshot = last_screenshot(traj)
     if "checker_message" in kinds:
-        message = getattr(traj, "checker_message", None) or ""
-        if not message and traj.failure_reason:
-            message = f"The episode ended: {traj.failure_reason}."
-        fb.checker_message = message
+        parts = [traj.checker_message] if traj.checker_message else []
+        if traj.failure_reason:
+            parts.append(f"The episode ended: {traj.failure_reason}.")
+        fb.checker_message = " ".join(parts)
     if "peer_success" in kinds:
         peer = successful_peer(traj, group)
         if peer is not None:

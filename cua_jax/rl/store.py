@@ -457,6 +457,7 @@ class TrajectoryWriter:
                 "policy_version": int(traj.policy_version),
                 "timings": traj.timings,
                 "failure_reason": traj.failure_reason,
+                "checker_message": traj.checker_message,
                 "task_position": traj.task_position,
                 "turns": turns,
             }
@@ -532,6 +533,7 @@ class TrajectoryReader:
             timings=rec["timings"],
             failure_reason=rec["failure_reason"],
             score=rec.get("score"),  # absent in directories written before it existed
+            checker_message=rec.get("checker_message", ""),
             task_position=rec.get("task_position"),
         )
 

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from cua_jax.env_api import CheckerReport
+
 # (input_ids i32[T], image_grid_thw i32[I, 3] | None) -> M-RoPE position ids i32[3, T]
 PositionFn = Callable[[np.ndarray, np.ndarray | None], np.ndarray]
 
@@ -100,6 +102,15 @@ class Trajectory:
     # The task's position in the training task order (`cua_jax.rl.sources.TaskCursor`) when a
     # rollout source took it from there; None for eval episodes and demonstrations.
     task_position: int | None = None
+    # What the task's checker said beyond the score (`env_api.CheckerReport`; None where the env
+    # has no report or a fault ended the episode), and its text with positions in the policy's
+    # coordinate frame (`CheckerReport.message`): SDPO's "checker_message" feedback.
+    checker_report: CheckerReport | None = None
+    checker_message: str = ""
+    # The screen after the episode's last action, preprocessed as the turns' screenshots are:
+    # (pixel_values f32[N, D], grid i32[1, 3]); kept for failed episodes when
+    # `RolloutSettings.keep_final_screen` (SDPO's "final_screenshot" feedback), else None.
+    final_screen: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def route_shape(self) -> tuple[int, int] | None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from playwright.async_api import Page
 
-from cua_jax.env_api import EnvError, Task
+from cua_jax.env_api import CheckerReport, EnvError, Task
 from envs.browser import miniwob, pages, suite
 
 if TYPE_CHECKING:
@@ -26,6 +26,9 @@ class Adapter(Protocol):
     async def state(self, env: BrowserEnv, page: Page) -> tuple[bool, float]: ...
     async def score(self, env: BrowserEnv, page: Page, answer: str | None) -> float: ...
     async def oracle_plan(self, env: BrowserEnv, page: Page) -> list[dict[str, Any]]: ...
+    async def report(
+        self, env: BrowserEnv, page: Page, answer: str | None
+    ) -> CheckerReport | None: ...
 
 
 class Builtin:
@@ -58,6 +61,15 @@ class Builtin:
     async def oracle_plan(self, env: BrowserEnv, page: Page) -> list[dict[str, Any]]:
         return list(await page.evaluate("() => cua.plan()"))
 
+    async def report(self, env: BrowserEnv, page: Page, answer: str | None) -> CheckerReport:
+        r = await page.evaluate("(a) => cua.report(a)", answer)
+        return CheckerReport(
+            clicks=tuple((float(c["x"]), float(c["y"]), str(c["label"])) for c in r["clicks"]),
+            targets=tuple((str(t["label"]), float(t["x"]), float(t["y"])) for t in r["targets"]),
+            closeness=float(r["closeness"]) if r["targets"] else None,
+            note=str(r["note"] or ""),
+        )
+
 
 class MiniWoB:
     async def start(self, env: BrowserEnv, page: Page, task: Task, seed: int) -> str:
@@ -81,6 +93,9 @@ class MiniWoB:
     async def oracle_plan(self, env: BrowserEnv, page: Page) -> list[dict[str, Any]]:
         raise NotImplementedError("MiniWoB++ tasks have no oracle here")
 
+    async def report(self, env: BrowserEnv, page: Page, answer: str | None) -> None:
+        return None  # its checker says nothing beyond the score
+
 
 class PageKind:
     """Any page of ours: spec {"url": "http://cua.local/..."} or {"html": "..."}; no checker."""
@@ -103,6 +118,9 @@ class PageKind:
 
     async def oracle_plan(self, env: BrowserEnv, page: Page) -> list[dict[str, Any]]:
         raise NotImplementedError("custom pages have no oracle")
+
+    async def report(self, env: BrowserEnv, page: Page, answer: str | None) -> None:
+        return None  # its checker says nothing beyond the score
 
 
 _BLANK = "<!DOCTYPE html><html><body style='margin:0;background:#fff'></body></html>"

@@ -47,6 +47,7 @@ from cua_jax.env_api import (
     INFO_ERROR,
     INFO_INVALID_ACTION,
     INFO_TIMING,
+    CheckerReport,
     EnvError,
     Observation,
     StepResult,
@@ -510,6 +511,25 @@ class BrowserEnv:
             reason = self._describe_fault(e)
             await self._fault_during_evaluate(reason)
             raise EnvError(f"cannot score task {task.id!r}: {reason}") from e
+
+    async def report(self) -> CheckerReport | None:
+        """The checker's report on the episode (clicks, targets, closeness; see
+        :class:`cua_jax.env_api.CheckerReport`), read after `evaluate`; None for a task kind
+        whose checker has none, or when the page cannot give it (a fault already ended the
+        episode, or the page fails now: logged, the episode's score stands)."""
+        task, page = self._task, self._page
+        if task is None or page is None or self._broken:
+            return None
+        from envs.browser import adapters  # noqa: PLC0415
+
+        try:
+            return await asyncio.wait_for(
+                self._with_nav_retry(lambda: adapters.get(task).report(self, page, self._answer)),
+                self.step_timeout_s,
+            )
+        except Exception as e:  # noqa: BLE001 -- playwright raises many kinds
+            log.warning("checker report of %s failed: %s", task.id, self._describe_fault(e))
+            return None
 
     async def _fault_during_evaluate(self, reason: str) -> None:
         log.warning("evaluate of %s failed: %s", self._task.id if self._task else "?", reason)

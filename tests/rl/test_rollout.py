@@ -16,14 +16,22 @@ from cua_jax.data.processor import QwenVLProcessor
 from cua_jax.env_api import (
     INFO_DONE_REASON,
     INFO_INVALID_ACTION,
+    CheckerReport,
     EnvError,
     Observation,
     StepResult,
     Task,
 )
 from cua_jax.models import qwen_vl
-from cua_jax.rl.rollout import OMITTED_SCREENSHOT, AgentLoop, RolloutSettings, count_infra_faults
-from cua_jax.rl.trajectory import rope_position_fn, trajectory_to_samples
+from cua_jax.rl.policies import OraclePolicy
+from cua_jax.rl.rollout import (
+    OMITTED_SCREENSHOT,
+    AgentLoop,
+    RolloutSettings,
+    count_infra_faults,
+    default_reward,
+)
+from cua_jax.rl.trajectory import Trajectory, rope_position_fn, trajectory_to_samples
 from cua_jax.sampler import Engine
 
 W = H = 64
@@ -443,3 +451,70 @@ def test_the_tasks_api_actions_are_in_the_prompt_and_only_then(engine, proc, sys
     first = tok.decode(with_api.turns[0].prompt_ids)
     assert "run_shell" in first and "fill" in first
     assert "run_shell" not in tok.decode(plain.turns[0].prompt_ids)
+
+
+# ---- the checker's report: message, dense shaping, the final screen ----------------------------
+
+
+class ReportingEnv(SquareEnv):
+    """SquareEnv whose checker also reports its clicks, the square's centre and a closeness."""
+
+    def __init__(self, fail=False):
+        super().__init__()
+        self.fail = fail
+
+    async def report(self):
+        if self.fail:
+            raise RuntimeError("page gone")
+        clicks = tuple((a.x, a.y, "background") for a in self.actions if isinstance(a, A.Click))
+        return CheckerReport(clicks=clicks, targets=(("square", 16.0, 48.0),), closeness=0.25)
+
+
+class _ShapedDetour(OraclePolicy):
+    shaped_reward = True  # scored as a sampled rollout is: through the reward function
+
+
+def _miss(loop, env, **kw):
+    policy = _ShapedDetour(loop.fmt, loop.tokenizer, detour=A.Click(50, 10))
+    return asyncio.run(loop.play(env, TASK, policy, **kw))
+
+
+def test_checker_report_message_shaping_and_final_screen(engine, proc):
+    loop = _loop(engine, proc, max_turns=1, closeness_reward=0.4, keep_final_screen=True)
+    env = ReportingEnv()
+    traj = _miss(loop, env)
+    assert not traj.success and traj.score == 0.0 and traj.failure_reason == "max_turns"
+    ((cx, cy, hit),) = traj.checker_report.clicks  # through the model's 0..1000 frame and back
+    assert (cx, cy, hit) == (pytest.approx(50, abs=0.1), pytest.approx(10, abs=0.1), "background")
+    # qwen3vl's frame is 0..1000 on both axes of the 64x64 screen
+    assert traj.checker_message == (
+        'Clicked "background" at (781, 156); the target was "square" at (250, 750).'
+    )
+    assert traj.reward == pytest.approx(0.4 * 0.25)  # 0 + closeness_reward x closeness
+    # the final screen is the one after the click (SquareEnv's shade changes per step)
+    want = proc.preprocess_images([env._obs().screenshot])
+    np.testing.assert_array_equal(traj.final_screen[0], want["pixel_values"])
+    np.testing.assert_array_equal(traj.final_screen[1], want["image_grid_thw"])
+    first = proc.preprocess_images([np.full((H, W, 3), 0, np.uint8)])["pixel_values"]
+    assert not np.array_equal(traj.final_screen[0], first)
+
+    # off by default: no shaping, no final screen; an env without report() has no report
+    plain = _miss(_loop(engine, proc, max_turns=1), SquareEnv())
+    assert plain.reward == 0.0 and plain.checker_report is None and plain.checker_message == ""
+    assert plain.final_screen is None
+    # a report that raises leaves the score and reward as they were
+    broken = _miss(_loop(engine, proc, max_turns=1, closeness_reward=0.4), ReportingEnv(True))
+    assert broken.checker_report is None and broken.reward == 0.0 and not broken.infra_fault
+
+
+def test_closeness_reward_shapes_failures_only():
+    s = RolloutSettings(closeness_reward=0.3, invalid_action_penalty=0.1)
+    rep = CheckerReport(closeness=0.5)
+    fail = Trajectory("t", "g", [], checker_report=rep, timings={"invalid_actions": 2.0})
+    assert default_reward(fail, 0.0, s) == pytest.approx(0.0 - 0.2 + 0.3 * 0.5)
+    win = Trajectory("t", "g", [], success=True, checker_report=rep)
+    assert default_reward(win, 1.0, s) == 1.0  # a success keeps its score
+    unknown = Trajectory("t", "g", [], checker_report=CheckerReport(closeness=None))
+    assert default_reward(unknown, 0.0, s) == 0.0
+    with pytest.raises(ValueError, match="closeness_reward"):
+        RolloutSettings(closeness_reward=1.0)

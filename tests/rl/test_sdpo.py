@@ -297,6 +297,23 @@ def test_locate_finds_samples_in_a_packed_batch():
     assert sdpo.locate(batch, [other], 99, 1) == [None]
 
 
+def test_feedback_is_the_final_screen_and_the_checker_report(proc):
+    """With the screen after the last action kept (`Trajectory.final_screen`) the teacher sees
+    it, not the last screen the policy saw; the checker's report comes before why it ended."""
+    failed = _episode(proc, 0, success=False, reason="max_turns")
+    final = proc.preprocess_images([_screen(7)])
+    failed.final_screen = (final["pixel_values"], final["image_grid_thw"])
+    failed.checker_message = 'Clicked "Cancel" at (120, 88); the target was "Submit" at (5, 9).'
+    fb = sdpo.episode_feedback(failed, [failed], proc.tokenizer.decode)
+    np.testing.assert_array_equal(fb.screenshot[0], final["pixel_values"])
+    np.testing.assert_array_equal(fb.screenshot[1], final["image_grid_thw"])
+    assert fb.checker_message == failed.checker_message + " The episode ended: max_turns."
+    failed.final_screen = None  # not kept: the last screen the policy saw
+    last = proc.preprocess_images([_screen(1)])
+    fb = sdpo.episode_feedback(failed, [failed], proc.tokenizer.decode)
+    np.testing.assert_array_equal(fb.screenshot[0], last["pixel_values"])
+
+
 def test_checker_message_and_config_errors(proc):
     lose = _episode(proc, 0, success=False)
     lose.checker_message = "clicked 'Cancel' at (120, 88); the target was 'Submit'"

@@ -51,10 +51,25 @@
     return e;
   }
 
+  // What an element is called, for the checker's report: its label's text, its own text,
+  // aria-label or title, else its id.
+  function labelOf(e) {
+    const lab = e.closest && e.closest("label");
+    const text = ((lab && lab.innerText) || e.innerText || e.value || "").trim().replace(/\s+/g, " ");
+    return (text || e.getAttribute("aria-label") || e.getAttribute("title") || e.id || e.tagName.toLowerCase()).slice(0, 40);
+  }
+  // Every press the page gets, kept in cua.state (across the page loads of multi-page templates)
+  document.addEventListener("pointerdown", (ev) => {
+    const c = window.cua;
+    if (!c) return;
+    (c.state.__clicks = c.state.__clicks || []).push({ x: Math.round(ev.clientX), y: Math.round(ev.clientY), label: labelOf(ev.target) });
+    c.save();
+  }, true);
+
   let KEY = "cua:" + NAME + ":" + SEED;
   let state = {};
   try { state = JSON.parse(sessionStorage.getItem(KEY) || "{}"); } catch (e) { state = {}; }
-  const fresh = { instruction: "", ready: false, done: false, error: null, score: () => 0, plan: () => [] };
+  const fresh = { instruction: "", ready: false, done: false, error: null, score: () => 0, plan: () => [], explain: null };
 
   window.cua = {
     name: NAME, seed: SEED, view: VIEW, R: R, h: h,
@@ -69,7 +84,36 @@
     go(view) { location.href = this.url(view); },
     score: () => 0,
     plan: () => [],
+    explain: null,  // optional: (answer) -> a sentence on what was wrong, added to the report
     root: null,
+    // What the checker can tell about an attempt, beyond its score: the clicks the page got
+    // (viewport pixels, and what each landed on), the plan's click targets on the current page
+    // (their labels and centres), and closeness in [0, 1]: per target, the best of
+    // exp(-d / (0.1 * viewport diagonal)) over the clicks, d the distance from the click to the
+    // target's box (0 inside it); averaged over the targets (0 with no target or no click).
+    report(answer) {
+      const clicks = this.state.__clicks || [];
+      const scale = 0.1 * Math.hypot(window.innerWidth, window.innerHeight);
+      const targets = [];
+      for (const st of this.plan() || []) {
+        if (st.op !== "click" || !st.sel) continue;
+        const e = document.querySelector(st.sel);
+        if (!e) continue;  // on another view of a multi-page template
+        const r = e.getBoundingClientRect();
+        targets.push({ label: labelOf(e), x: Math.round(r.left + r.width / 2), y: Math.round(r.top + r.height / 2), box: [r.left, r.top, r.right, r.bottom] });
+      }
+      let close = 0;
+      for (const t of targets) {
+        let best = 0;
+        for (const k of clicks) {
+          const dx = Math.max(t.box[0] - k.x, 0, k.x - t.box[2]), dy = Math.max(t.box[1] - k.y, 0, k.y - t.box[3]);
+          best = Math.max(best, Math.exp(-Math.hypot(dx, dy) / scale));
+        }
+        close += best / targets.length;
+      }
+      const note = typeof this.explain === "function" ? String(this.explain(answer) || "") : "";
+      return { clicks: clicks, targets: targets.map(({ label, x, y }) => ({ label, x, y })), closeness: close, note: note };
+    },
     // Start another (template, seed) in this document without a page load: what a full load of
     // task.html?t=name&seed=seed would give (the env uses it to make resets cheap).
     restart(name, seed) {

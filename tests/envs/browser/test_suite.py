@@ -1,6 +1,7 @@
 """The built-in suite through the real browser env: oracle solves every template for 10 seeds,
 a random policy rarely does, untouched pages score 0, seeds are deterministic."""
 
+import math
 import random
 
 import numpy as np
@@ -92,6 +93,79 @@ def test_seeded_pages_are_deterministic(pool, run):
         assert a.screenshot.shape == (VIEWPORT[1], VIEWPORT[0], 3)
         differ += a.instruction != c.instruction
     assert differ >= 4  # another seed gives another task instance
+
+
+_BOXES_JS = """(sel) => Array.from(document.querySelectorAll(sel)).map((e) => {
+  const r = e.getBoundingClientRect(); return [e.id, r.left, r.top, r.right, r.bottom]; })"""
+
+
+def _centre(box):
+    return (box[1] + box[3]) / 2, (box[2] + box[4]) / 2
+
+
+def _closeness(click, box):
+    """The checker's closeness of one click to one target box, computed here from the boxes."""
+    x, y = click
+    dx, dy = max(box[1] - x, 0, x - box[3]), max(box[2] - y, 0, y - box[4])
+    return math.exp(-math.hypot(dx, dy) / (0.1 * math.hypot(*VIEWPORT)))
+
+
+async def _report_after(env, task, pick):
+    """Reset, click where `pick(boxes, target_sel)` says (or nowhere: None), score, report."""
+    await env.reset(task)
+    page = env._page
+    boxes = await page.evaluate(_BOXES_JS, "#root button, #root input")
+    plan = await page.evaluate("() => cua.plan()")
+    sels = [st["sel"] for st in plan if st["op"] == "click"]
+    click = pick(boxes, sels)
+    if click is not None:
+        await env.step(A.Click(*click))
+    return boxes, click, await env.evaluate(), await env.report(), sels
+
+
+def test_checker_report_says_what_was_clicked_where_the_target_was_and_how_close(pool, run):
+    """The built-in checker's report (`cua.report` via `BrowserEnv.report`): the clicks and
+    what they hit, the plan's targets with their centres, and the closeness computed here from
+    the element boxes; a message in the policy's coordinates."""
+    by_id = lambda boxes, sel: next(b for b in boxes if "#" + b[0] == sel)  # noqa: E731
+
+    def wrong(boxes, sels):  # the centre of a button the plan does not click
+        return _centre(next(b for b in boxes if "#" + b[0] not in sels and b[0].startswith("b-")))
+
+    def submit_only(boxes, sels):
+        return _centre(by_id(boxes, "#submit"))
+
+    jobs = [
+        (suite.make_task("click-label", 3), wrong),
+        (suite.make_task("radio-pick", 4), submit_only),
+        (suite.make_task("click-label", 5), lambda boxes, sels: None),
+    ]
+    out = run(pool.map(lambda env, j: _report_after(env, *j), jobs))
+    (boxes, click, score, rep, _), (rboxes, _, rscore, rrep, rsels), (*_, nscore, nrep, _) = out
+
+    # click-label: a wrong button, so score 0, one click on it, one target elsewhere
+    assert score == 0.0 and len(rep.clicks) == 1 and len(rep.targets) == 1
+    (cx, cy, hit), (label, tx, ty) = rep.clicks[0], rep.targets[0]
+    assert abs(cx - click[0]) <= 1 and abs(cy - click[1]) <= 1
+    target = next(b for b in boxes if b[0] == "b-" + label)
+    assert hit != label and (tx, ty) == tuple(round(v) for v in _centre(target))
+    assert rep.closeness == pytest.approx(_closeness((cx, cy), target), rel=1e-6)
+    assert 0 < rep.closeness < 1
+    space = A.CoordinateSpace.relative(*VIEWPORT)
+    mx, my = space.to_model(cx, cy)
+    assert rep.message(space.to_model) == (
+        f'Clicked "{hit}" at ({mx}, {my}); the target was "{label}" at {space.to_model(tx, ty)}.'
+    )
+
+    # radio-pick, Submit clicked without a choice: two targets (the radio, Submit); the mean of
+    # the radio's closeness and Submit's 1
+    (rx, ry, rhit), radio = rrep.clicks[0], by_id(rboxes, rsels[0])
+    assert rscore == 0.0 and rhit == "Submit" and [t[0] for t in rrep.targets][1] == "Submit"
+    assert rrep.closeness == pytest.approx((_closeness((rx, ry), radio) + 1.0) / 2, rel=1e-6)
+
+    # no click at all: closeness 0, and the message says so
+    assert nscore == 0.0 and nrep.clicks == () and nrep.closeness == 0.0
+    assert nrep.message().startswith("Made no click; the target was")
 
 
 def test_splits_and_templates():
