@@ -210,6 +210,7 @@ async def run(
             # ---- GRPO steps (with Entropulse: an SFT phase every rl.entropulse_every) ----------
             pulse = entropulse.from_config(config)
             await asyncio.to_thread(warm.wait, compiles)
+            signal = _SignalCount()  # did any step of this run update the policy?
             while step < config.total_steps:
                 t_step = time.perf_counter()
                 step_mark = compiles.snapshot()
@@ -233,6 +234,7 @@ async def run(
                     )
                 else:  # every group had equal rewards: nothing to learn from this batch
                     train_metrics = {"skipped_no_signal": 1.0}
+                signal.add(rollouts.metrics, updated="skipped_no_signal" not in train_metrics)
                 compiles.check()  # rl.strict_shapes: a compile outside the warmed set fails
                 t_train = time.perf_counter() - t0
                 t0 = time.perf_counter()
@@ -264,6 +266,7 @@ async def run(
                     if pulsed:
                         engine.update_params(builders.sampler_params(learner), learner.version)
                         row.update(pulsed)
+                        signal.updates += 1
                 row = _job_metrics(row)  # multi-host: one row for the job (process 0 writes it)
                 if step % config.log.eval_every == 0 or step == config.total_steps:
                     last_eval = await evaluate(f"step{step}", step)
@@ -280,6 +283,7 @@ async def run(
                     ckpt, step, learner, source.state_dict(), force=step == config.total_steps
                 )
             source.faults.check_run()
+            signal.check_run(sft_trained=run_sft and config.sft.steps > 0)
         except BaseException as e:
             db_status = f"failed: {type(e).__name__}: {e}"
             raise
@@ -464,22 +468,64 @@ def _last_checkpoint(ckpt: Checkpointer) -> str | None:
     return None if latest is None else os.path.join(ckpt.directory, str(latest))
 
 
+class _SignalCount:
+    """Counts the GRPO steps of this run that updated the policy. When every step had only
+    equal-reward groups (all failed or all succeeded), `check_run` says which: a run that
+    trained on nothing else either (no SFT phase) raises `RolloutError` instead of exiting 0;
+    after an SFT phase it is a warning (`summary.json`'s `rl_steps_updated` is 0)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.updates = 0
+        self.success: list[float] = []
+
+    def add(self, rollout_metrics: dict[str, float], *, updated: bool) -> None:
+        self.steps += 1
+        self.updates += updated
+        if "rollout/success" in rollout_metrics:
+            self.success.append(rollout_metrics["rollout/success"])
+
+    def check_run(self, *, sft_trained: bool) -> None:
+        if not self.steps or self.updates:
+            return
+        rate = float(np.mean(self.success)) if self.success else float("nan")
+        why = (
+            "every episode failed: the policy never succeeds at this temperature (a longer or "
+            "stronger SFT warm-up, easier tasks or rl.replay_successes give it a success to "
+            "learn from)"
+            if rate == 0.0
+            else "every episode succeeded: the tasks are too easy to learn from"
+            if rate == 1.0
+            else "every group's episodes had equal rewards"
+        )
+        what = (
+            f"none of this run's {self.steps} GRPO steps had a group whose rewards differ, so "
+            f"RL never updated the policy (rollout success {rate:.3f}: {why})"
+        )
+        if not sft_trained:
+            raise RolloutError(f"{what}: nothing was trained")
+        logging.warning("%s; only the SFT warm-up trained", what)
+
+
 def run_summary(rows: Sequence[dict[str, Any]]) -> dict[str, float | None]:
     """Eval success of a run from its metrics rows: at step 0 before any training
     (`eval_success_step0`), after the SFT warm-up (`eval_success_after_sft`, the step-0
     checkpoint's policy; None without an SFT phase), the last eval logged
     (`eval_success_final`; a rerun of a finished run evaluates nothing new), and the RL
-    phase's own gain `eval_success_rl_gain` = final - after SFT."""
+    phase's own gain `eval_success_rl_gain` = final - after SFT, and `rl_steps_updated`."""
     evals = [r for r in rows if "eval/success" in r]
     step0 = next((r["eval/success"] for r in evals if r["step"] == 0), None)
     after_sft = next((r["eval/success"] for r in evals if r.get("phase_sft") == 1.0), None)
     final = evals[-1]["eval/success"] if evals else None
     gain = None if after_sft is None or final is None else final - after_sft
+    rl_steps = [r for r in rows if r["step"] > 0 and "rollout/groups_sampled" in r]
     return {
         "eval_success_step0": step0,
         "eval_success_after_sft": after_sft,
         "eval_success_final": final,
         "eval_success_rl_gain": gain,
+        # GRPO steps that updated the policy (the others had only equal-reward groups)
+        "rl_steps_updated": sum("train/skipped_no_signal" not in r for r in rl_steps),
     }
 
 

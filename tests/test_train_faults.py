@@ -215,6 +215,29 @@ def test_fault_monitor_counts_faults_and_stops_a_run_that_trains_on_nothing():
     assert m.check_step(0, [[ok, ok]])["rollout/group_errors"] == 9.0  # 5 + 4 since the last step
 
 
+def test_a_run_whose_rl_never_updated_the_policy_fails_unless_sft_trained(caplog):
+    """Every GRPO step had only equal-reward groups (train.py marks it `skipped_no_signal`):
+    without an SFT phase the run trained on nothing and raises, naming why; after SFT it warns."""
+    failed = train._SignalCount()
+    for _ in range(3):
+        failed.add({"rollout/success": 0.0}, updated=False)
+    with pytest.raises(
+        RolloutError, match=r"none of this run's 3 GRPO steps.*every episode failed.*nothing was"
+    ):
+        failed.check_run(sft_trained=False)
+    failed.check_run(sft_trained=True)  # a warning only
+    assert "only the SFT warm-up trained" in caplog.text
+    solved = train._SignalCount()
+    solved.add({"rollout/success": 1.0}, updated=False)
+    with pytest.raises(RolloutError, match="every episode succeeded: the tasks are too easy"):
+        solved.check_run(sft_trained=False)
+    trained = train._SignalCount()
+    trained.add({"rollout/success": 0.0}, updated=False)
+    trained.add({"rollout/success": 0.5}, updated=True)
+    trained.check_run(sft_trained=False)  # one update is training
+    train._SignalCount().check_run(sft_trained=False)  # no GRPO step (total_steps=0): nothing to say
+
+
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_a_non_finite_loss_or_gradient_norm_names_step_metric_and_checkpoint(key, value):

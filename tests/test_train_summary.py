@@ -11,10 +11,12 @@ from cua_jax.viz import plot_run_curves, sft_end
 ROWS = [
     {"step": 0, "eval/success": 0.0, "phase_sft": 0.0},
     {"step": 0, "eval/success": 0.4375, "phase_sft": 1.0, "sft/steps": 150.0},
-    {"step": 1, "rollout/reward": 0.25, "train/loss": 0.1},
-    {"step": 4, "eval/success": 0.5, "rollout/reward": 0.5},
-    {"step": 8, "eval/success": 0.625, "rollout/reward": 0.5},
-]
+    {"step": 1, "rollout/reward": 0.25, "rollout/groups_sampled": 4.0, "train/loss": 0.1},
+    {"step": 4, "eval/success": 0.5, "rollout/reward": 0.5, "rollout/groups_sampled": 4.0,
+     "train/skipped_no_signal": 1.0},
+    {"step": 8, "eval/success": 0.625, "rollout/reward": 0.5, "rollout/groups_sampled": 4.0,
+     "train/loss": 0.2},
+]  # fmt: skip
 
 
 def test_summary_has_after_sft_final_and_the_rl_gain():
@@ -24,6 +26,7 @@ def test_summary_has_after_sft_final_and_the_rl_gain():
         "eval_success_after_sft": 0.4375,
         "eval_success_final": 0.625,
         "eval_success_rl_gain": 0.1875,
+        "rl_steps_updated": 2,
     }
     json.dumps(s)  # summary.json
 
@@ -35,6 +38,7 @@ def test_summary_without_sft_or_evals():
         "eval_success_after_sft": None,
         "eval_success_final": 0.5,
         "eval_success_rl_gain": None,
+        "rl_steps_updated": 0,
     }
     assert run_summary([{"step": 1, "train/loss": 1.0}])["eval_success_final"] is None
 
