@@ -235,7 +235,7 @@ def test_a_run_whose_rl_never_updated_the_policy_fails_unless_sft_trained(caplog
     trained.add({"rollout/success": 0.0}, updated=False)
     trained.add({"rollout/success": 0.5}, updated=True)
     trained.check_run(sft_trained=False)  # one update is training
-    train._SignalCount().check_run(sft_trained=False)  # no GRPO step (total_steps=0): nothing to say
+    train._SignalCount().check_run(sft_trained=False)  # no GRPO step (total_steps=0): silent
 
 
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])
