@@ -329,6 +329,7 @@ VM_API = tuple(n for n, t in API_TOOLS.items() if t.env == "vm")
 BROWSER_API = tuple(n for n, t in API_TOOLS.items() if t.env == "browser")
 _API_BY_CLASS = {t.cls: t for t in API_TOOLS.values()}
 MAX_API_TEXT = 100_000  # chars of one API argument (a file's text); longer is an invalid action
+_MAY_BE_EMPTY = ("text", "value")  # a file's or a field's text, a cell's value; others may not
 
 
 def api_name(action: Any) -> str | None:
@@ -386,6 +387,8 @@ def _api_action(name: str, args: Any, raw: str) -> Action:
             return InvalidAction(raw, f"`{name}` needs `{p}`: a string ({name}({sig}))")
         if len(v) > MAX_API_TEXT:
             return InvalidAction(raw, f"`{name}`: `{p}` is longer than {MAX_API_TEXT} chars")
+        if p not in _MAY_BE_EMPTY and not v.strip():
+            return InvalidAction(raw, f"`{name}`: `{p}` is empty")
         vals.append(v)
     extra = [k for k in args if k not in dict(t.params) and k != "action"]
     if extra:

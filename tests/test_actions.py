@@ -152,11 +152,25 @@ def test_api_actions_as_models_write_them():
         ("pyautogui", "write_file('a', text=['x'])", "needs `text`"),
         ("pyautogui", "fill('a', 'b', label='c')", "multiple values"),
         ("pyautogui", "open_url(f'{x}')", "literals"),
+        # what the trained VM smoke policy wrote: an empty command (the server answered 400,
+        # which made the episode an infrastructure fault)
+        (
+            "qwen3vl",
+            '<tool_call>{"name": "run_shell", "arguments": {"cmd": ""}}</tool_call>',
+            "`cmd` is empty",
+        ),
+        ("pyautogui", "open_app('  ')", "`name` is empty"),
+        ("pyautogui", "fill('', 'b')", "`label` is empty"),
     ],
 )
 def test_api_invalid(fmt, text, reason_part):
     (out,) = A.parse_action(text, fmt, SPACES["qwen3_relative"])
     assert isinstance(out, InvalidAction) and reason_part in out.reason, out
+
+
+def test_api_empty_text_is_an_action():
+    (out,) = A.parse_action("write_file('~/a.txt', '')", "pyautogui", SPACES["identity"])
+    assert out == A.WriteFile("~/a.txt", "")  # an empty file is a file
 
 
 def test_api_text_cap():

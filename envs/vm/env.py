@@ -497,6 +497,8 @@ class VMEnv:
         set_cell: ``/file`` -> the cell set here -> ``/setup/upload`` (.csv / .tsv files)."""
         c = self.client
         match act:
+            case RunShell(cmd) if not cmd.strip():
+                raise _Refused("run_shell: the command is empty")
             case RunShell(cmd):
                 r = await c.execute(cmd, shell=True, timeout=self.action_timeout)
                 if r.get("status") != "success" and "returncode" not in r:

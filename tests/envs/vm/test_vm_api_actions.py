@@ -50,10 +50,13 @@ def test_run_shell_and_write_file(pool, aio):
                     A.WriteFile("~/apitest/sub/a.txt", "x 'q'\ny\n"),
                     A.RunShell("cat ~/apitest/sub/a.txt"),
                     A.RunShell("echo $HOME; ls ~/apitest/sub"),
+                    A.RunShell("  "),  # the server would answer 400: the model's fault
                 ],
             )
 
     r = aio(go())
+    *r, empty = r
+    assert empty.info[INFO_INVALID_ACTION] == "run_shell: the command is empty" and not empty.done
     assert all(INFO_INVALID_ACTION not in x.info and not x.done for x in r), [x.info for x in r]
     first = r[0].info[INFO_API_RESULT]
     assert first.startswith("exit code 3") and "out" in first and "err" in first
