@@ -250,6 +250,7 @@ async def run(
                     "time/learner_idle_share": timers["idle"] / max(timers["step"], 1e-9),
                     **{f"store/{k}": float(v) for k, v in source.store.stats().items()},
                     **compiles.step_metrics(step_mark, timers["step"]),
+                    **env_pool_metrics(pool),
                 }
                 if episodes_dir is not None and rollouts.screens:
                     trajs = [t for g in rollouts.sampled for t in g]
@@ -466,6 +467,13 @@ def _job_metrics(row: dict[str, Any]) -> dict[str, float]:
 def _last_checkpoint(ckpt: Checkpointer) -> str | None:
     latest = ckpt.latest_step()
     return None if latest is None else os.path.join(ckpt.directory, str(latest))
+
+
+def env_pool_metrics(pool: Any) -> dict[str, float]:
+    """The env pool's own `rollout/env_*` metrics, where it has them (`metrics()`: a browser
+    fleet's hosts, a VM pool's live desktops and resets)."""
+    get = getattr(pool, "metrics", None)
+    return {f"rollout/{k}": float(v) for k, v in get().items()} if callable(get) else {}
 
 
 class _SignalCount:

@@ -187,6 +187,16 @@ class BrowserFleet:
         """Hosts answering now (local included): the ``rollout/env_hosts`` metric."""
         return sum(1 for h in self.hosts.values() if h.up)
 
+    def metrics(self) -> dict[str, float]:
+        """What the trainer logs each step under ``rollout/``: ``env_hosts`` (answering now),
+        ``env_hosts_down``, ``env_capacity`` (episodes the answering hosts can run at once)."""
+        up = [h for h in self.hosts.values() if h.up]
+        return {
+            "env_hosts": float(len(up)),
+            "env_hosts_down": float(len(self.hosts) - len(up)),
+            "env_capacity": float(sum(h.capacity for h in up)),
+        }
+
     def report(self) -> dict[str, Any]:
         """Per host: up, capacity, in use, episodes, faults, last error."""
         return {

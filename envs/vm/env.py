@@ -657,3 +657,7 @@ class VMEnvPool:
 
     def report(self) -> dict[str, Any]:
         return self.desktops.report()
+
+    def metrics(self) -> dict[str, float]:
+        """``rollout/env_*`` metrics of the trainer (``DesktopPool.metrics``)."""
+        return self.desktops.metrics()

@@ -383,6 +383,7 @@ class RemoteDesktop:
         )
         self.revert = revert
         self.ready_timeout = ready_timeout
+        self.restarts = 0  # reverts run (the desktops' common reset count)
 
     def __repr__(self) -> str:
         return f"RemoteDesktop({self.url!r})"
@@ -393,6 +394,7 @@ class RemoteDesktop:
     async def reset(self) -> None:
         if self.revert is not None:
             await self.revert(self)
+            self.restarts += 1
         await self.client.wait_ready(self.ready_timeout)
 
     async def recover(self) -> None:
@@ -522,6 +524,16 @@ class DesktopPool:
             raise
         finally:
             await self.release(d, fault)
+
+    def metrics(self) -> dict[str, float]:
+        """What the trainer logs each step under ``rollout/``: ``env_hosts`` (desktops not
+        retired), ``env_hosts_down`` (retired), ``env_resets`` (desktops recreated, restarted
+        or reverted so far: before an episode that follows another, and after a fault)."""
+        return {
+            "env_hosts": float(len(self._live())),
+            "env_hosts_down": float(len(self.retired)),
+            "env_resets": float(sum(getattr(s.desktop, "restarts", 0) for s in self._slots)),
+        }
 
     def report(self) -> dict[str, object]:
         return {

@@ -207,6 +207,7 @@ def test_fleet_spreads_episodes_and_survives_a_killed_host(run):
             dead.set()
             results = await asyncio.gather(*jobs)
             hosts_after_kill = fleet.env_hosts()
+            metrics = fleet.metrics()  # what the trainer logs under rollout/
             report = fleet.report()
             port = ep2.rsplit(":", 1)[1]
             p3, _ = start_host_process(port=int(port), token=TOKEN, capacity=6)
@@ -220,11 +221,11 @@ def test_fleet_spreads_episodes_and_survives_a_killed_host(run):
             finally:
                 p3.send_signal(signal.SIGTERM)
                 p3.wait(30)
-            return results, hosts_after_kill, report, back, again
+            return results, hosts_after_kill, metrics, report, back, again
 
     dead = None
     try:
-        results, hosts_after_kill, report, back, again = run(go())
+        results, hosts_after_kill, metrics, report, back, again = run(go())
     finally:
         for p in (p1, p2):
             with contextlib.suppress(ProcessLookupError):
@@ -236,12 +237,14 @@ def test_fleet_spreads_episodes_and_survives_a_killed_host(run):
     assert len(others) == len(tasks) - len(on_dead) and all(r == 1.0 for r in others), others
     assert {w for w, _ in results} >= {LOCAL, ep1, ep2}
     assert hosts_after_kill == 2 and not report[ep2]["up"] and report[ep2]["faults"] >= 1
+    assert metrics == {"env_hosts": 2.0, "env_hosts_down": 1.0, "env_capacity": 4.0 + 6.0}
     assert json.dumps(report)  # plain data (the trainer logs it)
     assert back == 3 and again == 1.0
 
 
 def test_config_browser_endpoints_build_a_fleet(host, run):
     from configs.qwen3vl_grpo import get_config
+    from cua_jax.train import env_pool_metrics
     from launch.compose import build_env_factory
 
     c = get_config("smoke")
@@ -254,6 +257,9 @@ def test_config_browser_endpoints_build_a_fleet(host, run):
 
     async def go():
         async with fleet:
-            return len(fleet), fleet.env_hosts()
+            return len(fleet), fleet.env_hosts(), env_pool_metrics(fleet)
 
-    assert run(go()) == (4, 2)  # 1 local + the host's 3
+    n, hosts, logged = run(go())
+    assert (n, hosts) == (4, 2)  # 1 local + the host's 3
+    assert logged == {"rollout/env_hosts": 2.0, "rollout/env_hosts_down": 0.0,
+                      "rollout/env_capacity": 4.0}  # fmt: skip

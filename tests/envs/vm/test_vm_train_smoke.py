@@ -1,0 +1,72 @@
+"""The main job on VM desktops (#19): `launch/tpu.py` with `env.kind=vm` on two local desktops
+(Xvfb + openbox + our VM server), built-in desktop tasks that allow API actions.
+
+The run's SFT warm-up plays the tasks' API oracles, the trained policy then writes API actions
+(`run_shell`, `write_file`) of its own, and every episode after a desktop's first starts on a
+recreated desktop (`rollout/env_resets`). The tiny model, the sampler and the learner are the
+real ones; only the number of steps is cut.
+"""
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+TASKS = "('terminal-mkdir', 'terminal-delete-file')"
+
+
+def test_smoke_run_on_local_desktops_resets_them_and_learns_api_actions(xserver, tmp_path):
+    wd = str(tmp_path / "vm")
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "launch", "tpu.py"),
+        "--config=configs/qwen3vl_grpo.py:smoke",
+        "--config.env.kind=vm",
+        "--config.env.concurrency=2",
+        "--config.env.max_turns=2",
+        "--config.env.viewport_width=384",
+        "--config.env.viewport_height=288",
+        "--config.total_steps=1",
+        "--config.rl.group_size=2",
+        "--config.rl.groups_per_batch=1",
+        "--config.rl.max_tokens=48",
+        "--config.sft.steps=40",
+        "--config.sft.episodes_per_task=1",
+        "--config.sft.recovery_share=0.0",
+        "--config.log.eval_every=1",
+        "--config.log.progress=False",
+        "--config.compile_cache_dir=",
+        f"--config.tasks=({{'source_type': 'desktop', 'names': {TASKS}, 'api_actions': 'all'}},)",
+        f"--config.eval_tasks=({{'source_type': 'desktop', 'names': {TASKS}, "
+        "'api_actions': 'all'},)",
+        f"--workdir={wd}",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = [json.loads(line) for line in open(os.path.join(wd, "metrics.jsonl"))]
+    step0, after_sft = rows[0], rows[1]
+    (step1,) = [row for row in rows if row["step"] == 1]
+    assert after_sft["phase_sft"] == 1.0 and after_sft["sft/demo_success"] == 1.0
+    assert after_sft["sft/loss_last"] < after_sft["sft/loss_first"]
+    # no episode was an infrastructure fault, in training or in either eval
+    assert step1["rollout/env_failures"] == 0.0
+    assert step0["eval/episodes_infra_fault"] == after_sft["eval/episodes_infra_fault"] == 0.0
+    # two desktops, both up; every episode after a desktop's first ran on a recreated one:
+    # the step-0 eval (2), the oracle demonstrations (2), the after-SFT eval (2), step 1 (2)
+    assert step1["rollout/env_hosts"] == 2.0 and step1["rollout/env_hosts_down"] == 0.0
+    assert step1["rollout/env_resets"] == 8 - 2
+    # the trained policy writes API actions: the after-SFT eval's first turns name them
+    with sqlite3.connect(os.path.join(wd, "trajectories.sqlite")) as db:
+        first_turns = db.execute(
+            "SELECT t.model_text FROM turns t JOIN rollouts r ON t.rollout_id = r.id "
+            "WHERE r.kind = 'eval' AND r.step = 0 AND t.\"index\" = 0"
+        ).fetchall()
+    assert len(first_turns) == 4  # two evals at step 0 (before and after SFT), two tasks each
+    api = [text for (text,) in first_turns if '"run_shell"' in text or '"write_file"' in text]
+    assert len(api) >= 2, first_turns  # the after-SFT eval's (the random policy's: none)
+    summary = json.load(open(os.path.join(wd, "summary.json")))
+    assert summary["steps"] == 1 and summary["eval_success_after_sft"] is not None
