@@ -15,6 +15,27 @@
   const area = (h) => h("div", { style: { position: "relative", height: "68vh", minHeight: "150px" } });
   const place = (R, el, maxLeft, maxTop) => { el.style.position = "absolute"; el.style.left = R.int(0, maxLeft) + "%"; el.style.top = R.int(0, maxTop) + "%"; return el; };
   const phrase = (R, n) => R.sample(WORDS, n).join(" ");
+  // cua.explain of a form (the checker's note on a failed attempt): each field whose value is
+  // not the wanted one ([name, () => value, wanted]), then whether the form was sent at all
+  // (`sent()` null: "<how> was not done").
+  const formNote = (fields, sent, how) => () => {
+    const parts = [];
+    for (const [name, get, want] of fields) {
+      const v = String(get() ?? "");
+      if (v.trim() !== String(want)) parts.push(v.trim() ? name + ' holds "' + v + '"; it should hold "' + want + '"' : name + ' is empty; it should hold "' + want + '"');
+    }
+    if (sent() === null) parts.push(how + " was not done");
+    return parts.length ? parts.join(". ") + "." : "";
+  };
+  // cua.explain of a choice: what is chosen now (or that nothing is), what should be, and
+  // whether it was confirmed.
+  const choiceNote = (what, got, want, sent, how) => () => {
+    const g = got();
+    const parts = [];
+    if (g !== want) parts.push((g === null || g === "" ? "No " + what + " is chosen" : 'The ' + what + ' chosen is "' + g + '"') + '; it should be "' + want + '"');
+    if (sent() === null) parts.push(how + " was not done");
+    return parts.length ? parts.join(". ") + "." : "";
+  };
 
   // ------------------------------------------------------------------------------ click
   T["click-button"] = (c, R, h) => {
@@ -132,6 +153,7 @@
     setTimeout(() => inp.focus(), 0);
     inp.focus();
     c.score = () => (sent !== null && sent.trim() === word ? 1 : 0);
+    c.explain = formNote([["The text box", () => inp.value, word]], () => sent, "Clicking Submit");
     c.plan = () => [{ op: "click", sel: "#field" }, { op: "type", text: word }, { op: "click", sel: "#submit" }];
   };
 
@@ -142,6 +164,7 @@
     const n = h("input", { type: "text", id: "name" }), e = h("input", { type: "text", id: "email" });
     c.root.append(h("label", {}, "Name ", n), h("label", {}, "Email ", e), submit(h, () => { sent = [n.value, e.value]; c.finish(); }));
     c.score = () => (sent && sent[0].trim() === name && sent[1].trim() === email ? 1 : 0);
+    c.explain = formNote([["The Name field", () => n.value, name], ["The Email field", () => e.value, email]], () => sent, "Clicking Submit");
     c.plan = () => [{ op: "click", sel: "#name" }, { op: "type", text: name }, { op: "click", sel: "#email" }, { op: "type", text: email }, { op: "click", sel: "#submit" }];
   };
 
@@ -152,6 +175,7 @@
     const u = h("input", { type: "text", id: "user" }), p = h("input", { type: "password", id: "pass" });
     c.root.append(h("label", {}, "Username ", u), h("label", {}, "Password ", p), submit(h, () => { sent = [u.value, p.value]; c.finish(); }, "Log in"));
     c.score = () => (sent && sent[0] === user && sent[1] === pw ? 1 : 0);
+    c.explain = formNote([["The Username field", () => u.value, user], ["The Password field", () => p.value, pw]], () => sent, "Clicking Log in");
     c.plan = () => [{ op: "click", sel: "#user" }, { op: "type", text: user }, { op: "click", sel: "#pass" }, { op: "type", text: pw }, { op: "click", sel: "#submit" }];
   };
 
@@ -162,6 +186,7 @@
     const q = h("input", { type: "text", id: "qty", onkeydown: (e) => { if (e.key === "Enter") { sent = q.value; c.finish(); } } });
     c.root.append(h("label", {}, "Quantity ", q));
     c.score = () => (sent !== null && sent.trim() === String(n) ? 1 : 0);
+    c.explain = formNote([["The quantity box", () => q.value, n]], () => sent, "Pressing Enter in the quantity box");
     c.plan = () => [{ op: "click", sel: "#qty" }, { op: "type", text: String(n) }, { op: "key", keys: ["enter"] }];
   };
 
@@ -172,6 +197,7 @@
     const inp = h("input", { type: "text", id: "q", placeholder: "Search...", onkeydown: (e) => { if (e.key === "Enter") { sent = inp.value; c.finish(); } } });
     c.root.append(h("div", { class: "row" }, inp, h("button", { id: "go", onclick: () => { sent = inp.value; c.finish(); } }, "Search")));
     c.score = () => (sent !== null && sent.trim().toLowerCase() === q ? 1 : 0);
+    c.explain = formNote([["The search box", () => inp.value.toLowerCase(), q]], () => sent, "Running the search");
     c.plan = () => [{ op: "click", sel: "#q" }, { op: "type", text: q }, { op: "key", keys: ["enter"] }];
   };
 
@@ -182,6 +208,7 @@
     const inp = h("input", { type: "text", id: "field" });
     c.root.append(h("div", { id: "phrase", class: "box", style: { background: "#ddd", display: "inline-block", fontSize: "20px" } }, text), h("div", { class: "row" }, inp), submit(h, () => { sent = inp.value; c.finish(); }));
     c.score = () => (sent !== null && sent.trim() === text ? 1 : 0);
+    c.explain = formNote([["The text field", () => inp.value, text]], () => sent, "Clicking Submit");
     c.plan = () => [{ op: "click", sel: "#field" }, { op: "type", text: text }, { op: "click", sel: "#submit" }];
   };
 
@@ -193,6 +220,7 @@
     for (const k of ["street", "city", "zip"]) { f[k] = h("input", { type: "text", id: k }); box.append(h("label", {}, k[0].toUpperCase() + k.slice(1) + " ", f[k])); }
     c.root.append(box, submit(h, () => { sent = { street: f.street.value, city: f.city.value, zip: f.zip.value }; c.finish(); }, "Save"));
     c.score = () => (sent && ["street", "city", "zip"].every((k) => sent[k].trim() === v[k]) ? 1 : 0);
+    c.explain = formNote([["The Street field", () => f.street.value, v.street], ["The City field", () => f.city.value, v.city], ["The Zip field", () => f.zip.value, v.zip]], () => sent, "Clicking Save");
     c.plan = () => ["street", "city", "zip"].flatMap((k) => [{ op: "click", sel: "#" + k }, { op: "type", text: v[k] }]).concat([{ op: "click", sel: "#submit" }]);
   };
 
@@ -206,6 +234,7 @@
     opts.forEach((o, i) => box.append(h("label", { style: { fontSize: "18px" } }, h("input", { type: "radio", name: "r", id: "r" + i, value: o, style: { width: "22px", height: "22px" } }), " " + o)));
     c.root.append(box, h("div", {}, submit(h, () => { const s = document.querySelector("input[name=r]:checked"); sent = s ? s.value : ""; c.finish(); })));
     c.score = () => (sent === target ? 1 : 0);
+    c.explain = choiceNote("option", () => { const s = document.querySelector("input[name=r]:checked"); return s ? s.value : null; }, target, () => sent, "Clicking Submit");
     c.plan = () => [{ op: "click", sel: "#r" + opts.indexOf(target) }, { op: "click", sel: "#submit" }];
   };
 
@@ -218,6 +247,7 @@
     opts.forEach((o, i) => sel.append(h("option", { id: "o" + i, value: o }, o)));
     c.root.append(sel, h("div", { style: { marginTop: "10px" } }, submit(h, () => { sent = sel.value; c.finish(); })));
     c.score = () => (sent === target ? 1 : 0);
+    c.explain = choiceNote("item", () => sel.value || null, target, () => sent, "Clicking Submit");
     c.plan = () => [{ op: "click", sel: "#o" + opts.indexOf(target) }, { op: "click", sel: "#submit" }];
   };
 
@@ -239,6 +269,7 @@
     const dd = dropdown(h, "dd", opts, "Choose a fruit");
     c.root.append(h("div", { style: { height: "220px" } }, dd.el), submit(h, () => { sent = dd.get(); c.finish(); }));
     c.score = () => (sent === target ? 1 : 0);
+    c.explain = choiceNote("fruit", dd.get, target, () => sent, "Clicking Submit");
     c.plan = () => [{ op: "click", sel: "#dd-btn" }, { op: "click", sel: "#dd-o" + opts.indexOf(target) }, { op: "click", sel: "#submit" }];
   };
 
@@ -250,6 +281,7 @@
     const a = dropdown(h, "size", sizes, "Size"), b = dropdown(h, "color", cols, "Color");
     c.root.append(h("div", { class: "row", style: { height: "200px", alignItems: "flex-start" } }, a.el, b.el), submit(h, () => { sent = [a.get(), b.get()]; c.finish(); }, "Add"));
     c.score = () => (sent && sent[0] === ts && sent[1] === tc ? 1 : 0);
+    c.explain = () => [choiceNote("size", a.get, ts, () => 0, "")(), choiceNote("color", b.get, tc, () => sent, "Clicking Add")()].filter(Boolean).join(" ");
     c.plan = () => [{ op: "click", sel: "#size-btn" }, { op: "click", sel: "#size-o" + sizes.indexOf(ts) }, { op: "click", sel: "#color-btn" }, { op: "click", sel: "#color-o" + cols.indexOf(tc) }, { op: "click", sel: "#submit" }];
   };
 
@@ -267,12 +299,14 @@
     }
     c.root.append(h("div", { style: { fontWeight: "bold" } }, month), tbl, h("div", { style: { marginTop: "8px" } }, submit(h, () => { sent = chosen; c.finish(); }, "OK")));
     c.score = () => (sent === day ? 1 : 0);
+    c.explain = choiceNote("day", () => (chosen === null ? null : month + " " + chosen), month + " " + day, () => sent, "Clicking OK");
     c.plan = () => [{ op: "click", sel: "#d" + day }, { op: "click", sel: "#submit" }];
   };
 
   // ------------------------------------------------------------------------------ toggles
-  function switchEl(h, id, on, onchange) {
-    const s = h("span", { id: id, class: "switch" + (on ? " on" : "") });
+  function switchEl(h, id, on, onchange, label) {
+    // aria-label: what the checker's report calls it (no visual change)
+    const s = h("span", { id: id, class: "switch" + (on ? " on" : ""), "aria-label": label || id });
     s.addEventListener("click", () => { s.classList.toggle("on"); if (onchange) onchange(); });
     return s;
   }
@@ -281,9 +315,15 @@
     const name = R.choice(SETTINGS), want = R.random() < 0.5, start = R.random() < 0.3 ? want : !want;
     c.instruction = "Turn " + name + " " + (want ? "on" : "off") + ", then click Save.";
     let saved = null;
-    const s = switchEl(h, "sw", start);
+    const s = switchEl(h, "sw", start, null, name);
     c.root.append(h("div", { class: "row", style: { fontSize: "18px" } }, name, s), submit(h, () => { saved = s.classList.contains("on"); c.finish(); }, "Save"));
     c.score = () => (saved === want ? 1 : 0);
+    c.explain = () => {
+      const now = s.classList.contains("on"), parts = [];
+      if (now !== want) parts.push(name + " is " + (now ? "on" : "off") + "; it should be " + (want ? "on" : "off"));
+      if (saved === null) parts.push("Clicking Save was not done");
+      return parts.length ? parts.join(". ") + "." : "";
+    };
     c.plan = () => (start === want ? [] : [{ op: "click", sel: "#sw" }]).concat([{ op: "click", sel: "#submit" }]);
   };
 
@@ -296,6 +336,14 @@
     items.forEach((w, i) => box.append(h("label", {}, h("input", { type: "checkbox", id: "c" + i, style: { width: "20px", height: "20px" } }), " " + w)));
     c.root.append(box, h("div", {}, submit(h, () => { sent = items.filter((w, i) => document.getElementById("c" + i).checked); c.finish(); })));
     c.score = () => (sent && sent.length === want.size && sent.every((w) => want.has(w)) ? 1 : 0);
+    c.explain = () => {
+      const on = items.filter((w, i) => document.getElementById("c" + i).checked), parts = [];
+      const extra = on.filter((w) => !want.has(w)), missing = [...want].filter((w) => !on.includes(w));
+      if (missing.length) parts.push("Not checked but should be: " + missing.join(", "));
+      if (extra.length) parts.push("Checked but should not be: " + extra.join(", "));
+      if (sent === null) parts.push("Clicking Submit was not done");
+      return parts.length ? parts.join(". ") + "." : "";
+    };
     c.plan = () => items.map((w, i) => (want.has(w) ? { op: "click", sel: "#c" + i } : null)).filter(Boolean).concat([{ op: "click", sel: "#submit" }]);
   };
 
@@ -307,10 +355,15 @@
     const on = names.filter((n, i) => want[i]), off = names.filter((n, i) => !want[i]);
     c.instruction = "Set: " + names.map((n, i) => n + " " + (want[i] ? "on" : "off")).join(", ") + ". Then click Save.";
     let saved = null;
-    const sw = names.map((n, i) => switchEl(h, "sw" + i, start[i]));
+    const sw = names.map((n, i) => switchEl(h, "sw" + i, start[i], null, n));
     names.forEach((n, i) => c.root.append(h("div", { class: "row", style: { justifyContent: "space-between", width: "260px" } }, n, sw[i])));
     c.root.append(submit(h, () => { saved = sw.map((s) => s.classList.contains("on")); c.finish(); }, "Save"));
     c.score = () => (saved && saved.every((v, i) => v === want[i]) ? 1 : 0);
+    c.explain = () => {
+      const parts = names.flatMap((n, i) => { const now = sw[i].classList.contains("on"); return now === want[i] ? [] : [n + " is " + (now ? "on" : "off") + "; it should be " + (want[i] ? "on" : "off")]; });
+      if (saved === null) parts.push("Clicking Save was not done");
+      return parts.length ? parts.join(". ") + "." : "";
+    };
     c.plan = () => names.map((n, i) => (start[i] !== want[i] ? { op: "click", sel: "#sw" + i } : null)).filter(Boolean).concat([{ op: "click", sel: "#submit" }]);
     void on; void off;
   };
@@ -324,6 +377,12 @@
     s.addEventListener("input", () => (out.textContent = s.value));
     c.root.append(h("div", { class: "row" }, "Volume", s, out), submit(h, () => { saved = +s.value; c.finish(); }, "Save"));
     c.score = () => (saved !== null && Math.abs(saved - target) <= 5 ? 1 : 0);
+    c.explain = () => {
+      const v = +s.value, parts = [];
+      if (Math.abs(v - target) > 5) parts.push("The volume slider is at " + v + "; it should be at " + target + " (within 5)");
+      if (saved === null) parts.push("Clicking Save was not done");
+      return parts.length ? parts.join(". ") + "." : "";
+    };
     // Chromium's range thumb is ~16px wide: value v sits at 8 + v/100 * (width - 16) px.
     c.plan = () => { const w = s.getBoundingClientRect().width; return [{ op: "click", sel: "#slider", frac: [(8 + (target / 100) * (w - 16)) / w, 0.5] }, { op: "click", sel: "#submit" }]; };
   };
@@ -450,7 +509,7 @@
       const err = h("div", { style: { color: "#c00" } });
       c.root.append(h("h3", {}, "Sign in"), h("label", {}, "Username ", u), h("label", {}, "Password ", p), err, submit(h, () => { if (u.value === user && p.value === pw) { c.state.logged = true; c.save(); c.go("settings"); } else err.textContent = "Wrong username or password."; }, "Log in"));
     } else if (c.view === "settings" && c.state.logged) {
-      const s = switchEl(h, "sw", !want);
+      const s = switchEl(h, "sw", !want, null, setting);
       c.root.append(h("h3", {}, "Settings"), h("div", { class: "row" }, setting, s), submit(h, () => { c.state.saved = s.classList.contains("on"); c.save(); c.finish(); }, "Save"));
     } else c.root.append(h("p", {}, "Please log in first."));
     c.score = () => (c.state.logged && c.state.saved === want ? 1 : 0);

@@ -168,6 +168,64 @@ def test_checker_report_says_what_was_clicked_where_the_target_was_and_how_close
     assert nrep.message().startswith("Made no click; the target was")
 
 
+async def _note_after(env, task, play):
+    """Reset, let `play(page)` act on the page through Playwright, score, the report's note."""
+    obs = await env.reset(task)
+    await play(env._page)
+    return obs.instruction, await env.evaluate(), (await env.report()).note
+
+
+def _quoted(instruction):
+    return instruction.split('"')[1::2]
+
+
+def test_checker_notes_say_what_a_form_or_choice_holds_and_what_it_should(pool, run):
+    """The form, choice and toggle templates' `cua.explain`: each wrong field's value and the
+    wanted one, whether the form was sent; nothing to say about a solved task."""
+
+    async def wrong_word(page):
+        await page.fill("#field", "wrong")
+        await page.click("#submit")
+
+    async def name_only(page):
+        name = (await page.evaluate("() => cua.instruction")).split('"')[1]
+        await page.fill("#name", name)
+
+    async def submit_only(page):
+        await page.click("#submit")
+
+    async def nothing(page):
+        pass
+
+    async def solve(page):
+        await page.fill("#field", _quoted(await page.evaluate("() => cua.instruction"))[0])
+        await page.click("#submit")
+
+    jobs = [
+        (suite.make_task("type-word", 1), wrong_word),
+        (suite.make_task("enter-name-email", 2), name_only),
+        (suite.make_task("radio-pick", 3), submit_only),
+        (suite.make_task("toggle-switch", 4), nothing),
+        (suite.make_task("type-word", 5), solve),
+    ]
+    out = run(pool.map(lambda env, j: _note_after(env, *j), jobs))
+    (ins, score, note) = out[0]
+    assert score == 0.0
+    assert note == f'The text box holds "wrong"; it should hold "{_quoted(ins)[0]}".'
+    (ins, score, note) = out[1]
+    assert note == (
+        f'The Email field is empty; it should hold "{_quoted(ins)[1]}". '
+        "Clicking Submit was not done."
+    )
+    (ins, score, note) = out[2]
+    assert note == f'No option is chosen; it should be "{_quoted(ins)[0]}".'
+    (ins, score, note) = out[3]
+    assert ins == "Turn Sync off, then click Save." and score == 0.0
+    assert note == "Sync is on; it should be off. Clicking Save was not done."
+    (ins, score, note) = out[4]
+    assert score == 1.0 and note == ""
+
+
 def test_splits_and_templates():
     assert len(suite.TEMPLATES) >= 30
     assert set(suite.CATEGORIES) == {t.category for t in suite.TEMPLATES}
