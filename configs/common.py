@@ -215,6 +215,12 @@ def base_config(family: str) -> ConfigDict:
     # "cmd:COMMAND" ({index}, {url}, {host}, {port} filled in per endpoint)
     c.env.vm_revert = ""
     c.env.vm_docker_image = ""  # kind="vm": desktops in containers of this image instead
+    # kind="vm": desktops as QEMU guests of this disk image instead (OSWorld's Ubuntu.qcow2:
+    # its server on guest port 5000), each on a copy-on-write overlay, reverted to the booted
+    # state before each episode (envs/vm/qemu.py); KVM when /dev/kvm is usable
+    c.env.vm_qemu_image = ""
+    c.env.vm_qemu_memory_mb = 4096
+    c.env.vm_qemu_cpus = 2
     c.env.desktop_memory_mb = 0  # address-space cap of a local desktop's processes (0: none)
     # kind="browser": remote browser hosts ('host:port' of `python -m envs.browser.server`);
     # episodes spread over them and the local pool (env.concurrency envs)

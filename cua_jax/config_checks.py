@@ -108,6 +108,12 @@ def validate_config(config: Any) -> None:
             )
     if config.sft.steps > 0 and config.sft.source != "oracle":
         check_sft_source(config.sft.source)
+    qemu_image = config.env.get("vm_qemu_image")
+    if config.env.kind == "vm" and qemu_image and not os.path.isfile(qemu_image):
+        raise ConfigError(
+            f"config.env.vm_qemu_image={qemu_image!r} is not a file (the guest's disk image, "
+            "e.g. OSWorld's Ubuntu.qcow2)"
+        )
     _check_splash(config)
     _check_model(config)
 

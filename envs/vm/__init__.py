@@ -68,6 +68,8 @@ def make_env_pool(
     revert: str = "",
     docker_image: str | None = None,
     memory_mb: int | None = None,
+    qemu_image: str | None = None,
+    qemu_options: dict[str, Any] | None = None,
     **env_kwargs: Any,
 ) -> Any:
     """An env pool for the trainer (``envs.vm.env.VMEnvPool``).
@@ -79,6 +81,9 @@ def make_env_pool(
     ``envs.vm.providers.revert_hook``: "libvirt:DOM@SNAP", "qemu:SOCK@SNAP", "docker:NAME",
     "cmd:..."), then the task's setup steps run. ``docker_image``: ``concurrency`` desktops in
     containers of that image (``envs/docker/Dockerfile``), restarted before each episode.
+    ``qemu_image``: ``concurrency`` QEMU guests booted from that disk image (OSWorld's
+    ``Ubuntu.qcow2``; ``envs.vm.qemu.QemuDesktop``, ``qemu_options`` its keyword arguments),
+    reverted to their booted snapshot before each episode.
     ``memory_mb``: the address-space cap of each local desktop's processes (None: none).
     ``env_kwargs`` go to every ``VMEnv`` (``observe_a11y``, ``pause_s``, ``action_timeout``).
     """
@@ -87,12 +92,22 @@ def make_env_pool(
 
     if concurrency < 1:
         raise ValueError(f"make_env_pool: concurrency must be >= 1, got {concurrency}")
-    if endpoints and docker_image:
-        raise ValueError("make_env_pool: give endpoints or docker_image, not both")
+    given = [n for n, v in (("endpoints", endpoints), ("docker_image", docker_image),
+                            ("qemu_image", qemu_image)) if v]  # fmt: skip
+    if len(given) > 1:
+        raise ValueError(
+            f"make_env_pool: give one of endpoints, docker_image, qemu_image, not {given}"
+        )
     if endpoints:
         desktops: list[Any] = [
             RemoteDesktop(e, token, revert=revert_hook(revert, i))
             for i, e in enumerate(endpoints[:concurrency])
+        ]
+    elif qemu_image:
+        from envs.vm.qemu import QemuDesktop
+
+        desktops = [
+            QemuDesktop(qemu_image, token, **(qemu_options or {})) for _ in range(concurrency)
         ]
     elif docker_image:
         from envs.docker.provider import DockerDesktop

@@ -57,6 +57,18 @@ def _launch(*args):
             "config.sft.source='/nope/demos.jsonl' does not exist",
         ),
         (
+            [
+                "--config=configs/qwen3vl_grpo.py:smoke",
+                "--config.env.kind=vm",
+                "--config.env.vm_qemu_image=/nope/Ubuntu.qcow2",
+            ],
+            "config.env.vm_qemu_image='/nope/Ubuntu.qcow2' is not a file",
+        ),
+        (
+            ["--config=configs/qwen3vl_grpo.py:smoke", "--config.env.vm_qemu_cpus=0"],
+            "config.env.vm_qemu_cpus=0 is out of range: an integer in [1, 64]",
+        ),
+        (
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.log.eval_every=0"],
             "config.log.eval_every=0 is out of range: an integer >= 1",
         ),
