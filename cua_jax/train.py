@@ -210,7 +210,7 @@ async def run(
             # ---- GRPO steps (with Entropulse: an SFT phase every rl.entropulse_every) ----------
             pulse = entropulse.from_config(config)
             await asyncio.to_thread(warm.wait, compiles)
-            signal = _SignalCount()  # did any step of this run update the policy?
+            rl_signal = _SignalCount()  # did any step of this run update the policy?
             while step < config.total_steps:
                 t_step = time.perf_counter()
                 step_mark = compiles.snapshot()
@@ -234,7 +234,7 @@ async def run(
                     )
                 else:  # every group had equal rewards: nothing to learn from this batch
                     train_metrics = {"skipped_no_signal": 1.0}
-                signal.add(rollouts.metrics, updated="skipped_no_signal" not in train_metrics)
+                rl_signal.add(rollouts.metrics, updated="skipped_no_signal" not in train_metrics)
                 compiles.check()  # rl.strict_shapes: a compile outside the warmed set fails
                 t_train = time.perf_counter() - t0
                 t0 = time.perf_counter()
@@ -267,7 +267,7 @@ async def run(
                     if pulsed:
                         engine.update_params(builders.sampler_params(learner), learner.version)
                         row.update(pulsed)
-                        signal.updates += 1
+                        rl_signal.updates += 1
                 row = _job_metrics(row)  # multi-host: one row for the job (process 0 writes it)
                 if step % config.log.eval_every == 0 or step == config.total_steps:
                     last_eval = await evaluate(f"step{step}", step)
@@ -284,7 +284,7 @@ async def run(
                     ckpt, step, learner, source.state_dict(), force=step == config.total_steps
                 )
             source.faults.check_run()
-            signal.check_run(sft_trained=run_sft and config.sft.steps > 0)
+            rl_signal.check_run(sft_trained=run_sft and config.sft.steps > 0)
         except BaseException as e:
             db_status = f"failed: {type(e).__name__}: {e}"
             raise

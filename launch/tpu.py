@@ -15,6 +15,7 @@ loss exits with status 1, naming the error on stderr.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -141,6 +142,14 @@ def _check_workdir(workdir: str) -> None:
         raise LaunchError(f"--workdir={workdir}: {parent} is not writable")
 
 
+def stop_cleanly_on_sigterm() -> None:
+    """SIGTERM (a scheduler's stop, `kill`) takes the path of Ctrl-C: asyncio cancels the run,
+    whose `finally` blocks stop the env pool (local desktops' Xvfb, window manager and server,
+    browsers), close the trajectory database and wait for a checkpoint save in flight. Without
+    it the process dies at once and leaves its desktops running."""
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise LaunchError(f"unexpected positional arguments: {argv[1:]}")
@@ -172,6 +181,7 @@ def main(argv: list[str]) -> None:
     maybe_initialize_distributed()
     compose.enable_compile_cache(config.compile_cache_dir)
     env_factory, load_tasks = compose.build_env_factory(config)  # env.kind checked above
+    stop_cleanly_on_sigterm()
     try:
         train.main(config, workdir, env_factory=env_factory, load_tasks=load_tasks)
     except (ConfigError, TaskSourceError, MeshError) as e:  # what the user gave is wrong

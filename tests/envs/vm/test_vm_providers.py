@@ -176,3 +176,43 @@ def test_make_env_pool_local_and_remote_endpoints(xserver, aio):
     local, remote, report = aio(go())
     assert local == [1.0, 1.0] and remote == 1.0
     assert report["retired"] == {} and sum(report["episodes"].values()) == 1
+
+
+_SIGTERMED_JOB = """
+import asyncio, sys
+from launch.tpu import stop_cleanly_on_sigterm
+from envs.vm.providers import LocalDesktop
+
+async def job():
+    async with LocalDesktop(320, 240) as d:
+        print(d._xvfb.pid, d.server_pid, flush=True)
+        await asyncio.sleep(600)  # a long run
+
+stop_cleanly_on_sigterm()
+asyncio.run(job())
+"""
+
+
+def test_a_sigtermed_job_stops_its_desktops(xserver):
+    """launch/tpu.py's SIGTERM handling: the run is cancelled like Ctrl-C, so its env pool's
+    `async with` stops the desktop's processes instead of leaving them running."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SIGTERMED_JOB], cwd=root, stdout=subprocess.PIPE, text=True
+    )
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) != 0  # interrupted, not a clean finish
+    assert not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is gone
+    except FileNotFoundError:
+        return False
