@@ -35,7 +35,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -461,6 +461,12 @@ class TrajectoryWriter:
                 "task_position": traj.task_position,
                 "turns": turns,
             }
+            if traj.final_screen is not None and self.persist_images:
+                pv = np.asarray(traj.final_screen[0], np.float32)
+                line["final_screen"] = {
+                    "pixels": [self._append("pixels", pv.reshape(-1)), list(pv.shape)],
+                    "image_grid_thw": np.asarray(traj.final_screen[1]).tolist(),
+                }
             # The index line is written last: a reader never sees offsets past the arrays.
             self._index.write(json.dumps(line) + "\n")
             self._index.flush()
@@ -499,6 +505,10 @@ class TrajectoryReader:
     def metadata(self, i: int) -> dict[str, Any]:
         return self._index[i]
 
+    def _pixels(self, start: int, shape: Sequence[int]) -> np.ndarray:
+        n = int(np.prod(shape))
+        return self._arr("pixels")[start : start + n].read().result().reshape(shape)
+
     def __getitem__(self, i: int) -> Trajectory:
         rec = self._index[i]
         turns = []
@@ -506,9 +516,7 @@ class TrajectoryReader:
             (ps, pn), (gs, gn), ls = t["prompt"], t["generated"], t["logprobs"]
             pv = grid = None
             if "pixels" in t:
-                start, shape = t["pixels"]
-                n = int(np.prod(shape))
-                pv = self._arr("pixels")[start : start + n].read().result().reshape(shape)
+                pv = self._pixels(*t["pixels"])
                 grid = np.asarray(t["image_grid_thw"], np.int32)
             turns.append(
                 Turn(
@@ -535,6 +543,11 @@ class TrajectoryReader:
             score=rec.get("score"),  # absent in directories written before it existed
             checker_message=rec.get("checker_message", ""),
             task_position=rec.get("task_position"),
+            final_screen=(
+                (self._pixels(*fs["pixels"]), np.asarray(fs["image_grid_thw"], np.int32))
+                if (fs := rec.get("final_screen"))
+                else None
+            ),
         )
 
     def __iter__(self) -> Iterator[Trajectory]:

@@ -200,6 +200,9 @@ def test_persistence_round_trip(tmp_path):
             feedback="ok",
         )
     )
+    # the failed episode's last screen and its checker's message (SDPO's feedback)
+    a.final_screen = (np.arange(12, dtype=np.float32).reshape(2, 6), np.array([[1, 1, 2]]))
+    a.checker_message = 'Clicked "Cancel" at (1, 2); the target was "OK" at (3, 4).'
     b = _traj("a", uid="u2", n=2, reward=1.0)
     st.put(a)
     st.put(b)
@@ -224,6 +227,9 @@ def test_persistence_round_trip(tmp_path):
                 np.testing.assert_array_equal(tg.pixel_values, tw.pixel_values)
                 np.testing.assert_array_equal(tg.image_grid_thw, tw.image_grid_thw)
     assert rd[0].turns[0].action == {"k": "u1"}
+    assert rd[0].checker_message == a.checker_message and rd[1].final_screen is None
+    np.testing.assert_array_equal(rd[0].final_screen[0], a.final_screen[0])
+    np.testing.assert_array_equal(rd[0].final_screen[1], a.final_screen[1])
 
 
 def test_stress_many_producers_one_consumer():
