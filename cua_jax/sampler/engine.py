@@ -39,7 +39,6 @@ import asyncio
 import hashlib
 import itertools
 import logging
-import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -61,29 +60,16 @@ from cua_jax.sampler.scheduler import (
     GenerateOutput,
     Request,
     Scheduler,
+    batch_bucket,
     image_runs,
+    pages_bucket,
+    token_bucket,
 )
 
 __all__ = ["Engine", "GenerateOutput"]
 
 _log = logging.getLogger(__name__)
 
-
-def _bucket(n: int, minimum: int = 16) -> int:
-    return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
-
-
-def _batch_bucket(n: int) -> int:
-    """Rows of a batched prefill call: 1, 4, 16, 64, ... (few shapes, at most 4x padding)."""
-    b = 1
-    while b < n:
-        b *= 4
-    return b
-
-
-# Attention reads at least this many tokens' worth of page-table columns per call; above it the
-# width is the next power of two of what the longest live sequence needs (see `_pages_bucket`).
-_MIN_ATTN_TOKENS = 128
 
 # XLA:CPU compiles dots into YNNPACK fusions by default; for the decode and prefill shapes here
 # (tens of rows x a few hundred columns) Eigen's dot is faster: 1-core decode step at batch 16 of
@@ -511,7 +497,7 @@ class Engine:
             if any(a.start <= s < a.end for s, _ in a.req.image_runs):
                 groups[("image", a.slot)] = [a]
             else:
-                groups.setdefault(_bucket(a.end - a.start), []).append(a)
+                groups.setdefault(token_bucket(a.end - a.start), []).append(a)
         logits_of: dict[int, tuple[jax.Array, int]] = {}
         for group in groups.values():
             logits = self._prefill(group)
@@ -528,7 +514,7 @@ class Engine:
             logits, i = logits_of[a.slot]
             calls.setdefault(id(logits), (logits, []))[1].append((a, i))
         for logits_XV, members in calls.values():
-            n = _batch_bucket(len(members))
+            n = batch_bucket(len(members))
             pad = n - len(members)
             idx = np.asarray([i for _, i in members] + [0] * pad, np.int32)  # padding: ignored
             sampling = SlotSampling.from_params([a.req.params for a, _ in members] + [None] * pad)
@@ -545,29 +531,26 @@ class Engine:
     def _copy(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
-        n = _bucket(len(copies), 4)
+        n = token_bucket(len(copies), 4)
         pairs = np.zeros((2, n), np.int32)  # padded with (0 -> 0) scratch copies
         pairs[:, : len(copies)] = np.asarray(copies, np.int32).T
         self.cache = self._fns.copy_pages(self.cache, pairs[0], pairs[1])
         self.stats["page_copies"] += len(copies)
 
     def _pages_bucket(self, n_tokens: int) -> int:
-        """Page-table columns an attention call over sequences of <= n_tokens reads.
-
-        A power of two of the pages needed (at least _MIN_ATTN_TOKENS tokens' worth, at most the
-        whole table), so attention work follows the live length with only a few compiled shapes.
-        """
-        need = max(self.alloc.pages_for(max(n_tokens, _MIN_ATTN_TOKENS)), 1)
-        return min(self.pages_per_seq, 1 << math.ceil(math.log2(need)))
+        """Page-table columns an attention call over sequences of <= n_tokens reads
+        (`scheduler.pages_bucket`): attention work follows the live length with only a few
+        compiled shapes."""
+        return pages_bucket(n_tokens, self.alloc.page_size, self.pages_per_seq)
 
     def _prefill(self, group: list[Admitted]) -> jax.Array:
         """Runs tokens [start, end) of each request in `group` through the model into the cache.
 
-        Returns f32[rows, V] logits of each row's last token (rows = _batch_bucket(len(group));
+        Returns f32[rows, V] logits of each row's last token (rows = batch_bucket(len(group));
         padding rows write only to the trash page and attend to nothing).
         """
-        B = _batch_bucket(len(group))
-        T = _bucket(max(a.end - a.start for a in group))
+        B = batch_bucket(len(group))
+        T = token_bucket(max(a.end - a.start for a in group))
         ids = np.zeros((B, T), np.int32)
         pos = np.zeros((3, B, T), np.int32)
         start = np.zeros((B,), np.int32)

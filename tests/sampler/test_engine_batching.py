@@ -213,10 +213,10 @@ def test_attention_over_a_pages_bucket_equals_the_full_table(model, alone, monke
     """Decode and prefill read only a power-of-two bucket of page-table columns (here 1..16 pages
     of 4 tokens, growing as sequences grow, in a table of 256 columns): same outputs as the
     full-table runs of `alone` (max_seq_len=64: one bucket = the whole 16-column table)."""
-    from cua_jax.sampler import engine as engine_mod
+    from cua_jax.sampler import scheduler
 
     _, reqs, solo = alone
-    monkeypatch.setattr(engine_mod, "_MIN_ATTN_TOKENS", 4)
+    monkeypatch.setattr(scheduler, "MIN_ATTN_TOKENS", 4)
     engine = Engine(
         model, max_slots=8, page_size=4, num_pages=257, max_seq_len=1024, decode_chunk=4
     )
