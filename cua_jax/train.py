@@ -284,7 +284,13 @@ async def run(
                     ckpt, step, learner, source.state_dict(), force=step == config.total_steps
                 )
             source.faults.check_run()
-            rl_signal.check_run(sft_trained=run_sft and config.sft.steps > 0)
+            rl_signal.check_run(
+                trained="the SFT warm-up"
+                if run_sft and config.sft.steps > 0
+                else "the run this one resumed"
+                if resume_from is not None
+                else None
+            )
         except BaseException as e:
             db_status = f"failed: {type(e).__name__}: {e}"
             raise
@@ -479,8 +485,8 @@ def env_pool_metrics(pool: Any) -> dict[str, float]:
 class _SignalCount:
     """Counts the GRPO steps of this run that updated the policy. When every step had only
     equal-reward groups (all failed or all succeeded), `check_run` says which: a run that
-    trained on nothing else either (no SFT phase) raises `RolloutError` instead of exiting 0;
-    after an SFT phase it is a warning (`summary.json`'s `rl_steps_updated` is 0)."""
+    trained nothing else either raises `RolloutError` instead of exiting 0; after an SFT phase,
+    or in a resumed run, it is a warning (`summary.json`'s `rl_steps_updated` is 0)."""
 
     def __init__(self) -> None:
         self.steps = 0
@@ -493,7 +499,8 @@ class _SignalCount:
         if "rollout/success" in rollout_metrics:
             self.success.append(rollout_metrics["rollout/success"])
 
-    def check_run(self, *, sft_trained: bool) -> None:
+    def check_run(self, *, trained: str | None) -> None:
+        """`trained`: what else trained this run's policy ("the SFT warm-up"), or None."""
         if not self.steps or self.updates:
             return
         rate = float(np.mean(self.success)) if self.success else float("nan")
@@ -510,9 +517,9 @@ class _SignalCount:
             f"none of this run's {self.steps} GRPO steps had a group whose rewards differ, so "
             f"RL never updated the policy (rollout success {rate:.3f}: {why})"
         )
-        if not sft_trained:
+        if trained is None:
             raise RolloutError(f"{what}: nothing was trained")
-        logging.warning("%s; only the SFT warm-up trained", what)
+        logging.warning("%s; the policy is what %s trained", what, trained)
 
 
 def run_summary(rows: Sequence[dict[str, Any]]) -> dict[str, float | None]:

@@ -215,7 +215,7 @@ def test_fault_monitor_counts_faults_and_stops_a_run_that_trains_on_nothing():
     assert m.check_step(0, [[ok, ok]])["rollout/group_errors"] == 9.0  # 5 + 4 since the last step
 
 
-def test_a_run_whose_rl_never_updated_the_policy_fails_unless_sft_trained(caplog):
+def test_a_run_whose_rl_never_updated_the_policy_fails_unless_something_else_trained(caplog):
     """Every GRPO step had only equal-reward groups (train.py marks it `skipped_no_signal`):
     without an SFT phase the run trained on nothing and raises, naming why; after SFT it warns."""
     failed = train._SignalCount()
@@ -224,18 +224,18 @@ def test_a_run_whose_rl_never_updated_the_policy_fails_unless_sft_trained(caplog
     with pytest.raises(
         RolloutError, match=r"none of this run's 3 GRPO steps.*every episode failed.*nothing was"
     ):
-        failed.check_run(sft_trained=False)
-    failed.check_run(sft_trained=True)  # a warning only
-    assert "only the SFT warm-up trained" in caplog.text
+        failed.check_run(trained=None)
+    failed.check_run(trained="the SFT warm-up")  # a warning only
+    assert "the policy is what the SFT warm-up trained" in caplog.text
     solved = train._SignalCount()
     solved.add({"rollout/success": 1.0}, updated=False)
     with pytest.raises(RolloutError, match="every episode succeeded: the tasks are too easy"):
-        solved.check_run(sft_trained=False)
+        solved.check_run(trained=None)
     trained = train._SignalCount()
     trained.add({"rollout/success": 0.0}, updated=False)
     trained.add({"rollout/success": 0.5}, updated=True)
-    trained.check_run(sft_trained=False)  # one update is training
-    train._SignalCount().check_run(sft_trained=False)  # no GRPO step (total_steps=0): silent
+    trained.check_run(trained=None)  # one update is training
+    train._SignalCount().check_run(trained=None)  # no GRPO step (total_steps=0): silent
 
 
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])
