@@ -241,6 +241,19 @@ def check_finite(
             )
 
 
+def compile_each(
+    shapes: Sequence[Any], program: str, lower: Callable[[Any], Any]
+) -> dict[str, float]:
+    """Compiles `lower(shape)` (a `jax.stages.Lowered`) for every shape ahead of time: the
+    warm-up's loop (#23). Returns {"<program> <shape>": seconds}."""
+    out = {}
+    for shape in shapes:
+        t0 = time.perf_counter()
+        lower(shape).compile()
+        out[f"{program} {shape}"] = time.perf_counter() - t0
+    return out
+
+
 class Learner:
     """Holds model params + optimizer state on a mesh and runs jitted GRPO / SFT steps.
 
@@ -550,12 +563,11 @@ class Learner:
         of that shape runs the compiled program. Returns {program and shape: seconds}."""
         if self.shapes is None:
             raise ValueError("warmup needs a shape set: learner.shapes = ShapeSet.from_config(...)")
-        out = {}
-        for shape in self.shapes.of(mode):
-            t0 = time.perf_counter()
-            self.lower_step(self.blank_batch(shape), mode).compile()
-            out[f"{mode}_step {shape}"] = time.perf_counter() - t0
-        return out
+        return compile_each(
+            self.shapes.of(mode),
+            f"{mode}_step",
+            lambda s: self.lower_step(self.blank_batch(s), mode),
+        )
 
     def loss_and_grads(
         self, batch: PackedBatch, mode: Literal["rl", "sft"] = "rl"

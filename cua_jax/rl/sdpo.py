@@ -657,7 +657,7 @@ class SelfDistiller:
         learner's SDPO step for every RL shape (with all-zero teacher targets of the step's
         top-k width) and the teacher pass for every shape a teacher batch takes (`learner.pack`
         packs it with the SFT shapes). Returns {program and shape: seconds}."""
-        import time
+        from cua_jax.rl.learner import compile_each
 
         if learner.shapes is None:
             raise ValueError("warmup needs a shape set: learner.shapes = ShapeSet.from_config(...)")
@@ -665,26 +665,31 @@ class SelfDistiller:
             self._jit, self._jit_owner = {}, learner
         vocab = learner.config.text.vocab_size
         k = vocab if self.topk <= 0 or self.topk >= vocab else self.topk
-        out = {}
-        for shape in learner.shapes.of("rl"):
-            batch = learner.blank_batch(shape)
-            r, length = batch.shape
-            zeros = TeacherTargets(
+
+        def zeros(r: int, length: int) -> TeacherTargets:
+            return TeacherTargets(
                 np.zeros((r, length, k), np.int32), np.zeros((r, length, k), np.float32),
                 np.zeros((r, length), bool), np.zeros((r, length), np.float32),
                 self.divergence, self.js_beta, self.weight,
             )  # fmt: skip
-            t0 = time.perf_counter()
-            learner.lower_step(batch, zeros.mode, zeros.arrays()).compile()
-            out[f"{zeros.mode}_step {shape}"] = time.perf_counter() - t0
+
+        def lower_step(shape: Any) -> Any:
+            batch = learner.blank_batch(shape)
+            t = zeros(*batch.shape)
+            return learner.lower_step(batch, t.mode, t.arrays())
+
         fn = _teacher_jit(learner, self.topk, self._jit)
         params = self.teacher_params(learner)
-        for shape in learner.shapes.of("sft"):
+
+        def lower_teacher(shape: Any) -> Any:
             xs, images = learner._device_batch(learner.blank_batch(shape), substeps=1)
-            t0 = time.perf_counter()
-            fn.lower(params, learner._frozen, learner._rest, xs, images).compile()
-            out[f"{TEACHER_PROGRAM} {shape}"] = time.perf_counter() - t0
-        return out
+            return fn.lower(params, learner._frozen, learner._rest, xs, images)
+
+        mode = zeros(1, 1).mode
+        return {
+            **compile_each(learner.shapes.of("rl"), f"{mode}_step", lower_step),
+            **compile_each(learner.shapes.of("sft"), TEACHER_PROGRAM, lower_teacher),
+        }
 
     def targets(
         self, learner: Any, batch: Any, groups: Sequence[Sequence[Trajectory]]
