@@ -269,3 +269,25 @@ def test_the_config_shape_set_has_rows_for_every_turn_when_history_drops_screens
     assert [(s.rows, s.length) for s in ShapeSet.from_config(c, ic).rl] == [(16, 512), (16, 1024)]
     c.rl.learner_rows = 24  # a configured row count is the only one
     assert {s.rows for s in ShapeSet.from_config(c, ic).rl} == {24}
+
+
+def test_sdpo_teacher_batches_get_the_rl_rows_and_a_feedback_screen_each():
+    """SDPO's teacher batches (a step's failed samples with their feedback) have shapes of their
+    own: the RL rows, one screen more a sample for the final screenshot. The learn preset's
+    SDPO run packed 10-19 teacher samples into the 8-row SFT shapes and recompiled each step."""
+    from configs.qwen3vl_grpo import get_config
+    from cua_jax.data.processor import QwenVLProcessor
+    from cua_jax.rl.shapes import ShapeSet
+
+    c = get_config("learn")
+    ic = QwenVLProcessor.default("qwen3_vl", max_pixels=384 * 288, min_pixels=32 * 32).image_config
+    assert ShapeSet.from_config(c, ic).teacher == ()  # GRPO: no teacher pass
+    c.rl.algorithm = "sdpo"
+    shapes = ShapeSet.from_config(c, ic)
+    teacher = shapes.teacher
+    assert [(s.rows, s.length) for s in teacher] == [(16, 512), (16, 1024), (48, 512), (48, 1024)]
+    # 4 screens a row (3 turns x 1 screen + the final one); 16 episodes x 3 turns x 2 screens
+    assert teacher[0].patches == 16 * 4 * 432 and teacher[2].patches == 16 * 3 * 2 * 432
+    assert shapes.of("teacher") == teacher and "teacher 16x512" in shapes.describe()
+    c.rl.sdpo_feedback = "checker_message"  # no screen added
+    assert ShapeSet.from_config(c, ic).teacher[0].patches == 16 * 3 * 432

@@ -409,7 +409,7 @@ class Learner:
         return rope_position_fn(self.config)
 
     def pack(
-        self, samples, num_rows: int | None = None, *, mode: Literal["rl", "sft"] = "sft"
+        self, samples, num_rows: int | None = None, *, mode: Literal["rl", "sft", "teacher"] = "sft"
     ) -> PackedBatch:
         """`packing.pack` with this learner's buckets, row multiple and aggregation mode; without
         `num_rows`, the row count is rounded up to a shape bucket (see `bucket_shapes`).

@@ -655,8 +655,9 @@ class SelfDistiller:
     def warmup(self, learner: Any) -> dict[str, float]:
         """Compiles ahead what an SDPO step runs, for the learner's shape set (#23): the
         learner's SDPO step for every RL shape (with all-zero teacher targets of the step's
-        top-k width) and the teacher pass for every shape a teacher batch takes (`learner.pack`
-        packs it with the SFT shapes). Returns {program and shape: seconds}."""
+        top-k width) and the teacher pass for every shape a teacher batch takes (the shape
+        set's teacher shapes: the RL rows, a screen more per sample). Returns {program and
+        shape: seconds}."""
         from cua_jax.rl.learner import compile_each
 
         if learner.shapes is None:
@@ -688,7 +689,7 @@ class SelfDistiller:
         mode = zeros(1, 1).mode
         return {
             **compile_each(learner.shapes.of("rl"), f"{mode}_step", lower_step),
-            **compile_each(learner.shapes.of("sft"), TEACHER_PROGRAM, lower_teacher),
+            **compile_each(learner.shapes.of("teacher"), TEACHER_PROGRAM, lower_teacher),
         }
 
     def targets(
@@ -711,7 +712,7 @@ class SelfDistiller:
         k = vocab if self.topk <= 0 or self.topk >= vocab else self.topk
         info = {"sdpo/teacher_samples": float(len(pairs)), "sdpo/teacher_rows": 0.0}
         if pairs:
-            tbatch = learner.pack([t.sample for _, t in pairs])
+            tbatch = learner.pack([t.sample for _, t in pairs], mode="teacher")
             teacher_at = locate(tbatch, [t.sample for _, t in pairs], cfg.image_token_id, merge)
             t_ids, t_logp = teacher_topk(
                 learner, self.teacher_params(learner), tbatch, self.topk, self._jit

@@ -36,7 +36,7 @@ import numpy as np
 
 from cua_jax.rl.trajectory import Sample
 
-Mode = Literal["rl", "sft"]
+Mode = Literal["rl", "sft", "teacher"]
 
 
 class ShapeError(ValueError):
@@ -88,6 +88,10 @@ class ShapeSet:
     sft: tuple[Shape, ...]
     grid: tuple[int, int, int] | None  # the screen's patch grid: the padding unit
     strict: bool = False
+    # SDPO's teacher pass (rl.algorithm="sdpo"): its batches are the step's failed samples with
+    # their feedback, up to the RL rows, each with one screen more (the final screenshot);
+    # empty: teacher batches take the SFT shapes
+    teacher: tuple[Shape, ...] = ()
 
     @staticmethod
     def from_config(config: Any, image_config: Any, *, row_multiple: int = 1) -> ShapeSet:
@@ -101,11 +105,11 @@ class ShapeSet:
         def up(n: int) -> int:
             return -(-n // row_multiple) * row_multiple
 
-        def shapes(rows: int, most_screens: int = 0) -> tuple[Shape, ...]:
+        def shapes(rows: int, most_screens: int = 0, extra: int = 0) -> tuple[Shape, ...]:
             out = []
             for length in sorted(rl.row_lengths):
                 per_row = rl.images_per_row or min(
-                    length // image_tokens, env.max_turns * env.max_history_images
+                    length // image_tokens, env.max_turns * env.max_history_images + extra
                 )
                 screens = up(rows) * per_row
                 if most_screens and not rl.images_per_row:
@@ -114,6 +118,11 @@ class ShapeSet:
             return tuple(out)
 
         rl_shapes = shapes(rl_rows)
+        # SDPO's teacher batches: the failed samples of a step with their feedback, i.e. the
+        # RL rows with one more screen a sample (the screen after the last action)
+        final_screen = "final_screenshot" in str(rl.get("sdpo_feedback", ""))
+        sdpo = rl.get("algorithm", "grpo") == "sdpo"
+        teacher = shapes(rl_rows, extra=int(final_screen)) if sdpo else ()
         if not rl.learner_rows and env.max_history_images < env.max_turns:
             # The history window drops screens, so an episode's turns are separate samples
             # (up to max_turns of them): a second row count gives each its own row at worst;
@@ -122,9 +131,14 @@ class ShapeSet:
             episodes = rl.group_size * rl.groups_per_batch
             most = episodes * env.max_turns * env.max_history_images
             rl_shapes += shapes(rl_rows * env.max_turns, most)
-        return ShapeSet(rl_shapes, shapes(sft_rows), grid, bool(rl.strict_shapes))
+            if sdpo:
+                most_fb = episodes * env.max_turns * (env.max_history_images + final_screen)
+                teacher += shapes(rl_rows * env.max_turns, most_fb, extra=int(final_screen))
+        return ShapeSet(rl_shapes, shapes(sft_rows), grid, bool(rl.strict_shapes), teacher)
 
     def of(self, mode: Mode) -> tuple[Shape, ...]:
+        if mode == "teacher":
+            return self.teacher or self.sft
         return self.rl if mode == "rl" else self.sft
 
     def describe(self) -> str:
@@ -132,13 +146,14 @@ class ShapeSet:
         return (
             f"learner shapes (rows x row length + patch budget; screen grid {g}): "
             f"rl {', '.join(map(str, self.rl))}; sft {', '.join(map(str, self.sft))}"
+            + (f"; teacher {', '.join(map(str, self.teacher))}" if self.teacher else "")
             + ("; strict" if self.strict else "")
         )
 
     def check_sample(self, s: Sample, index: int = 0) -> None:
         """Raises `ShapeError` naming a sample no shape can ever hold."""
-        longest = max(sh.length for sh in self.rl + self.sft)
-        budget = max(sh.patches for sh in self.rl + self.sft)
+        longest = max(sh.length for sh in self.rl + self.sft + self.teacher)
+        budget = max(sh.patches for sh in self.rl + self.sft + self.teacher)
         where = f"sample {index} (task {s.task_id!r}, episode {s.episode})"
         if s.length > longest:
             raise ShapeError(

@@ -423,7 +423,8 @@ def test_ema_teacher_follows_the_policy(proc):
 
 def test_sdpo_steps_compile_nothing_after_the_warm_up(proc):
     """#23 for SDPO: `SelfDistiller.warmup` compiles the SDPO step for the RL shapes and the
-    teacher pass for the shapes teacher batches take (the SFT shapes); SDPO steps on groups of
+    teacher pass for the shapes teacher batches take (the shape set's teacher shapes; the SFT
+    shape here holds one screen, which no teacher sample fits); SDPO steps on groups of
     different lengths and screenshot counts then compile neither (strict: a compile raises)."""
     from cua_jax import compile_stats
     from cua_jax.rl.shapes import Shape, ShapeSet
@@ -431,7 +432,11 @@ def test_sdpo_steps_compile_nothing_after_the_warm_up(proc):
     learner = _sdpo_learner(proc)
     # 64x64 screens: 4x4 patches each; budgets of 16 screens per batch
     learner.shapes = ShapeSet(
-        rl=(Shape(4, 512, 16 * 16),), sft=(Shape(4, 512, 16 * 16),), grid=(1, 4, 4), strict=True
+        rl=(Shape(4, 512, 16 * 16),),
+        sft=(Shape(1, 512, 16),),
+        grid=(1, 4, 4),
+        strict=True,
+        teacher=(Shape(4, 512, 16 * 16),),
     )
     d = sdpo.SelfDistiller(proc.chat, weight=0.5, divergence="js", topk=8)
     stats = compile_stats.install()
