@@ -146,7 +146,13 @@ def stop_cleanly_on_sigterm() -> None:
     """SIGTERM (a scheduler's stop, `kill`) takes the path of Ctrl-C: asyncio cancels the run,
     whose `finally` blocks stop the env pool (local desktops' Xvfb, window manager and server,
     browsers), close the trajectory database and wait for a checkpoint save in flight. Without
-    it the process dies at once and leaves its desktops running."""
+    it the process dies at once and leaves its desktops running.
+
+    A job started in the background of a non-interactive shell (`nohup ... &`, a pytest-xdist
+    worker) inherits SIGINT ignored, and asyncio then leaves it so: Python's own SIGINT handler
+    is put back first, so the SIGINT this sends is seen."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
 
 

@@ -4,6 +4,7 @@ dead endpoint, and resets from a template home."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 
@@ -193,21 +194,34 @@ asyncio.run(job())
 """
 
 
-def test_a_sigtermed_job_stops_its_desktops(xserver):
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_a_sigtermed_job_stops_its_desktops(xserver, sigint):
     """launch/tpu.py's SIGTERM handling: the run is cancelled like Ctrl-C, so its env pool's
-    `async with` stops the desktop's processes instead of leaving them running."""
+    `async with` stops the desktop's processes instead of leaving them running; also when the
+    job inherited SIGINT ignored (a background job of a script, `nohup ... &`)."""
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    ignore = signal.SIG_IGN if sigint == "ignored" else signal.default_int_handler
     proc = subprocess.Popen(
-        [sys.executable, "-c", _SIGTERMED_JOB], cwd=root, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _SIGTERMED_JOB],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, ignore),
     )
     pids = [int(p) for p in proc.stdout.readline().split()]
-    assert len(pids) == 2 and all(_alive(p) for p in pids)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) != 0  # interrupted, not a clean finish
-    assert not any(_alive(p) for p in pids)
+    try:
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) != 0  # interrupted, not a clean finish
+        assert not any(_alive(p) for p in pids)
+    finally:  # a failed check leaves nothing running either
+        proc.kill()
+        for p in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
