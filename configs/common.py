@@ -195,6 +195,10 @@ def base_config(family: str) -> ConfigDict:
     # Share of oracle demonstrations that start with a scripted miss (a click at a random point,
     # no loss on it) and then recover: the model sees second turns, not only perfect first ones.
     c.sft.recovery_share = 0.0
+    # Share of oracle demonstrations also trained with SDPO's feedback message before the task
+    # (rl.sdpo_feedback of a scripted failed attempt at the same page; cua_jax.rl.sft_data): the
+    # self-teacher then knows how to read feedback. For rl.algorithm="sdpo"; oracle source only.
+    c.sft.feedback_share = 0.0
 
     # ---- environment -------------------------------------------------------------------------
     c.env = ConfigDict()

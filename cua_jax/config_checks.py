@@ -108,6 +108,12 @@ def validate_config(config: Any) -> None:
             )
     if config.sft.steps > 0 and config.sft.source != "oracle":
         check_sft_source(config.sft.source)
+    if config.sft.get("feedback_share", 0.0) > 0 and config.sft.source != "oracle":
+        raise ConfigError(
+            f"config.sft.feedback_share={config.sft.feedback_share} needs "
+            f"config.sft.source='oracle' (its failed attempts are played on the tasks' pages), "
+            f"not {config.sft.source!r}"
+        )
     qemu_image = config.env.get("vm_qemu_image")
     if config.env.kind == "vm" and qemu_image and not os.path.isfile(qemu_image):
         raise ConfigError(

@@ -151,6 +151,7 @@ LIMITS: dict[str, Limit] = {
     "sft.episodes_per_task": _int(1),
     "sft.num_tasks": _int(0, why="0: every training task"),
     "sft.recovery_share": _float(0, 1),
+    "sft.feedback_share": _float(0, 1),
     # ---- env
     "env.concurrency": _int(1),
     "env.max_turns": _int(1),

@@ -673,6 +673,8 @@ async def _sft_warmup(
             recovery_share=sc.recovery_share,
             seed=config.seed,
             on_demos=lambda demos: _keep_demos(demos, workdir),
+            feedback_share=sc.feedback_share,
+            feedback_kinds=sdpo.feedback_kinds(config.rl.sdpo_feedback),
         )
     else:
         batches, info = sft_data.sft_file_batches(

@@ -289,5 +289,10 @@ def test_sdpo_teacher_batches_get_the_rl_rows_and_a_feedback_screen_each():
     # 4 screens a row (3 turns x 1 screen + the final one); 16 episodes x 3 turns x 2 screens
     assert teacher[0].patches == 16 * 4 * 432 and teacher[2].patches == 16 * 3 * 2 * 432
     assert shapes.of("teacher") == teacher and "teacher 16x512" in shapes.describe()
+    # feedback demonstrations in SFT (sft.feedback_share) carry the final screenshot as well
+    assert shapes.sft[0].patches == 8 * 3 * 432
+    c.sft.feedback_share = 0.5
+    assert ShapeSet.from_config(c, ic).sft[0].patches == 8 * 4 * 432
     c.rl.sdpo_feedback = "checker_message"  # no screen added
     assert ShapeSet.from_config(c, ic).teacher[0].patches == 16 * 3 * 432
+    assert ShapeSet.from_config(c, ic).sft[0].patches == 8 * 3 * 432

@@ -160,16 +160,31 @@ class OraclePolicy:
       which teaches what to do after a mistake. A callable gets the first screenshot's
       (width, height) and returns the action (so a random click lands on the screen the env
       really has, whatever its size).
+    detour_only: the episode ends after the detour (no recovery): a scripted failed attempt,
+      whose final screen and checker report are SDPO-style feedback for SFT
+      (`AgentLoop.failed_attempts`).
     """
 
     shaped_reward = False
 
-    def __init__(self, fmt: A.ActionFormat, tokenizer: Any, detour: Detour | None = None):
+    def __init__(
+        self,
+        fmt: A.ActionFormat,
+        tokenizer: Any,
+        detour: Detour | None = None,
+        *,
+        detour_only: bool = False,
+    ):
+        if detour_only and detour is None:
+            raise ValueError("detour_only needs a detour")
         self.fmt = fmt
         self.tokenizer = tokenizer
         self.detour = detour
+        self.detour_only = detour_only
 
     async def act(self, ctx: TurnContext) -> Reply | Stop:
+        if self.detour_only and ctx.turn > 0:
+            return Stop()
         scripted = self.detour is not None and ctx.turn == 0
         if scripted:
             if callable(self.detour):

@@ -405,10 +405,13 @@ class AgentLoop:
         *,
         group_id: str = "",
         screens: list[np.ndarray] | None = None,
+        keep_final_screen: bool | None = None,
     ) -> Trajectory:
         """One episode of `policy` in `env`: reset, then per turn prompt -> `policy.act` ->
         parse -> `env.step`, until the env is done, the policy stops, or the turn budget
         (min(settings.max_turns, task.max_steps)) is spent; then `env.evaluate()` scores it.
+        A failed episode keeps the screen after its last action (`Trajectory.final_screen`)
+        when `keep_final_screen` says so (None: `settings.keep_final_screen`).
 
         Infrastructure faults never raise: an env that raises in reset or step, or ends a step
         with `info["error"]`, a sampler error, and a checker (`env.evaluate`) that raises each
@@ -494,7 +497,9 @@ class AgentLoop:
             traj.checker_report = await _report(env, traj)
             if traj.checker_report is not None:
                 traj.checker_message = traj.checker_report.message(space.to_model)
-            if self.settings.keep_final_screen and not traj.success and traj.turns:
+            if keep_final_screen is None:
+                keep_final_screen = self.settings.keep_final_screen
+            if keep_final_screen and not traj.success and traj.turns:
                 images = self.processor.preprocess_images([obs.screenshot])
                 traj.final_screen = (images["pixel_values"], images["image_grid_thw"])
         # Oracle demonstrations and greedy eval report the score itself.
@@ -594,6 +599,25 @@ class AgentLoop:
             async with pool.acquire() as env:
                 return await self.run_episode(
                     env, task, seed=i, group_id=f"demo/{i}", oracle=True, detour=detours[i]
+                )
+
+        return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
+
+    async def failed_attempts(
+        self, pool: EnvPool, tasks: Sequence[Task], misses: Sequence[Detour]
+    ) -> list[Trajectory]:
+        """Scripted failed attempts: episode i plays `misses[i]` (say, a click at a random
+        point) and ends. Each keeps its final screen and the checker's report, the feedback an
+        SDPO teacher reads (`sft.feedback_share` trains the policy to read it). A miss that
+        happens to solve the task comes back as a success; the caller skips it."""
+        if len(misses) != len(tasks):
+            raise ValueError(f"{len(misses)} misses for {len(tasks)} tasks")
+
+        async def one(i: int, task: Task) -> Trajectory:
+            policy = OraclePolicy(self.fmt, self.tokenizer, misses[i], detour_only=True)
+            async with pool.acquire() as env:
+                return await self.play(
+                    env, task, policy, group_id=f"attempt/{i}", keep_final_screen=True
                 )
 
         return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))

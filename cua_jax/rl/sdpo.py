@@ -356,6 +356,21 @@ def teacher_sample(
     return TeacherSample(teacher, s, f)
 
 
+def action_decoder(chat: Any) -> Callable[[Sequence[int]], str]:
+    """How a peer's generated ids become the tool-call text of `peer_success` feedback (without
+    <|im_end|>)."""
+    return lambda ids: chat.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def feedback_kinds(spec: str) -> tuple[str, ...]:
+    """`config.rl.sdpo_feedback` ("final_screenshot,checker_message") as a checked tuple."""
+    kinds = tuple(k.strip() for k in spec.split(",") if k.strip())
+    bad = [k for k in kinds if k not in FEEDBACK_KINDS]
+    if bad:
+        raise ValueError(f"unknown SDPO feedback {bad}; use some of {FEEDBACK_KINDS}")
+    return kinds
+
+
 def teacher_samples(
     groups: Sequence[Sequence[Trajectory]],
     chat: Any,
@@ -365,9 +380,7 @@ def teacher_samples(
     """(student sample, its teacher) for every sample of every failed episode with feedback;
     the student samples are `trajectory_to_samples`' (the same ids the learner packs)."""
 
-    def decode(ids: Sequence[int]) -> str:  # the peer's tool calls, without <|im_end|>
-        return chat.tokenizer.decode(ids, skip_special_tokens=True)
-
+    decode = action_decoder(chat)
     out = []
     for group in groups:
         for traj in group:
@@ -761,5 +774,5 @@ def from_config(rl: Any, chat: Any) -> SelfDistiller | None:
         topk=rl.sdpo_topk,
         teacher=rl.sdpo_teacher,
         ema=rl.sdpo_ema,
-        feedback=tuple(k.strip() for k in rl.sdpo_feedback.split(",") if k.strip()),
+        feedback=feedback_kinds(rl.sdpo_feedback),
     )

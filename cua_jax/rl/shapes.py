@@ -134,7 +134,10 @@ class ShapeSet:
             if sdpo:
                 most_fb = episodes * env.max_turns * (env.max_history_images + final_screen)
                 teacher += shapes(rl_rows * env.max_turns, most_fb, extra=int(final_screen))
-        return ShapeSet(rl_shapes, shapes(sft_rows), grid, bool(rl.strict_shapes), teacher)
+        # feedback demonstrations (sft.feedback_share) carry the final screenshot too
+        sft_extra = int(final_screen and config.sft.get("feedback_share", 0.0) > 0)
+        sft_shapes = shapes(sft_rows, extra=sft_extra)
+        return ShapeSet(rl_shapes, sft_shapes, grid, bool(rl.strict_shapes), teacher)
 
     def of(self, mode: Mode) -> tuple[Shape, ...]:
         if mode == "teacher":

@@ -23,6 +23,8 @@ from cua_jax.env_api import (
     Task,
 )
 from cua_jax.models import qwen_vl
+from cua_jax.rl import sdpo
+from cua_jax.rl.learner import Learner
 from cua_jax.rl.policies import OraclePolicy
 from cua_jax.rl.rollout import (
     OMITTED_SCREENSHOT,
@@ -31,7 +33,13 @@ from cua_jax.rl.rollout import (
     count_infra_faults,
     default_reward,
 )
-from cua_jax.rl.trajectory import Trajectory, rope_position_fn, trajectory_to_samples
+from cua_jax.rl.sft_data import feedback_demo_samples, oracle_sft_batches
+from cua_jax.rl.trajectory import (
+    Trajectory,
+    rope_position_fn,
+    text_position_ids,
+    trajectory_to_samples,
+)
 from cua_jax.sampler import Engine
 
 W = H = 64
@@ -505,6 +513,72 @@ def test_checker_report_message_shaping_and_final_screen(engine, proc):
     # a report that raises leaves the score and reward as they were
     broken = _miss(_loop(engine, proc, max_turns=1, closeness_reward=0.4), ReportingEnv(True))
     assert broken.checker_report is None and broken.reward == 0.0 and not broken.infra_fault
+
+
+class ReportingPool(Pool):
+    def __init__(self, n):
+        self.envs = [ReportingEnv() for _ in range(n)]
+        self.free = None
+
+
+def test_failed_attempts_give_feedback_demos_as_the_sdpo_teacher_reads_them(engine, proc, model):
+    """`sft.feedback_share`: a scripted failed attempt at a demo's task (a click, then the end)
+    keeps its final screen and checker report even with `keep_final_screen` off; the feedback
+    demo is the demo's sample with that feedback before the task, token for token what SDPO's
+    teacher reads (`sdpo.teacher_sample`), trained on exactly the demo's generated tokens."""
+    loop = _loop(engine, proc, max_history_images=4)
+    pool = ReportingPool(2)
+    (demo,) = asyncio.run(loop.demonstrations(pool, [TASK]))
+    misses = [A.Click(50, 10), A.Click(16, 48)]  # the second hits the square
+    failed, lucky = asyncio.run(loop.failed_attempts(pool, [TASK, TASK], misses))
+    assert not failed.success and not failed.infra_fault and len(failed.turns) == 1
+    assert failed.checker_message.startswith('Clicked "background" at (781, 156)')
+    assert failed.final_screen is not None
+    assert lucky.success and lucky.final_screen is None
+    with pytest.raises(ValueError, match="detour_only needs a detour"):
+        OraclePolicy(loop.fmt, loop.tokenizer, detour_only=True)
+
+    def pos(ids, grid):
+        return text_position_ids(ids, None)
+
+    (d_sample,) = trajectory_to_samples(demo, 1.0, pos)
+    decode = sdpo.action_decoder(proc.chat)
+    # peer_share 1 / 0: with and without the demo's own calls as the successful peer; the pair
+    # whose attempt succeeded gives nothing
+    with_peer = feedback_demo_samples([(failed, demo), (lucky, demo)], proc.chat, pos, peer_share=1)
+    no_peer = feedback_demo_samples([(failed, demo)], proc.chat, pos, peer_share=0)
+    for got, group in [(with_peer, [failed, demo]), (no_peer, [failed])]:
+        (s,) = got
+        want = sdpo.teacher_sample(
+            d_sample, sdpo.episode_feedback(failed, group, decode), proc.chat, pos
+        ).sample
+        np.testing.assert_array_equal(s.input_ids, want.input_ids)
+        np.testing.assert_array_equal(s.loss_mask, want.loss_mask)
+        np.testing.assert_array_equal(s.pixel_values, want.pixel_values)
+        np.testing.assert_array_equal(s.image_grid_thw, want.image_grid_thw)
+        assert s.advantage == 1.0
+        np.testing.assert_array_equal(
+            s.input_ids[s.loss_mask], d_sample.input_ids[d_sample.loss_mask]
+        )
+        # the attempt's final screen is the first image
+        n = failed.final_screen[0].shape[0]
+        np.testing.assert_array_equal(s.pixel_values[:n], failed.final_screen[0])
+        assert failed.checker_message in proc.tokenizer.decode(s.input_ids)
+    assert sdpo.PEER_HEADER in proc.tokenizer.decode(with_peer[0].input_ids)
+    assert sdpo.PEER_HEADER not in proc.tokenizer.decode(no_peer[0].input_ids)
+
+    # Through the SFT data path: half of 4 demos get an attempt, each failed one a sample.
+    learner = Learner(model, seq_len_buckets=(4096,), donate=False)
+    batches, info = asyncio.run(
+        oracle_sft_batches(
+            learner, loop, ReportingPool(2), [TASK], rows=8, episodes_per_task=4,
+            recovery_share=0.0, seed=0, feedback_share=0.5,
+        )
+    )  # fmt: skip
+    assert info["sft/demos"] == 4 and info["sft/feedback_attempts"] == 2
+    assert info["sft/feedback_samples"] == info["sft/feedback_attempts_failed"] > 0
+    batch = next(batches)
+    assert batch.num_samples == 4 + info["sft/feedback_samples"]
 
 
 def test_closeness_reward_shapes_failures_only():

@@ -105,3 +105,15 @@ def test_recovery_detours_land_on_the_episodes_screen():
     assert (
         recovery_detours(40, share=config.sft.recovery_share, seed=config.seed + 1) == [None] * 40
     )
+
+
+def test_feedback_demos_need_oracle_demonstrations(files):
+    """sft.feedback_share plays failed attempts on the tasks' pages: a file source has none."""
+    from cua_jax.config_checks import validate_config
+
+    c = get_config("smoke")
+    c.sft.source, c.sft.feedback_share = files[0], 0.5
+    with pytest.raises(ConfigError, match=r"feedback_share=0.5 needs config.sft.source='oracle'"):
+        validate_config(c)
+    c.sft.source = "oracle"
+    validate_config(c)
