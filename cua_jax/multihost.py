@@ -105,6 +105,18 @@ def local_copy(tree: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
+def local_rows(x: Any) -> np.ndarray:
+    """This process's rows of an array whose leading axis is sharded like a batch's rows (the
+    inverse of `jax.make_array_from_process_local_data` on that axis): its addressable shards in
+    row order, one copy of each; the whole array when it is fully addressable."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    shards: dict[int, np.ndarray] = {}
+    for s in x.addressable_shards:
+        shards.setdefault(s.index[0].start or 0, np.asarray(s.data))
+    return np.concatenate([shards[k] for k in sorted(shards)])
+
+
 @functools.cache
 def _replicate(mesh: Any) -> Any:
     from jax.sharding import NamedSharding
@@ -161,6 +173,7 @@ __all__ = [
     "allgather_ints",
     "allgather_json",
     "local_copy",
+    "local_rows",
     "process_count",
     "process_index",
     "reduce_metrics",

@@ -182,16 +182,13 @@ def begin(
     `distiller`, its SDPO step and teacher pass instead of the RL step), and with "all" the
     sampler's bucket set. Multi-process jobs use the same global shapes (rows rounded to a
     multiple of the process count), each process packing its 1/n share of a shape's rows
-    (`Learner._agreed_shape`), compiled before returning rather than in a thread; SDPO's
-    teacher pass runs on one process only, so it is not warmed there."""
+    (`Learner._agreed_shape`), compiled before returning rather than in a thread."""
     rl = config.rl
     if rl.warmup not in WARMUP_CHOICES:
         raise ValueError(f"config.rl.warmup={rl.warmup!r} is not one of {WARMUP_CHOICES}")
     n = jax.process_count()
     multiple = learner.row_multiple * n // math.gcd(learner.row_multiple, n)
     learner.shapes = ShapeSet.from_config(config, image_config, row_multiple=multiple)
-    if n > 1:
-        distiller = None
     logging.info("%s", learner.shapes.describe())
     if engine is not None:
         logging.info("%s", sampler_buckets(engine))

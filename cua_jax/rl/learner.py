@@ -726,6 +726,9 @@ class Learner:
         if units.sum() > 0:  # the weights of each share sum as its part of the whole batch
             share = float(units[multihost.process_index()]) / float(units.sum())
             batch.loss_weights = (batch.loss_weights * np.float32(share)).astype(np.float32)
+        mine = 0 if batch.pixel_values is None else int(batch.pixel_values.shape[0])
+        before = multihost.allgather_ints([mine])[: multihost.process_index(), 0]
+        batch.patch_offset = int(before.sum())
         batch.pixel_values, batch.image_grid_thw = _gather_images(
             batch.pixel_values, batch.image_grid_thw
         )
@@ -772,7 +775,13 @@ class Learner:
                     self._route_sh, routes, (rows * shares, *want[1:])
                 )
         for k, v in (extra or {}).items():  # SDPO targets: [R, L, ...] like the rows
-            xs[k] = jax.device_put(v, self._rows_sharding(v.ndim))
+            sh = self._rows_sharding(v.ndim)
+            if shares == 1:
+                xs[k] = jax.device_put(v, sh)
+            else:
+                xs[k] = jax.make_array_from_process_local_data(
+                    sh, v, (rows * shares, *v.shape[1:])
+                )
         images = None
         if batch.patch_budget:  # the shape set's fixed patch budget, padded with blank screens
             v = self.config.vision

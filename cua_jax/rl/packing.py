@@ -41,6 +41,9 @@ class PackedBatch:
     # > 0: the learner's shape set (#23) fixed this batch's shape; its patches are padded to this
     # many in the step (blank screens), so every batch of the shape has one vision input shape
     patch_budget: int = 0
+    # Multi-host: `pixel_values` are every process's patches in process order, and this batch's
+    # own rows' patches start at this one (0 on one process)
+    patch_offset: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:

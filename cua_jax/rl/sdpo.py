@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cua_jax import multihost
 from cua_jax.rl.trajectory import PositionFn, Sample, Trajectory, trajectory_to_samples
 
 Divergence = Literal["kl", "rkl", "js"]
@@ -419,7 +420,9 @@ def locate(
     seg = np.asarray(batch.segment_ids)
     ids = np.asarray(batch.input_ids)
     pv = batch.pixel_values
-    patch = 0  # offset of the current segment's first patch in the batch's patches
+    # offset of the current segment's first patch in the batch's patches (multi-host: the
+    # patches of every process, this one's rows' from `patch_offset` on)
+    patch = int(getattr(batch, "patch_offset", 0))
     for r in range(seg.shape[0]):
         row = seg[r]
         starts = np.flatnonzero((row != 0) & np.r_[True, row[1:] != row[:-1]])
@@ -514,7 +517,7 @@ def teacher_topk(
     fn = _teacher_jit(learner, k, cache)
     xs, images = learner._device_batch(batch, substeps=1)
     ids, logp = fn(params, learner._frozen, learner._rest, xs, images)
-    return np.asarray(ids), np.asarray(logp)
+    return multihost.local_rows(ids), multihost.local_rows(logp)  # multi-host: this one's rows
 
 
 def _teacher_jit(learner: Any, k: int, cache: dict | None) -> Any:
@@ -527,7 +530,8 @@ def _teacher_jit(learner: Any, k: int, cache: dict | None) -> Any:
             return _teacher_topk_fn(learner, k, *a)
 
         teacher.__name__ = TEACHER_PROGRAM  # the program's name in compile_stats' counts
-        fn = cache[k] = jax.jit(teacher)
+        rows = learner._rows_sharding(3)  # each process reads back its own rows
+        fn = cache[k] = jax.jit(teacher, out_shardings=(rows, rows))
     return fn
 
 
@@ -711,8 +715,6 @@ class SelfDistiller:
         """The step's teacher targets on `batch` (packed from `groups` by
         `learner.prepare_batch`) and info; all-zero targets when no failed episode of the
         batch has feedback."""
-        if jax.process_count() > 1:
-            raise NotImplementedError("SDPO's teacher pass runs on one process only")
         if self._jit_owner is not learner:
             self._jit, self._jit_owner = {}, learner
         cfg = learner.config
@@ -724,7 +726,9 @@ class SelfDistiller:
         vocab = cfg.text.vocab_size
         k = vocab if self.topk <= 0 or self.topk >= vocab else self.topk
         info = {"sdpo/teacher_samples": float(len(pairs)), "sdpo/teacher_rows": 0.0}
-        if pairs:
+        # multi-host: every process packs its share of the teacher batch and runs the pass
+        # together, when any of them has a failure to distill
+        if multihost.allgather_ints([len(pairs)]).sum() > 0:
             tbatch = learner.pack([t.sample for _, t in pairs], mode="teacher")
             teacher_at = locate(tbatch, [t.sample for _, t in pairs], cfg.image_token_id, merge)
             t_ids, t_logp = teacher_topk(
@@ -739,8 +743,11 @@ class SelfDistiller:
             logp = np.zeros((r_, l_, k), np.float32)
             mask = np.zeros((r_, l_), bool)
         info["sdpo/distilled_tokens"] = float(mask.sum())
+        # the token mean is over the global batch: every process's distilled tokens
+        total = int(multihost.allgather_ints([int(mask.sum())]).sum())
+        weights = distill_weights(mask) * np.float32(mask.sum() / max(total, 1))
         targets = TeacherTargets(
-            ids, logp, mask, distill_weights(mask), self.divergence, self.js_beta, self.weight
+            ids, logp, mask, weights, self.divergence, self.js_beta, self.weight
         )
         return targets, info
 

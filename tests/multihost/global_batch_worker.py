@@ -2,11 +2,15 @@
 model on 8 fixed samples (half with a screenshot), this process packing its
 share (every process_count-th sample); prints the steps' metrics as one JSON line.
 
-    python -m tests.multihost.global_batch_worker AGG_MODE [shapes]
+    python -m tests.multihost.global_batch_worker AGG_MODE [shapes | sdpo]
 
 With `shapes`, the learner has a strict shape set (one RL shape: 8 rows x 512 tokens, 8
 screens of 4x6 patches), compiled ahead by `learner.warmup("rl")`; the result then also holds
 how often the train step compiled after the warm-up.
+
+With `sdpo`, the steps are SDPO steps (`SelfDistiller.train_step`, λ = 0.5) on 4 groups of a
+failed and a successful one-turn episode, this process taking every process_count-th group:
+each process runs the teacher pass on its share of the failures.
 """
 
 import json
@@ -56,23 +60,72 @@ def samples(cfg, n=8, seed=0):
     return out
 
 
+def sdpo_groups(processor, size, n_groups=4):
+    """Groups of two one-turn episodes at a screen of `size`, recorded as the agent loop records
+    them: a miss (with the checker's message) and a hit; the same on every process."""
+    from cua_jax.rl.rollout import _Transcript
+    from cua_jax.rl.trajectory import Trajectory, Turn
+
+    tok = processor.tokenizer
+    rng = np.random.default_rng(1)
+    groups = []
+    for g in range(n_groups):
+        group = []
+        for success, text in ((False, "click(x=10, y=20)"), (True, f"click(x={500 + g}, y=300)")):
+            tr = _Transcript(processor, f"Press B{g}.", "You operate a computer.", 1)
+            screen = rng.integers(0, 255, (size[1], size[0], 3), np.uint8)
+            prompt = tr.prompt("", screen)
+            gen = np.asarray(tok.encode(text) + [tok.im_end_id], np.int32)
+            turn = Turn(
+                prompt.ids, gen, np.full(gen.size, -1.0, np.float32),
+                pixel_values=prompt.new_pixel_values, image_grid_thw=prompt.new_grid,
+                extends_previous=prompt.extends,
+            )  # fmt: skip
+            traj = Trajectory(
+                f"t{g}", f"g{g}", [turn], reward=float(success), success=success,
+                failure_reason=None if success else "max_turns",
+            )  # fmt: skip
+            if not success:
+                traj.checker_message = f'Clicked at (10, 20); the target was "B{g}" at (500, 300).'
+            group.append(traj)
+        groups.append(group)
+    return groups
+
+
 def main():
     maybe_initialize_distributed()
     import jax
 
     from configs.qwen3vl_grpo import get_config
-    from cua_jax import builders
+    from cua_jax import builders, multihost
 
     c = get_config("smoke")
     c.mesh.fsdp = -1
     c.rl.loss_agg = sys.argv[1]
     c.rl.learning_rate = 1e-3
     mesh, rules = builders.mesh_and_rules(c)
-    model, _ = builders.build_model_and_processor(c, mesh, rules)
+    model, processor = builders.build_model_and_processor(c, mesh, rules)
     learner = builders.build_learner(model, c, mesh, rules, sft=False)
     mine = samples(learner.config)[jax.process_index() :: jax.process_count()]
     out = {}
-    with_shapes = len(sys.argv) > 2 and sys.argv[2] == "shapes"
+    variant = sys.argv[2] if len(sys.argv) > 2 else ""
+    if variant == "sdpo":
+        from cua_jax.rl import sdpo
+
+        size = (c.env.viewport_width, c.env.viewport_height)
+        groups = sdpo_groups(processor, size)[jax.process_index() :: jax.process_count()]
+        distiller = sdpo.SelfDistiller(processor.chat, weight=0.5, topk=16)
+        keys = ("loss", "grad_norm", "num_tokens", "sdpo_loss", "sdpo_tokens", "sdpo_divergence")
+        for k in range(2):
+            batch, _ = learner.prepare_batch(groups)
+            m = distiller.train_step(learner, batch, groups)
+            out.update({f"sdpo{k}/{key}": m[key] for key in keys})
+            out[f"sdpo{k}/teacher_samples"] = int(
+                multihost.allgather_ints([int(m["sdpo/teacher_samples"])]).sum()
+            )
+        print("RESULT " + json.dumps(out), flush=True)
+        os._exit(0)
+    with_shapes = variant == "shapes"
     if with_shapes:
         from cua_jax import compile_stats
         from cua_jax.rl.shapes import Shape, ShapeSet

@@ -82,3 +82,18 @@ def test_two_processes_pack_their_shares_of_the_shape_set_and_compile_once():
         assert r["compiles_after_warmup"] == 0 and r["rl0/rows"] == r["rl1/rows"] == 8
     for k, v in one.items():
         assert two[0][k] == pytest.approx(v, rel=2e-4, abs=1e-6), k
+
+
+def test_two_processes_distill_as_one_process_would():
+    """SDPO (#16) on 2 processes: each packs its share of the failed episodes' teacher
+    sequences (its rows, the images of both gathered), the teacher pass runs on the global
+    batch, each process reads back its own rows, and the distilled-token mean is over the job:
+    the loss, SDPO loss, divergence and gradient norm are the 1-process job's."""
+    agg = "token-mean"
+    (one,) = _job(1, 4, agg, "sdpo")
+    two = _job(2, 2, agg, "sdpo")
+    assert two[0] == two[1]
+    assert one["sdpo0/teacher_samples"] == two[0]["sdpo0/teacher_samples"] == 4
+    assert one["sdpo0/sdpo_tokens"] > 0 and one["sdpo0/sdpo_loss"] > 0
+    for k, v in one.items():
+        assert two[0][k] == pytest.approx(v, rel=2e-4, abs=1e-6), k
