@@ -13,6 +13,9 @@ tokens count once), most recent policy first, tasks interleaved so one easy task
 batches. The policy's mean token entropy on the last RL step's rollouts is measured before and
 after the phase (`entropulse/entropy_before` / `_after`) and the phase row is marked
 (`entropulse/phase` = 1).
+
+Multi-host: each process keeps the successes of its own rollouts and packs its share of every
+SFT batch (`rows` samples a process); the phases line up because they follow the same steps.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cua_jax import multihost
 from cua_jax.rl.trajectory import Trajectory, live_episodes, trajectory_to_samples
 
 
@@ -123,13 +127,15 @@ class Entropulse:
             "entropulse/episodes": float(len(trajs)),
             "entropulse/tasks": float(len({t.task_id for t in trajs})),
         }
-        if not trajs:
+        # multi-host: each process trains on its own successes (its share of the job's
+        # batches), all of them together, unless no process has any
+        if not multihost.allgather_ints([len(trajs)]).sum():
             out["entropulse/skipped_no_success"] = 1.0
             return out
         probe = [
             s for g in probe_groups for t in live_episodes(list(g)) for s in _samples(t, pos_fn)
         ]
-        probe_batch = learner.pack(probe) if probe else None
+        probe_batch = learner.pack(probe) if multihost.allgather_ints([len(probe)]).sum() else None
         if probe_batch is not None:
             out["entropulse/entropy_before"] = float(entropy_fn(learner, probe_batch))
         samples = [s for t in trajs for s in _samples(t, pos_fn)]
@@ -181,11 +187,6 @@ def from_config(config: Any) -> Entropulse | None:
     rl = config.rl
     if rl.entropulse_every <= 0:
         return None
-    if jax.process_count() > 1:
-        raise NotImplementedError(
-            "rl.entropulse_every > 0 runs on one process only (each process would hold its own "
-            "successes and their SFT steps would not line up)"
-        )
     return Entropulse(
         every=rl.entropulse_every,
         sft_steps=rl.entropulse_sft_steps,

@@ -2,7 +2,7 @@
 model on 8 fixed samples (half with a screenshot), this process packing its
 share (every process_count-th sample); prints the steps' metrics as one JSON line.
 
-    python -m tests.multihost.global_batch_worker AGG_MODE [shapes | sdpo]
+    python -m tests.multihost.global_batch_worker AGG_MODE [shapes | sdpo | entropulse]
 
 With `shapes`, the learner has a strict shape set (one RL shape: 8 rows x 512 tokens, 8
 screens of 4x6 patches), compiled ahead by `learner.warmup("rl")`; the result then also holds
@@ -10,7 +10,9 @@ how often the train step compiled after the warm-up.
 
 With `sdpo`, the steps are SDPO steps (`SelfDistiller.train_step`, λ = 0.5) on 4 groups of a
 failed and a successful one-turn episode, this process taking every process_count-th group:
-each process runs the teacher pass on its share of the failures.
+each process runs the teacher pass on its share of the failures. With `entropulse`, an
+Entropulse phase (2 SFT steps) on the successes of those groups (of every second group only:
+on 2 processes the second has none), each process its own.
 """
 
 import json
@@ -60,9 +62,10 @@ def samples(cfg, n=8, seed=0):
     return out
 
 
-def sdpo_groups(processor, size, n_groups=4):
+def sdpo_groups(processor, size, n_groups=4, hit_every=1):
     """Groups of two one-turn episodes at a screen of `size`, recorded as the agent loop records
-    them: a miss (with the checker's message) and a hit; the same on every process."""
+    them: a miss (with the checker's message) and a hit (in every `hit_every`-th group; two
+    misses in the others); the same on every process."""
     from cua_jax.rl.rollout import _Transcript
     from cua_jax.rl.trajectory import Trajectory, Turn
 
@@ -81,6 +84,7 @@ def sdpo_groups(processor, size, n_groups=4):
                 pixel_values=prompt.new_pixel_values, image_grid_thw=prompt.new_grid,
                 extends_previous=prompt.extends,
             )  # fmt: skip
+            success = success and g % hit_every == 0
             traj = Trajectory(
                 f"t{g}", f"g{g}", [turn], reward=float(success), success=success,
                 failure_reason=None if success else "max_turns",
@@ -123,6 +127,19 @@ def main():
             out[f"sdpo{k}/teacher_samples"] = int(
                 multihost.allgather_ints([int(m["sdpo/teacher_samples"])]).sum()
             )
+        print("RESULT " + json.dumps(out), flush=True)
+        os._exit(0)
+    if variant == "entropulse":
+        from cua_jax.rl.entropulse import Entropulse
+
+        size = (c.env.viewport_width, c.env.viewport_height)
+        # successes in groups 0 and 2 only: on 2 processes the second has none to train on
+        groups = sdpo_groups(processor, size, hit_every=2)
+        groups = groups[jax.process_index() :: jax.process_count()]
+        pulse = Entropulse(every=1, sft_steps=2, rows=4 // jax.process_count())
+        m = pulse.after_step(1, learner, groups)
+        keys = ("entropy_before", "entropy_after", "sft_loss_first", "sft_loss_last")
+        out.update({f"entropulse/{k}": m[f"entropulse/{k}"] for k in keys})
         print("RESULT " + json.dumps(out), flush=True)
         os._exit(0)
     with_shapes = variant == "shapes"

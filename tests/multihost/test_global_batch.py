@@ -97,3 +97,17 @@ def test_two_processes_distill_as_one_process_would():
     assert one["sdpo0/sdpo_tokens"] > 0 and one["sdpo0/sdpo_loss"] > 0
     for k, v in one.items():
         assert two[0][k] == pytest.approx(v, rel=2e-4, abs=1e-6), k
+
+
+def test_two_processes_run_the_entropulse_phase_one_process_would():
+    """Entropulse on 2 processes: each keeps the successes of its own groups and packs its share
+    of every SFT batch, one with no success of its own packing empty rows; the phase's SFT
+    losses and the entropy before and after it are the 1-process job's (2 successes a batch
+    there; 2 on the first process and none on the second here)."""
+    agg = "token-mean"
+    (one,) = _job(1, 4, agg, "entropulse")
+    two = _job(2, 2, agg, "entropulse")
+    assert two[0] == two[1]
+    assert one["entropulse/sft_loss_last"] < one["entropulse/sft_loss_first"]
+    for k, v in one.items():
+        assert two[0][k] == pytest.approx(v, rel=2e-4, abs=1e-6), k
