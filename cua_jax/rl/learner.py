@@ -779,9 +779,7 @@ class Learner:
             if shares == 1:
                 xs[k] = jax.device_put(v, sh)
             else:
-                xs[k] = jax.make_array_from_process_local_data(
-                    sh, v, (rows * shares, *v.shape[1:])
-                )
+                xs[k] = jax.make_array_from_process_local_data(sh, v, (rows * shares, *v.shape[1:]))
         images = None
         if batch.patch_budget:  # the shape set's fixed patch budget, padded with blank screens
             v = self.config.vision
