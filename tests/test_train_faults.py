@@ -29,6 +29,7 @@ from cua_jax.rl.sources import (
     TaskCursor,
 )
 from cua_jax.rl.trajectory import Trajectory
+from tests.main_job import job_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -283,12 +284,10 @@ def test_launch_exits_1_naming_the_fault(tmp_path):
         "--config.eval_tasks=({'source_type': 'none'},)",
         f"--workdir={tmp_path}",
     ]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
     r = subprocess.run(
         [sys.executable, "-c", _LAUNCH, *args],
         cwd=ROOT,
-        env=env,
+        env=job_env(),
         capture_output=True,
         text=True,
         timeout=600,

@@ -12,15 +12,13 @@ decoding of two such policies may differ where two tokens' logits nearly tie, so
 may differ by one task (1/8). Seen on this machine: 0.125 and 0.125.
 """
 
-import json
 import os
-import subprocess
-import sys
 import tempfile
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.main_job import metrics_rows, run_main_job
+
 CACHE = os.path.join(tempfile.gettempdir(), f"cua_test_jax_cache_parity_{os.getpid()}")
 NUM_EVAL = 8
 
@@ -42,21 +40,8 @@ ARGS = [
 
 
 def _run(workdir, devices, *extra):
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env["JAX_PLATFORMS"] = "cpu"
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "tpu.py"), *ARGS, *extra]
-    r = subprocess.run(
-        [*cmd, f"--workdir={workdir}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        rows = [json.loads(ln) for ln in f if ln.strip()]
+    run_main_job([*ARGS, *extra], workdir, devices=devices)
+    rows = metrics_rows(workdir)
     (after_sft,) = [row for row in rows if row.get("phase_sft") == 1.0]
     return after_sft
 

@@ -16,8 +16,8 @@ import time
 import pytest
 
 from tests.db.train_checks import check_train_database, wait_for_db_step
+from tests.main_job import LAUNCH, ROOT, job_env, metrics_rows, run_main_job
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # One persistent compilation cache for this module's runs: the killed and resumed runs load the
 # steps the first run compiled.
 CACHE = os.path.join(tempfile.gettempdir(), f"cua_test_jax_cache_{os.getpid()}")
@@ -49,25 +49,7 @@ DB_SHAPE = {"group_size": 2, "groups_per_step": 2, "logged_groups": 1}
 
 
 def _cmd(workdir, *extra):
-    return [
-        sys.executable,
-        os.path.join(ROOT, "launch", "tpu.py"),
-        *SHORT,
-        *extra,
-        f"--workdir={workdir}",
-    ]
-
-
-def _env():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's laptop run
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
-
-
-def _rows(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(ln) for ln in f if ln.strip()]
+    return [sys.executable, LAUNCH, *SHORT, *extra, f"--workdir={workdir}"]
 
 
 @pytest.fixture(scope="module")
@@ -76,14 +58,13 @@ def full_run(tmp_path_factory):
     # Rows of an earlier attempt that died before its first checkpoint: the run starts afresh.
     with open(os.path.join(wd, "metrics.jsonl"), "w") as f:
         f.write(json.dumps({"step": 0, "stale_attempt": 1.0}) + "\n")
-    r = subprocess.run(_cmd(wd), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-4000:]
+    run_main_job(SHORT, wd)
     return wd
 
 
 def test_smoke_run_writes_everything(full_run):
     wd = full_run
-    rows = _rows(wd)
+    rows = metrics_rows(wd)
     assert [r["step"] for r in rows] == [0, 0, 1, 2, 3]
     assert not any("stale_attempt" in r for r in rows)
     step0, after_sft = rows[0], rows[1]
@@ -132,7 +113,7 @@ def test_resume_after_sigkill_reproduces_the_following_steps(full_run, tmp_path)
     proc = subprocess.Popen(
         _cmd(wd),
         cwd=ROOT,
-        env=_env(),
+        env=job_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -147,10 +128,9 @@ def test_resume_after_sigkill_reproduces_the_following_steps(full_run, tmp_path)
     wait_for_db_step(wd, 1)  # (a record still queued at a SIGKILL is lost: see the DB check)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    r = subprocess.run(_cmd(wd), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-4000:]
-    resumed = {row["step"]: row for row in _rows(wd) if row["step"] >= 2}
-    reference = {row["step"]: row for row in _rows(full_run) if row["step"] >= 2}
+    run_main_job(SHORT, wd)
+    resumed = {row["step"]: row for row in metrics_rows(wd) if row["step"] >= 2}
+    reference = {row["step"]: row for row in metrics_rows(full_run) if row["step"] >= 2}
     assert sorted(resumed) == sorted(reference) == [2, 3]
     for step in (2, 3):
         a, b = _comparable(resumed[step]), _comparable(reference[step])
@@ -215,7 +195,7 @@ def test_async_mode_keeps_staleness_within_the_bound(tmp_path):
     proc = subprocess.Popen(
         _cmd(wd, *extra),
         cwd=ROOT,
-        env=_env(),
+        env=job_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -239,7 +219,7 @@ def test_async_mode_keeps_staleness_within_the_bound(tmp_path):
     )
     with pytest.raises(OSError):  # the server stopped with the run
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
-    rows = [row for row in _rows(wd) if row["step"] >= 1]
+    rows = [row for row in metrics_rows(wd) if row["step"] >= 1]
     assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]
     for row in rows:
         assert 0.0 <= row["rollout/staleness_max"] <= 1.0
@@ -254,7 +234,7 @@ def _eval_tool(*args):
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "eval.py"), *args],
         cwd=ROOT,
-        env=_env(),
+        env=job_env(),
         capture_output=True,
         text=True,
         timeout=600,
@@ -268,7 +248,7 @@ def test_eval_tool_reproduces_the_runs_eval(full_run, tmp_path):
     r = _eval_tool(f"--workdir={full_run}", "--step=3", f"--out={out}")
     assert r.returncode == 0, r.stderr[-4000:]
     got = json.load(open(os.path.join(out, "eval.json")))
-    logged = {row["step"]: row for row in _rows(full_run)}[3]
+    logged = {row["step"]: row for row in metrics_rows(full_run)}[3]
     want = {k: v for k, v in logged.items() if k.startswith("eval/success")}
     assert {k: v for k, v in got.items() if k.startswith("eval/success")} == want
     assert got["step"] == 3 and got["num_tasks"] == len(got["episodes"]) == 4

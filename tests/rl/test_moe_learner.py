@@ -285,15 +285,9 @@ def test_real_moe_preset():
 def test_smoke_main_job_runs_the_tiny_moe(tmp_path):
     """launch/tpu.py end to end (rollouts in Chromium, a GRPO step with routing replay and the
     aux loss, an eval, a checkpoint) on --config.model.preset=tiny_moe, cut to one step."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from tests.main_job import metrics_rows, run_main_job
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cmd = [
-        sys.executable,
-        os.path.join(root, "launch", "tpu.py"),
+    args = [
         "--config=configs/qwen3vl_grpo.py:smoke",
         "--config.model.preset=tiny_moe",
         "--config.rl.routing_replay=True",
@@ -313,14 +307,9 @@ def test_smoke_main_job_runs_the_tiny_moe(tmp_path):
         "'category': 'click', 'seed': 0, 'limit': 1},)",
         "--config.eval_tasks=({'source_type': 'builtin', 'split': 'eval', 'difficulty': 'easy', "
         "'seed': 1000, 'limit': 1},)",
-        f"--workdir={tmp_path}",
     ]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-4000:]
-    with open(tmp_path / "metrics.jsonl") as f:
-        rows = [json.loads(ln) for ln in f if ln.strip()]
+    run_main_job(args, str(tmp_path))
+    rows = metrics_rows(str(tmp_path))
     trained = [row for row in rows if "train/loss" in row]
     assert len(trained) == 1
     row = trained[0]

@@ -10,18 +10,15 @@ real ones; only the number of steps is cut.
 import json
 import os
 import sqlite3
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.main_job import metrics_rows, run_main_job
+
 TASKS = "('terminal-mkdir', 'terminal-delete-file')"
 
 
 def test_smoke_run_on_local_desktops_resets_them_and_learns_api_actions(xserver, tmp_path):
     wd = str(tmp_path / "vm")
-    cmd = [
-        sys.executable,
-        os.path.join(ROOT, "launch", "tpu.py"),
+    args = [
         "--config=configs/qwen3vl_grpo.py:smoke",
         "--config.env.kind=vm",
         "--config.env.concurrency=2",
@@ -41,13 +38,9 @@ def test_smoke_run_on_local_desktops_resets_them_and_learns_api_actions(xserver,
         f"--config.tasks=({{'source_type': 'desktop', 'names': {TASKS}, 'api_actions': 'all'}},)",
         f"--config.eval_tasks=({{'source_type': 'desktop', 'names': {TASKS}, "
         "'api_actions': 'all'},)",
-        f"--workdir={wd}",
     ]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-4000:]
-    rows = [json.loads(line) for line in open(os.path.join(wd, "metrics.jsonl"))]
+    run_main_job(args, wd)
+    rows = metrics_rows(wd)
     step0, after_sft = rows[0], rows[1]
     (step1,) = [row for row in rows if row["step"] == 1]
     assert after_sft["phase_sft"] == 1.0 and after_sft["sft/demo_success"] == 1.0
