@@ -41,13 +41,19 @@ def allgather_ints(values: Sequence[int]) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(local))
 
 
+def _padded_size(n: int) -> int:
+    """`n` rounded up to a power of two: `process_allgather` compiles one program per shape, so
+    gathers of varying sizes (images, JSON) share a few."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def allgather_json(obj: Any) -> list[Any]:
     """Every process's JSON-serialisable `obj`, in process order (a list of process_count)."""
     if process_count() == 1:
         return [json.loads(json.dumps(obj))]
     data = np.frombuffer(json.dumps(obj, sort_keys=True).encode(), np.uint8)
     lengths = allgather_ints([data.size])[:, 0]
-    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded = np.zeros(_padded_size(int(lengths.max())), np.uint8)
     padded[: data.size] = data
     from jax.experimental import multihost_utils
 
@@ -61,7 +67,7 @@ def allgather_arrays(x: np.ndarray) -> list[np.ndarray]:
         return [np.asarray(x)]
     x = np.asarray(x)
     firsts = allgather_ints([x.shape[0]])[:, 0]
-    padded = np.zeros((int(firsts.max()), *x.shape[1:]), x.dtype)
+    padded = np.zeros((_padded_size(int(firsts.max())), *x.shape[1:]), x.dtype)
     padded[: x.shape[0]] = x
     from jax.experimental import multihost_utils
 
