@@ -259,6 +259,7 @@ def test_the_config_shape_set_has_rows_for_every_turn_when_history_drops_screens
     from cua_jax.rl.shapes import ShapeSet
 
     c = get_config("learn")
+    c.rl.groups_per_batch = 4  # 16 episodes a step
     ic = QwenVLProcessor.default("qwen3_vl", max_pixels=384 * 288, min_pixels=32 * 32).image_config
     rl = ShapeSet.from_config(c, ic).rl
     assert [(s.rows, s.length) for s in rl] == [(16, 512), (16, 1024), (48, 512), (48, 1024)]
@@ -280,6 +281,7 @@ def test_sdpo_teacher_batches_get_the_rl_rows_and_a_feedback_screen_each():
     from cua_jax.rl.shapes import ShapeSet
 
     c = get_config("learn")
+    c.rl.groups_per_batch = 4  # 16 episodes a step
     ic = QwenVLProcessor.default("qwen3_vl", max_pixels=384 * 288, min_pixels=32 * 32).image_config
     assert ShapeSet.from_config(c, ic).teacher == ()  # GRPO: no teacher pass
     c.rl.algorithm = "sdpo"
