@@ -332,7 +332,7 @@ def test_checker_message_and_config_errors(proc):
 # ---------------------------------------------------------------------------------------------
 
 
-def _sdpo_learner(proc, seed=0, lr=1e-5):
+def _sdpo_learner(proc, seed=0, lr=1e-5, lora=None):
     import dataclasses
 
     from flax import nnx
@@ -352,6 +352,7 @@ def _sdpo_learner(proc, seed=0, lr=1e-5):
         optimizer=OptimizerConfig(learning_rate=lr, max_grad_norm=None),
         seq_len_buckets=(512,),
         logits_chunk=64,
+        lora=lora,
     )
 
 
@@ -372,8 +373,15 @@ def _forward_kl(learner, batch, targets):
     return float(kl[targets.mask].mean())
 
 
-def test_sdpo_step_moves_the_student_toward_the_teacher(proc):
-    learner = _sdpo_learner(proc)
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_sdpo_step_moves_the_student_toward_the_teacher(proc, lora):
+    """Full fine-tuning and LoRA (the teacher is the base with the current adapters; the step
+    trains the adapters only)."""
+    from cua_jax.rl.learner import LoraConfig
+
+    learner = _sdpo_learner(proc, lr=1e-3 if lora else 1e-5, lora=LoraConfig(4) if lora else None)
+    base = [np.asarray(x) for x in jax.tree.leaves(learner._frozen)]
+    assert bool(base) == lora  # LoRA freezes the base weights
     group = _group(proc)
     batch, _ = learner.prepare_batch([group])
     distiller = sdpo.SelfDistiller(proc.chat, weight=1.0, divergence="kl", topk=0)
@@ -391,6 +399,8 @@ def test_sdpo_step_moves_the_student_toward_the_teacher(proc):
     assert m["loss"] == pytest.approx(m["sdpo_loss"], rel=1e-6)  # λ = 1: no GRPO term
     after = _forward_kl(learner, batch, targets)
     assert after < before
+    for x, y in zip(base, jax.tree.leaves(learner._frozen), strict=True):
+        np.testing.assert_array_equal(x, np.asarray(y))  # (with LoRA: the frozen base)
 
 
 def test_sdpo_weight_zero_is_the_grpo_step(proc):
