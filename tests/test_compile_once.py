@@ -287,14 +287,20 @@ def test_sdpo_teacher_batches_get_the_rl_rows_and_a_feedback_screen_each():
     c.rl.algorithm = "sdpo"
     shapes = ShapeSet.from_config(c, ic)
     teacher = shapes.teacher
-    assert [(s.rows, s.length) for s in teacher] == [(16, 512), (16, 1024), (48, 512), (48, 1024)]
+    # and one row length more: 1024 + the feedback (192 tokens of text, a 108-token screen and
+    # its 2 markers, 3 peer calls of 48 + 8 tokens) = 1494, rounded up to a multiple of 128
+    assert [(s.rows, s.length) for s in teacher] == [
+        (16, 512), (16, 1024), (16, 1536), (48, 512), (48, 1024), (48, 1536)
+    ]  # fmt: skip
     # 4 screens a row (3 turns x 1 screen + the final one); 16 episodes x 3 turns x 2 screens
-    assert teacher[0].patches == 16 * 4 * 432 and teacher[2].patches == 16 * 3 * 2 * 432
+    assert teacher[0].patches == 16 * 4 * 432 and teacher[3].patches == 16 * 3 * 2 * 432
+    assert max(s.length for s in shapes.rl) == 1024
     assert shapes.of("teacher") == teacher and "teacher 16x512" in shapes.describe()
     # feedback demonstrations in SFT (sft.feedback_share) carry the final screenshot as well
     assert shapes.sft[0].patches == 8 * 3 * 432
     c.sft.feedback_share = 0.5
     assert ShapeSet.from_config(c, ic).sft[0].patches == 8 * 4 * 432
-    c.rl.sdpo_feedback = "checker_message"  # no screen added
+    c.rl.sdpo_feedback = "checker_message"  # no screen added, no peer calls
     assert ShapeSet.from_config(c, ic).teacher[0].patches == 16 * 3 * 432
+    assert ShapeSet.from_config(c, ic).teacher[2].length == 1280  # 1024 + 192, rounded up
     assert ShapeSet.from_config(c, ic).sft[0].patches == 8 * 3 * 432

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -571,6 +572,14 @@ def _teacher_topk_fn(learner, k, params, frozen, rest, xs, images):
     return jnp.pad(ids, pad), jnp.pad(logp, pad)
 
 
+def _longest_teacher_row(learner: Any) -> int:
+    """The longest row a teacher batch can take: the shape set's teacher (or SFT) shapes, else
+    the learner's length buckets."""
+    if learner.shapes is not None:
+        return max(sh.length for sh in learner.shapes.of("teacher"))
+    return max(learner.seq_len_buckets)
+
+
 def scatter_targets(
     student_batch: Any,
     pairs: Sequence[tuple[Sample, TeacherSample]],
@@ -721,11 +730,28 @@ class SelfDistiller:
         pairs = teacher_samples(groups, self.chat, learner.position_fn(), self.feedback)
         merge = cfg.vision.spatial_merge_size
         student_at = locate(batch, [s for s, _ in pairs], cfg.image_token_id, merge)
-        pairs = [p for p, a in zip(pairs, student_at, strict=True) if a is not None]
-        student_at = [a for a in student_at if a is not None]
+        # a teacher sequence longer than every teacher row (a long episode with a long
+        # feedback message) is not distilled: its sample still trains on GRPO's loss
+        longest = _longest_teacher_row(learner)
+        found = [a is not None for a in student_at]
+        fits = [f and t.sample.length <= longest for (_, t), f in zip(pairs, found, strict=True)]
+        too_long = sum(found) - sum(fits)
+        if too_long:
+            logging.warning(
+                "SDPO: %d teacher sequences are longer than the longest teacher row %d; their "
+                "samples train on the GRPO loss only (raise rl.row_lengths)",
+                too_long,
+                longest,
+            )
+        pairs = [p for p, f in zip(pairs, fits, strict=True) if f]
+        student_at = [a for a, f in zip(student_at, fits, strict=True) if f]
         vocab = cfg.text.vocab_size
         k = vocab if self.topk <= 0 or self.topk >= vocab else self.topk
-        info = {"sdpo/teacher_samples": float(len(pairs)), "sdpo/teacher_rows": 0.0}
+        info = {
+            "sdpo/teacher_samples": float(len(pairs)),
+            "sdpo/teacher_rows": 0.0,
+            "sdpo/teacher_too_long": float(too_long),
+        }
         # multi-host: every process packs its share of the teacher batch and runs the pass
         # together, when any of them has a failure to distill
         if multihost.allgather_ints([len(pairs)]).sum() > 0:

@@ -76,6 +76,30 @@ def first_fit_rows(lengths: Sequence[int], row_len: int) -> int:
     return len(free)
 
 
+# Tokens SDPO's feedback message takes besides its screenshot and a peer's tool calls: the chat
+# template's turn, the header and footer, and the checker's message (a click report and a note:
+# about 60-120 tokens on the built-in pages)
+FEEDBACK_TEXT_TOKENS = 192
+
+
+def teacher_row_length(config: Any, image_tokens: int) -> int:
+    """The row length that holds the longest RL row's sample with SDPO's feedback message before
+    it (its screenshot, a peer's tool calls and `FEEDBACK_TEXT_TOKENS` of text), rounded up to
+    a multiple of 128 (of the splash kernel's block with model.attn_impl='splash')."""
+    rl, env = config.rl, config.env
+    kinds = str(rl.get("sdpo_feedback", ""))
+    extra = FEEDBACK_TEXT_TOKENS
+    if "final_screenshot" in kinds:
+        extra += image_tokens + 2  # <|vision_start|> ... <|vision_end|>
+    if "peer_success" in kinds:
+        extra += env.max_turns * (rl.max_tokens + 8)  # "N. " and a newline a call
+    unit = 128
+    model = config.get("model")
+    if model is not None and model.get("attn_impl", "") == "splash":
+        unit = max(unit, model.get("attn_block", 0) or 512)
+    return -(-(max(rl.row_lengths) + extra) // unit) * unit
+
+
 def sample_patches(s: Sample) -> int:
     return 0 if s.pixel_values is None else int(np.asarray(s.pixel_values).shape[0])
 
@@ -105,9 +129,11 @@ class ShapeSet:
         def up(n: int) -> int:
             return -(-n // row_multiple) * row_multiple
 
-        def shapes(rows: int, most_screens: int = 0, extra: int = 0) -> tuple[Shape, ...]:
+        def shapes(
+            rows: int, most_screens: int = 0, extra: int = 0, lengths: Sequence[int] = ()
+        ) -> tuple[Shape, ...]:
             out = []
-            for length in sorted(rl.row_lengths):
+            for length in sorted(lengths or rl.row_lengths):
                 per_row = rl.images_per_row or min(
                     length // image_tokens, env.max_turns * env.max_history_images + extra
                 )
@@ -122,7 +148,9 @@ class ShapeSet:
         # RL rows with one more screen a sample (the screen after the last action)
         final_screen = "final_screenshot" in str(rl.get("sdpo_feedback", ""))
         sdpo = rl.get("algorithm", "grpo") == "sdpo"
-        teacher = shapes(rl_rows, extra=int(final_screen)) if sdpo else ()
+        # ... and one row length more: the longest RL row with the feedback message before it
+        t_lengths = (*rl.row_lengths, teacher_row_length(config, image_tokens)) if sdpo else ()
+        teacher = shapes(rl_rows, extra=int(final_screen), lengths=t_lengths) if sdpo else ()
         if not rl.learner_rows and env.max_history_images < env.max_turns:
             # The history window drops screens, so an episode's turns are separate samples
             # (up to max_turns of them): a second row count gives each its own row at worst;
@@ -133,7 +161,9 @@ class ShapeSet:
             rl_shapes += shapes(rl_rows * env.max_turns, most)
             if sdpo:
                 most_fb = episodes * env.max_turns * (env.max_history_images + final_screen)
-                teacher += shapes(rl_rows * env.max_turns, most_fb, extra=int(final_screen))
+                teacher += shapes(
+                    rl_rows * env.max_turns, most_fb, extra=int(final_screen), lengths=t_lengths
+                )
         # feedback demonstrations (sft.feedback_share) carry the final screenshot too
         sft_extra = int(final_screen and config.sft.get("feedback_share", 0.0) > 0)
         sft_shapes = shapes(sft_rows, extra=sft_extra)

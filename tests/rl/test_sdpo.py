@@ -332,7 +332,7 @@ def test_checker_message_and_config_errors(proc):
 # ---------------------------------------------------------------------------------------------
 
 
-def _sdpo_learner(proc, seed=0, lr=1e-5, lora=None):
+def _sdpo_learner(proc, seed=0, lr=1e-5, lora=None, buckets=(512,)):
     import dataclasses
 
     from flax import nnx
@@ -350,7 +350,7 @@ def _sdpo_learner(proc, seed=0, lr=1e-5, lora=None):
     return Learner(
         model,
         optimizer=OptimizerConfig(learning_rate=lr, max_grad_norm=None),
-        seq_len_buckets=(512,),
+        seq_len_buckets=buckets,
         logits_chunk=64,
         lora=lora,
     )
@@ -401,6 +401,23 @@ def test_sdpo_step_moves_the_student_toward_the_teacher(proc, lora):
     assert after < before
     for x, y in zip(base, jax.tree.leaves(learner._frozen), strict=True):
         np.testing.assert_array_equal(x, np.asarray(y))  # (with LoRA: the frozen base)
+
+
+def test_a_teacher_sequence_longer_than_every_row_is_counted_and_not_distilled(proc):
+    """The learn preset's run stopped on a 1025-token teacher sequence (a three-turn episode
+    with its feedback) in 1024-token rows. Such a sequence is now left out of the teacher pass
+    and counted; its sample trains on the GRPO loss only."""
+    learner = _sdpo_learner(proc, buckets=(128, 160))
+    group = _group(proc)
+    pairs = sdpo.teacher_samples([group], proc.chat, learner.position_fn())
+    assert [t.sample.length > 160 for _, t in pairs] == [True, False]  # the two-turn failure
+    batch, _ = learner.prepare_batch([group])
+    targets, info = sdpo.SelfDistiller(proc.chat, weight=0.5, topk=8).targets(
+        learner, batch, [group]
+    )
+    assert info["sdpo/teacher_too_long"] == 1 and info["sdpo/teacher_samples"] == 1
+    assert targets.mask.sum() == sum(t.generated_ids.size for t in group[2].turns)
+    assert np.isfinite(learner.train_step(batch, teacher=targets)["loss"])
 
 
 def test_sdpo_weight_zero_is_the_grpo_step(proc):
