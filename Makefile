@@ -4,8 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 APT_PKGS := chromium xvfb xdotool wmctrl x11-utils openbox scrot xterm imagemagick fonts-dejavu-core nano x11-xserver-utils postgresql
+VM_APT_PKGS := qemu-system-x86 qemu-utils debootstrap
+VM_IMAGE ?= $(HOME)/.cache/cua_jax/vm/debian.qcow2
+VM_IMAGE_ARGS ?=
 
-.PHONY: test smoke venv apt lint
+.PHONY: test smoke venv apt lint vm-image
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,6 +28,20 @@ apt:
 	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
+
+# A Debian guest image for QemuDesktop (envs/vm/qemu.py): tools/build_vm_image.sh, as root
+# (debootstrap, a loop mount), into $(VM_IMAGE), its token in $(VM_IMAGE).token; a few minutes.
+# Kept when it exists (VM_IMAGE_ARGS=--force rebuilds; see --help). The real-guest test: CUA_QEMU_IMAGE=$(VM_IMAGE) pytest
+# tests/envs/vm/test_vm_qemu_real.py
+vm-image:
+	@SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	missing=""; for p in $(VM_APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
+	fi; \
+	mkdir -p "$$(dirname "$(VM_IMAGE)")" && $$SUDO tools/build_vm_image.sh "$(VM_IMAGE)" $(VM_IMAGE_ARGS) && \
+	if [ -n "$$SUDO" ]; then $$SUDO chown "$$(id -u):$$(id -g)" "$(VM_IMAGE)" "$(VM_IMAGE).token"; fi
 
 test: venv apt
 	$(BIN)/python -m pytest -n 2 --dist loadscope tests

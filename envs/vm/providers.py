@@ -395,6 +395,10 @@ class RemoteDesktop:
         if self.revert is not None:
             await self.revert(self)
             self.restarts += 1
+            # a snapshot revert or a restart drops the connections the client keeps alive
+            # (QEMU's loadvm restores its user network as of the snapshot: a request on such a
+            # connection hangs until its timeout); the next request opens a fresh one
+            await self.client.close()
         await self.client.wait_ready(self.ready_timeout)
 
     async def recover(self) -> None:

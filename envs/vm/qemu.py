@@ -10,11 +10,14 @@ listens on a unix socket. Once the guest's server answers, the booted state is s
 internal snapshot of the overlay (``savevm``); ``reset()`` before every episode after the first
 goes back to it (``loadvm``: seconds, no reboot), then the task's own setup steps run, as on
 OSWorld's VMs. ``recover()`` after a fault boots a fresh overlay. KVM is used when ``/dev/kvm``
-is usable, else TCG (much slower: a desktop guest takes minutes to boot).
+is usable and the CPU has VMX/SVM (``kvm_usable``), else TCG (slower: the small Debian guest
+of ``tools/build_vm_image.sh`` boots in about a minute on a busy 2-core host; a large desktop
+guest takes minutes).
 
-Tested here against a stand-in QEMU (``tests/envs/vm/fake_qemu.py``: the same command line,
-monitor and port forward, our VM server as the "guest"); no real guest image has been booted
-by the tests.
+Tested against a stand-in QEMU (``tests/envs/vm/fake_qemu.py``: the same command line, monitor
+and port forward, our VM server as the "guest") and against a real guest:
+``tools/build_vm_image.sh`` builds a small Debian image running our server, and
+``tests/envs/vm/test_vm_qemu_real.py`` (``CUA_QEMU_IMAGE=...``) boots it.
 """
 
 from __future__ import annotations
@@ -42,8 +45,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def kvm_usable() -> bool:
-    return os.access("/dev/kvm", os.R_OK | os.W_OK)
+def kvm_usable(dev: str = "/dev/kvm", cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """/dev/kvm can be opened and the CPU has hardware virtualization (VMX or SVM).
+
+    Some sandboxes offer /dev/kvm without either: PVM (the ``kvm_pvm`` module, a nested
+    hypervisor made of software) runs only guest kernels built for it. A stock guest there
+    crawls or stops: Debian's kernel decompressed itself at ~30 KB/s (no boot in 300 s), and
+    syslinux died in KVM's instruction emulator ("KVM internal error. Suberror: 1"), so TCG
+    boots such a guest far sooner.
+    """
+    if not os.access(dev, os.R_OK | os.W_OK):
+        return False
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line.partition(":")[2].split()
+                    return "vmx" in flags or "svm" in flags
+    except OSError:
+        pass
+    return True  # no x86 flags line to go by: trust /dev/kvm
 
 
 class QemuDesktop:
@@ -53,7 +74,7 @@ class QemuDesktop:
       image: the guest's disk image (qcow2; raw works as a backing file too), read-only here.
       token: the guest server's bearer token (OSWorld's own server takes none).
       memory_mb, cpus: the guest's memory and virtual CPUs.
-      accel: "kvm", "tcg", or "auto" (KVM when /dev/kvm is usable).
+      accel: "kvm", "tcg", or "auto" (KVM when ``kvm_usable()``: /dev/kvm and VMX/SVM).
       qemu, qemu_img: the commands (argv prefixes) of ``qemu-system-x86_64`` and ``qemu-img``.
       boot_timeout: seconds to wait for the guest's server after starting QEMU.
       extra_args: more QEMU arguments (e.g. ``("-vga", "virtio")``).
@@ -189,6 +210,11 @@ class QemuDesktop:
             await self.restart()
         elif self._used:
             await qemu_monitor(self.monitor, f"loadvm {SNAPSHOT}", timeout=self.boot_timeout)
+            # loadvm also restores user networking's connection table as of the snapshot: a
+            # keep-alive connection the client opened since then is dead, and a request on it
+            # hangs until its timeout (a real guest: wait_ready's first ping lost 5 s, a POST
+            # would fail). Drop the client's pooled connections; the next request opens one.
+            await self.client.close()
             await self.client.wait_ready(60.0)
             self.restarts += 1
         self._used = True
