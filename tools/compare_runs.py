@@ -1,0 +1,100 @@
+r"""Learning curves of several runs side by side: eval success per RL step, per rollout and per
+wall-clock minute (a picture for BENCHMARKS.md and for choosing between algorithms).
+
+    python tools/compare_runs.py --out=curves.png GRPO=/tmp/w/grpo SDPO=/tmp/w/sdpo [...]
+
+Each NAME=WORKDIR is a run's workdir (`launch/tpu.py --workdir`). The curves are its in-run
+eval (`eval/success` of WORKDIR/metrics.jsonl; the after-SFT eval is the RL phase's step 0),
+against (a) the RL step, (b) rollouts so far (`rollout/groups_sampled` x `rl.group_size` of
+WORKDIR/config.json, summed over the steps: dynamic sampling's extra groups count) and (c)
+minutes since the RL phase began (the rows' `time` stamps). Prints one line a run: its evals
+and how many rollouts and minutes it took to reach its best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+
+def _rows(workdir: str) -> list[dict[str, Any]]:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(ln) for ln in f if ln.strip()]
+
+
+def curves(workdir: str) -> dict[str, list[float]]:
+    """{"step", "rollouts", "minutes", "success"}: one entry per eval of the RL phase, the first
+    the policy it started from (after SFT, or a run's step-0 eval)."""
+    with open(os.path.join(workdir, "config.json")) as f:
+        group_size = int(json.load(f)["rl"]["group_size"])
+    rows = _rows(workdir)
+    evals = [r for r in rows if "eval/success" in r]
+    if not evals:
+        raise ValueError(f"{workdir}/metrics.jsonl has no eval/success row")
+    start = next((r for r in evals if r.get("phase_sft") == 1.0), evals[0])
+    out: dict[str, list[float]] = {"step": [], "rollouts": [], "minutes": [], "success": []}
+    rollouts = 0.0
+    for r in rows:
+        if r["step"] > 0:
+            rollouts += r.get("rollout/groups_sampled", 0.0) * group_size
+        if "eval/success" in r and (r is start or r["step"] > 0):
+            out["step"].append(float(r["step"]))
+            out["rollouts"].append(rollouts)
+            out["minutes"].append((r["time"] - start["time"]) / 60.0)
+            out["success"].append(float(r["eval/success"]))
+    return out
+
+
+def plot(runs: dict[str, dict[str, list[float]]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
+    for ax, key, label in zip(
+        axes,
+        ("step", "rollouts", "minutes"),
+        ("RL step", "rollouts", "minutes since RL began"),
+        strict=True,
+    ):
+        for name, c in runs.items():
+            ax.plot(c[key], c["success"], marker="o", label=name)
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("eval success (in-run eval tasks)")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", help="NAME=WORKDIR")
+    ap.add_argument("--out", required=True, help="the PNG to write")
+    args = ap.parse_args(argv)
+    runs = {}
+    for spec in args.runs:
+        name, sep, workdir = spec.rpartition("=")
+        if not sep or not name or not workdir:
+            ap.error(f"{spec!r}: expected NAME=WORKDIR")
+        if not os.path.isfile(os.path.join(workdir, "metrics.jsonl")):
+            ap.error(f"{spec!r}: {workdir} has no metrics.jsonl (not a run's workdir)")
+        runs[name] = curves(workdir)
+    plot(runs, args.out)
+    for name, c in runs.items():
+        best = max(range(len(c["success"])), key=c["success"].__getitem__)
+        evals = " ".join(f"{s:g}:{v:.3f}" for s, v in zip(c["step"], c["success"], strict=True))
+        print(
+            f"{name}: {evals} | best {c['success'][best]:.3f} at step {c['step'][best]:g}, "
+            f"{c['rollouts'][best]:g} rollouts, {c['minutes'][best]:.1f} min"
+        )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
