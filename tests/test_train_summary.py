@@ -26,8 +26,14 @@ def test_summary_has_after_sft_final_and_the_rl_gain():
         "eval_success_after_sft": 0.4375,
         "eval_success_final": 0.625,
         "eval_success_rl_gain": 0.1875,
+        "eval_best_step": 8,
+        "eval_success_best": 0.625,
         "rl_steps_updated": 2,
     }
+    # a peak before the end: the best step is the peak's (the first of a tie)
+    peaked = [*ROWS, {"step": 12, "eval/success": 0.5}, {"step": 16, "eval/success": 0.625}]
+    assert run_summary(peaked)["eval_best_step"] == 8
+    assert run_summary(peaked)["eval_success_final"] == 0.625
     json.dumps(s)  # summary.json
 
 
@@ -38,9 +44,15 @@ def test_summary_without_sft_or_evals():
         "eval_success_after_sft": None,
         "eval_success_final": 0.5,
         "eval_success_rl_gain": None,
+        "eval_best_step": 2,
+        "eval_success_best": 0.5,
         "rl_steps_updated": 0,
     }
     assert run_summary([{"step": 1, "train/loss": 1.0}])["eval_success_final"] is None
+    assert run_summary([{"step": 1, "train/loss": 1.0}])["eval_best_step"] is None
+    # the random-init eval before SFT is not a candidate: it is not the RL phase's
+    before = [{"step": 0, "eval/success": 0.9, "phase_sft": 0.0}, *ROWS[1:]]
+    assert run_summary(before)["eval_best_step"] == 8
 
 
 def test_curves_mark_where_sft_ended(tmp_path):
