@@ -1,7 +1,7 @@
 r"""Greedy evaluation of a policy on a task source: a training run's checkpoint, a local Hugging
 Face checkpoint, or a preset at random init. No training, no optimizer.
 
-    python tools/eval.py --workdir=/tmp/cua_smoke [--step=N] [--tasks=JSON] [--out=DIR]
+    python tools/eval.py --workdir=/tmp/cua_smoke [--step=N|best] [--tasks=JSON] [--out=DIR]
     python tools/eval.py --config=configs/qwen3vl_grpo.py:8b \
         --config.model.hf_path=/ckpts/Qwen3-VL-8B-Instruct \
         --tasks='{"source_type": "miniwob", "names": ["click-button", "click-tab"]}' --out=DIR
@@ -36,6 +36,7 @@ tools_agent_MODEL): with --workdir the run's own, else OUT/trajectories.sqlite (
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -50,7 +51,12 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file with a preset (instead of --workdir): configs/FILE.py:PRESET"
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run's directory (its checkpoint).")
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step of --workdir (default: the latest).")
+_STEP = flags.DEFINE_string(
+    "step",
+    None,
+    "Checkpoint step of --workdir (default: the latest), or 'best': the RL phase's best in-run "
+    "eval (summary.json's eval_best_step; the in-run eval tasks are the validation set).",
+)
 _TASKS = flags.DEFINE_string(
     "tasks", None, "Task source(s) as JSON: a dict or a list of dicts (default: eval_tasks)."
 )
@@ -89,9 +95,30 @@ class EvalError(SystemExit):
         super().__init__(2)
 
 
-def _load_config():
-    import json
+def checkpoint_step(value: str | None, workdir: str | None) -> int | None:
+    """--step as a checkpoint step: None (the latest), an integer, or "best" (the run's
+    summary.json `eval_best_step`)."""
+    if value is None:
+        return None
+    if value == "best":
+        if workdir is None:
+            raise EvalError("--step=best needs --workdir (a run's summary.json)")
+        path = os.path.join(workdir, "summary.json")
+        try:
+            with open(path) as f:
+                best = json.load(f).get("eval_best_step")
+        except (OSError, ValueError) as e:
+            raise EvalError(f"--step=best reads {path}: {e}") from None
+        if best is None:
+            raise EvalError(f"--step=best: {path} has no eval_best_step (the run logged no eval)")
+        return int(best)
+    try:
+        return int(value)
+    except ValueError:
+        raise EvalError(f"--step={value!r} is neither a step number nor 'best'") from None
 
+
+def _load_config():
     if (_WORKDIR.value is None) == (_CONFIG.value is None):
         raise EvalError("pass exactly one of --workdir (a training run) or --config (a preset)")
     if _WORKDIR.value is not None:
@@ -140,7 +167,6 @@ async def _sampled_episodes(agent, pool, played, seed, screens, on_episode):
 
 def main(argv: list[str]) -> None:
     import asyncio
-    import json
     import time
 
     if len(argv) > 1:
@@ -193,7 +219,9 @@ def main(argv: list[str]) -> None:
         from cua_jax.evaluation.loading import load_policy
 
         try:
-            model, processor, step, mesh, rules = load_policy(config, _WORKDIR.value, _STEP.value)
+            model, processor, step, mesh, rules = load_policy(
+                config, _WORKDIR.value, checkpoint_step(_STEP.value, _WORKDIR.value)
+            )
         except CheckpointError as e:
             raise EvalError(str(e)) from None
         settings = builders.build_rollout_settings(config, model)
