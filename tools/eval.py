@@ -96,26 +96,13 @@ class EvalError(SystemExit):
 
 
 def checkpoint_step(value: str | None, workdir: str | None) -> int | None:
-    """--step as a checkpoint step: None (the latest), an integer, or "best" (the run's
-    summary.json `eval_best_step`)."""
-    if value is None:
-        return None
-    if value == "best":
-        if workdir is None:
-            raise EvalError("--step=best needs --workdir (a run's summary.json)")
-        path = os.path.join(workdir, "summary.json")
-        try:
-            with open(path) as f:
-                best = json.load(f).get("eval_best_step")
-        except (OSError, ValueError) as e:
-            raise EvalError(f"--step=best reads {path}: {e}") from None
-        if best is None:
-            raise EvalError(f"--step=best: {path} has no eval_best_step (the run logged no eval)")
-        return int(best)
+    """--step as a checkpoint step (`cua_jax.evaluation.loading.checkpoint_step`)."""
+    from cua_jax.evaluation.loading import checkpoint_step as resolve
+
     try:
-        return int(value)
-    except ValueError:
-        raise EvalError(f"--step={value!r} is neither a step number nor 'best'") from None
+        return resolve(value, workdir)
+    except ValueError as e:
+        raise EvalError(str(e)) from None
 
 
 def _load_config():

@@ -6,6 +6,32 @@ from __future__ import annotations
 from typing import Any
 
 
+def checkpoint_step(value: str | None, workdir: str | None) -> int | None:
+    """A `--step` value as a checkpoint step: None (the latest), an integer, or "best" (the run's
+    summary.json `eval_best_step`); ValueError naming what is wrong."""
+    import json
+    import os
+
+    if value is None:
+        return None
+    if value == "best":
+        if workdir is None:
+            raise ValueError("--step=best needs --workdir (a run's summary.json)")
+        path = os.path.join(workdir, "summary.json")
+        try:
+            with open(path) as f:
+                best = json.load(f).get("eval_best_step")
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--step=best reads {path}: {e}") from None
+        if best is None:
+            raise ValueError(f"--step=best: {path} has no eval_best_step (the run logged no eval)")
+        return int(best)
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"--step={value!r} is neither a step number nor 'best'") from None
+
+
 def load_policy(config: Any, workdir: str | None, step: int | None = None):
     """(model, processor, step, mesh, rules). With `workdir`: its checkpoint at `step` (None:
     the latest; raises `CheckpointError` naming the steps there). Without: `config.model`'s
