@@ -227,7 +227,11 @@ def _sampler_model(model: Any, mesh: Any) -> tuple[Any, Any]:
 
 
 def build_rollout_settings(config: Any, model: Any) -> RolloutSettings:
+    from cua_jax.rl.sdpo import feedback_kinds
+
     rl, env = config.rl, config.env
+    # SDPO's teacher is shown the screen after a failed episode's last action
+    final_screen = rl.algorithm == "sdpo" and "final_screenshot" in feedback_kinds(rl.sdpo_feedback)
     return RolloutSettings(
         max_turns=env.max_turns,
         max_history_images=env.max_history_images,
@@ -236,8 +240,7 @@ def build_rollout_settings(config: Any, model: Any) -> RolloutSettings:
         top_p=rl.top_p,
         invalid_action_penalty=rl.invalid_action_penalty,
         closeness_reward=rl.closeness_reward,
-        # SDPO's teacher is shown the screen after a failed episode's last action
-        keep_final_screen=rl.algorithm == "sdpo" and "final_screenshot" in rl.sdpo_feedback,
+        keep_final_screen=final_screen,
         action_format=env.action_format,
         system_prompt=env.system_prompt,
         banned_token_ids=model.config.vision_placeholder_ids,

@@ -76,6 +76,13 @@ def validate_config(config: Any) -> None:
     except LimitError as e:
         raise ConfigError(str(e)) from None
     rl, sc, ck = config.rl, config.sampler, config.ckpt
+    if rl.algorithm == "sdpo":
+        from cua_jax.rl.sdpo import feedback_kinds
+
+        try:
+            feedback_kinds(rl.sdpo_feedback)
+        except ValueError as e:
+            raise ConfigError(f"config.rl.{e}") from None
     if rl.top_p < 1 and rl.old_logprobs == "behaviour":
         # The sampler reports log-probs of the nucleus-truncated distribution it drew from; the
         # learner scores the full (tempered) one, so the PPO ratio would not start at 1.

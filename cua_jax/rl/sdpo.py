@@ -241,9 +241,7 @@ def episode_feedback(
 ) -> Feedback | None:
     """The feedback a failed episode's teacher reads; None for a success, an infrastructure
     fault, or when none of `kinds` has anything to say."""
-    bad = [k for k in kinds if k not in FEEDBACK_KINDS]
-    if bad:
-        raise ValueError(f"unknown SDPO feedback {bad}; use some of {FEEDBACK_KINDS}")
+    kinds = feedback_kinds(kinds)
     if traj.success or traj.infra_fault or not traj.turns:
         return None
     fb = Feedback()
@@ -364,12 +362,14 @@ def action_decoder(chat: Any) -> Callable[[Sequence[int]], str]:
     return lambda ids: chat.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def feedback_kinds(spec: str) -> tuple[str, ...]:
-    """`config.rl.sdpo_feedback` ("final_screenshot,checker_message") as a checked tuple."""
-    kinds = tuple(k.strip() for k in spec.split(",") if k.strip())
+def feedback_kinds(spec: str | Sequence[str]) -> tuple[str, ...]:
+    """`config.rl.sdpo_feedback` ("final_screenshot,checker_message", or already a sequence of
+    kinds) as a checked, non-empty tuple: the one place the kinds are parsed."""
+    parts = spec.split(",") if isinstance(spec, str) else spec
+    kinds = tuple(str(k).strip() for k in parts if str(k).strip())
     bad = [k for k in kinds if k not in FEEDBACK_KINDS]
-    if bad:
-        raise ValueError(f"unknown SDPO feedback {bad}; use some of {FEEDBACK_KINDS}")
+    if bad or not kinds:
+        raise ValueError(f"sdpo_feedback={spec!r}: use some of {FEEDBACK_KINDS}")
     return kinds
 
 
@@ -641,9 +641,7 @@ class SelfDistiller:
             raise ValueError(f"sdpo ema={ema} must be in (0, 1]")
         if divergence == "js" and not 0.0 < js_beta < 1.0:
             raise ValueError(f"sdpo js_beta={js_beta} must be in (0, 1)")
-        bad = [k for k in feedback if k not in FEEDBACK_KINDS]
-        if bad or not feedback:
-            raise ValueError(f"sdpo feedback={list(feedback)}; use some of {FEEDBACK_KINDS}")
+        feedback = feedback_kinds(feedback)
         self.chat = chat
         self.weight = float(weight)
         self.divergence = divergence

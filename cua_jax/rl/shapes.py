@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from cua_jax.rl.sdpo import feedback_kinds
 from cua_jax.rl.trajectory import Sample
 
 Mode = Literal["rl", "sft", "teacher"]
@@ -87,7 +88,7 @@ def teacher_row_length(config: Any, image_tokens: int) -> int:
     it (its screenshot, a peer's tool calls and `FEEDBACK_TEXT_TOKENS` of text), rounded up to
     a multiple of 128 (of the splash kernel's block with model.attn_impl='splash')."""
     rl, env = config.rl, config.env
-    kinds = str(rl.get("sdpo_feedback", ""))
+    kinds = feedback_kinds(rl.sdpo_feedback)
     extra = FEEDBACK_TEXT_TOKENS
     if "final_screenshot" in kinds:
         extra += image_tokens + 2  # <|vision_start|> ... <|vision_end|>
@@ -146,8 +147,8 @@ class ShapeSet:
         rl_shapes = shapes(rl_rows)
         # SDPO's teacher batches: the failed samples of a step with their feedback, i.e. the
         # RL rows with one more screen a sample (the screen after the last action)
-        final_screen = "final_screenshot" in str(rl.get("sdpo_feedback", ""))
         sdpo = rl.get("algorithm", "grpo") == "sdpo"
+        final_screen = sdpo and "final_screenshot" in feedback_kinds(rl.sdpo_feedback)
         # ... and one row length more: the longest RL row with the feedback message before it
         t_lengths = (*rl.row_lengths, teacher_row_length(config, image_tokens)) if sdpo else ()
         teacher = shapes(rl_rows, extra=int(final_screen), lengths=t_lengths) if sdpo else ()

@@ -101,6 +101,14 @@ def _launch(*args):
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.model.attn_impl=flash"],
             "config.model.attn_impl='flash' is not one of xla, splash",
         ),
+        (
+            [
+                "--config=configs/qwen3vl_grpo.py:smoke",
+                "--config.rl.algorithm=sdpo",
+                "--config.rl.sdpo_feedback=final_screenshot,hint",
+            ],
+            "config.rl.sdpo_feedback='final_screenshot,hint': use some of",
+        ),
     ],
 )
 def test_bad_command_line_fails_at_start(args, expected):

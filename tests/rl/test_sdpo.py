@@ -319,7 +319,7 @@ def test_checker_message_and_config_errors(proc):
     lose.checker_message = "clicked 'Cancel' at (120, 88); the target was 'Submit'"
     fb = sdpo.episode_feedback(lose, [lose], proc.tokenizer.decode, ("checker_message",))
     assert fb.checker_message.startswith("clicked 'Cancel'")
-    with pytest.raises(ValueError, match="unknown SDPO feedback"):
+    with pytest.raises(ValueError, match="sdpo_feedback="):
         sdpo.episode_feedback(lose, [lose], proc.tokenizer.decode, ("hint",))
     with pytest.raises(ValueError, match="teacher"):
         sdpo.SelfDistiller(proc.chat, teacher="frozen")
