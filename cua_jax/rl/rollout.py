@@ -31,7 +31,7 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -595,13 +595,13 @@ class AgentLoop:
         if len(detours) != len(tasks):
             raise ValueError(f"{len(detours)} detours for {len(tasks)} tasks")
 
-        async def one(i: int, task: Task) -> Trajectory:
-            async with pool.acquire() as env:
-                return await self.run_episode(
-                    env, task, seed=i, group_id=f"demo/{i}", oracle=True, detour=detours[i]
-                )
-
-        return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
+        return await _on_pooled_envs(
+            pool,
+            tasks,
+            lambda i, task, env: self.run_episode(
+                env, task, seed=i, group_id=f"demo/{i}", oracle=True, detour=detours[i]
+            ),
+        )
 
     async def failed_attempts(
         self, pool: EnvPool, tasks: Sequence[Task], misses: Sequence[Detour]
@@ -613,14 +613,32 @@ class AgentLoop:
         if len(misses) != len(tasks):
             raise ValueError(f"{len(misses)} misses for {len(tasks)} tasks")
 
-        async def one(i: int, task: Task) -> Trajectory:
-            policy = OraclePolicy(self.fmt, self.tokenizer, misses[i], detour_only=True)
-            async with pool.acquire() as env:
-                return await self.play(
-                    env, task, policy, group_id=f"attempt/{i}", keep_final_screen=True
-                )
+        return await _on_pooled_envs(
+            pool,
+            tasks,
+            lambda i, task, env: self.play(
+                env,
+                task,
+                OraclePolicy(self.fmt, self.tokenizer, misses[i], detour_only=True),
+                group_id=f"attempt/{i}",
+                keep_final_screen=True,
+            ),
+        )
 
-        return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
+
+async def _on_pooled_envs(
+    pool: EnvPool,
+    tasks: Sequence[Task],
+    play_one: Callable[[int, Task, Env], Awaitable[Trajectory]],
+) -> list[Trajectory]:
+    """`play_one(i, task, env)` for every task, each on an env acquired from the pool,
+    concurrently; the trajectories in task order."""
+
+    async def one(i: int, task: Task) -> Trajectory:
+        async with pool.acquire() as env:
+            return await play_one(i, task, env)
+
+    return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
 
 
 async def _step_all(env: Env, acts: Sequence[A.Action]) -> tuple[list[Any], int, bool, str | None]:
