@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import json
 import logging
 import math
@@ -36,7 +35,6 @@ import urllib.parse
 from typing import Any
 
 import numpy as np
-from PIL import Image
 from playwright.async_api import BrowserContext, Page
 
 from cua_jax import actions as A
@@ -55,6 +53,7 @@ from cua_jax.env_api import (
 )
 from envs.browser import miniwob, pages
 from envs.browser.host import BrowserHost
+from envs.screenshots import decode_screenshot
 
 log = logging.getLogger(__name__)
 
@@ -128,12 +127,6 @@ _RAF_JS = (
     "() => new Promise(r => { requestAnimationFrame(() => requestAnimationFrame(r)); "
     "setTimeout(r, 1000); })"
 )
-
-
-def decode_screenshot(data: bytes) -> np.ndarray:
-    """PNG/JPEG bytes -> u8[H, W, 3] RGB."""
-    with Image.open(io.BytesIO(data)) as im:
-        return np.asarray(im if im.mode == "RGB" else im.convert("RGB"), dtype=np.uint8)
 
 
 class _EpisodeOver(Exception):

@@ -37,7 +37,7 @@ from cua_jax.env_api import (
     StepResult,
     Task,
 )
-from envs.browser.env import decode_screenshot
+from envs.screenshots import decode_screenshot
 
 OBS_CONTENT_TYPE = "application/x-cua-obs"
 PROTOCOL_VERSION = 1

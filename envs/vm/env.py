@@ -33,8 +33,6 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import numpy as np
-
 from cua_jax.actions import (
     API_ACTION_TYPES,
     PYAUTOGUI_KEY_NAMES,
@@ -76,6 +74,7 @@ from cua_jax.env_api import (
     StepResult,
     Task,
 )
+from envs.screenshots import decode_screenshot
 from envs.vm import osworld
 from envs.vm.client import VMClient, VMError, VMFileNotFoundError
 from envs.vm.providers import Desktop, DesktopPool
@@ -214,13 +213,6 @@ def computer13_to_action(d: dict[str, Any]) -> Action:
     except (KeyError, TypeError, ValueError, OverflowError) as e:
         return InvalidAction(raw, f"bad parameters for {t}: {type(e).__name__} {e}")
     return InvalidAction(raw, f"unknown computer_13 action_type {t!r}")
-
-
-def _decode_png(png: bytes) -> np.ndarray:
-    from PIL import Image
-
-    with Image.open(io.BytesIO(png)) as im:
-        return np.asarray(im.convert("RGB"))  # u8[H, W, 3]
 
 
 def task_from_osworld(
@@ -579,7 +571,7 @@ class VMEnv:
         t0 = time.perf_counter()
         png = await self.client.screenshot()
         text = await self.client.accessibility() if self.observe_a11y else None
-        img = await asyncio.to_thread(_decode_png, png)
+        img = await asyncio.to_thread(decode_screenshot, png)
         assert self._task is not None
         obs = Observation(
             img, self._task.instruction, text, {"step": self._steps, "vm": self.client.base_url}

@@ -1,0 +1,79 @@
+"""Screenshot decode: Pillow against `envs.screenshots.decode_screenshot`, side by side.
+
+    .venv/bin/python tools/bench_decode.py [--viewports 640x480,1280x720] [--files A.png ...]
+
+Takes real screens first: Chromium screenshots (PNG) of built-in task pages at each viewport,
+plus any --files (a VM desktop's PNG, say). For each screen it times both decoders on the same
+bytes in alternating rounds (CPU time of this process, so a busy machine slows both alike),
+checks they give the same pixels, and prints the median CPU ms per decode and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from envs.screenshots import decode_screenshot, decode_with_pillow  # noqa: E402
+
+TEMPLATES = ("click-button", "nav-tabs", "radio-pick")
+
+
+async def browser_screens(viewports: list[tuple[int, int]]) -> dict[str, bytes]:
+    from envs.browser import BrowserPool, suite
+
+    out = {}
+    for w, h in viewports:
+        async with BrowserPool(1, viewport=(w, h)) as pool, pool.acquire() as env:
+            for name in TEMPLATES:
+                await env.reset(suite.make_task(name, 1))
+                out[f"{name} {w}x{h}"] = env.last_screenshot_bytes
+    return out
+
+
+def cpu_ms(fn, data: bytes, n: int) -> float:
+    t0 = time.process_time()
+    for _ in range(n):
+        fn(data)
+    return (time.process_time() - t0) / n * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--viewports", default="640x480,1280x720")
+    ap.add_argument("--files", nargs="*", default=[])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--decodes", type=int, default=50, help="decodes per round and side")
+    args = ap.parse_args()
+    vps = [tuple(int(v) for v in s.split("x")) for s in args.viewports.split(",") if s]
+    screens = asyncio.run(browser_screens(vps)) if vps else {}
+    for path in args.files:
+        with open(path, "rb") as f:
+            screens[os.path.basename(path)] = f.read()
+
+    print(f"{args.rounds} alternating rounds of {args.decodes} decodes; CPU ms per decode")
+    print("| screen | PNG bytes | Pillow ms | decode_screenshot ms | Pillow / ours |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, data in screens.items():
+        ref, ours = decode_with_pillow(data), decode_screenshot(data)
+        if ref.shape != ours.shape or not np.array_equal(ref, ours):
+            raise SystemExit(f"{name}: the two decoders disagree")
+        a, b = [], []
+        for _ in range(args.rounds):
+            a.append(cpu_ms(decode_with_pillow, data, args.decodes))
+            b.append(cpu_ms(decode_screenshot, data, args.decodes))
+        ma, mb = statistics.median(a), statistics.median(b)
+        print(f"| {name} | {len(data)} | {ma:.2f} | {mb:.2f} | {ma / mb:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()
