@@ -16,7 +16,10 @@ browser hosts (``python -m envs.browser.server`` child processes on loopback), a
 hosts' raw screenshot ceiling (local pages + each host's ``/bench/screenshots``, all at once),
 alternating as above. ``--kill``: then a run of oracle episodes (``--episodes``) over the same
 fleet in which the last host is SIGKILLed after ``--kill-after`` seconds: its episodes must be
-infrastructure faults and every other episode must finish.
+infrastructure faults and every other episode must finish. The fleet run also prints where the
+env side's CPU goes, in CPU ms per env step by process kind: this process (the trainer's side:
+HTTP client, local Playwright calls, decode), the hosts' Python, Playwright's node drivers and
+Chromium.
 """
 
 from __future__ import annotations
@@ -106,6 +109,43 @@ async def _remote_ceiling(session, ep: str, pages: int, seconds: float, viewport
         return d["shots"] / d["seconds"]
 
 
+def _cpu_by_kind(host_pids: set[int]) -> dict[int, tuple[str, float]]:
+    """{pid: (kind, CPU seconds so far)} of this process and all its descendants; kind is
+    "trainer" (this process), "host" (a browser host's Python), "driver" (Playwright's node)
+    or "chromium"."""
+    import psutil  # noqa: PLC0415
+
+    me = psutil.Process()
+    out = {}
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            name = p.name()
+        except psutil.Error:
+            continue
+        if p.pid == me.pid:
+            kind = "trainer"
+        elif p.pid in host_pids:
+            kind = "host"
+        elif "node" in name:
+            kind = "driver"
+        elif "chrom" in name or "headless" in name:
+            kind = "chromium"
+        else:
+            kind = "other"
+        out[p.pid] = (kind, t.user + t.system)
+    return out
+
+
+def _cpu_delta(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds per kind between two `_cpu_by_kind` snapshots (a process that started in
+    between counts from 0; one that ended is lost, as its time cannot be read)."""
+    out: dict[str, float] = {}
+    for pid, (kind, t) in after.items():
+        out[kind] = out.get(kind, 0.0) + t - before.get(pid, (kind, 0.0))[1]
+    return out
+
+
 async def _oracle_episode(env, task) -> float:
     await env.reset(task)
     for _ in range(task.max_steps + 5):
@@ -163,6 +203,9 @@ async def bench_fleet(args, viewport) -> None:
                     steps.append(step)
                 print(f"envs per host: {where}")
                 raws, envr = [], []
+                host_pids = {p.pid for p, _ in procs}
+                cpu: dict[str, float] = {}
+                env_steps = 0
                 for _ in range(args.rounds):
                     rates = await asyncio.gather(
                         raw_screenshot_rate(fleet.local.host, per[0], args.seconds, viewport),
@@ -173,7 +216,11 @@ async def bench_fleet(args, viewport) -> None:
                     )
                     local_shots, local_s = rates[0]
                     raws.append(local_shots / local_s + sum(rates[1:]))
+                    before = _cpu_by_kind(host_pids)
                     count, took = await loop_rate(args.seconds, steps)
+                    for k, v in _cpu_delta(before, _cpu_by_kind(host_pids)).items():
+                        cpu[k] = cpu.get(k, 0.0) + v
+                    env_steps += count
                     envr.append(count / took)
                     print(
                         f"  round: raw {raws[-1]:.1f} shots/s, env {envr[-1]:.1f} steps/s",
@@ -185,6 +232,10 @@ async def bench_fleet(args, viewport) -> None:
                 f"{n:>5} {statistics.median(raws):>12.1f} {statistics.median(envr):>12.1f} "
                 f"{ratio:>7.2f}"
             )
+            by_cost = sorted(cpu.items(), key=lambda kv: -kv[1])
+            split = ", ".join(f"{k} {v / env_steps * 1e3:.2f}" for k, v in by_cost)
+            total = sum(cpu.values()) / env_steps * 1e3
+            print(f"CPU ms per env step (all rounds): {total:.2f} = {split}")
             if args.kill:
                 await _kill_run(fleet, procs[-1], args, signal)
     finally:
