@@ -173,6 +173,7 @@ def _ask_live_policy(wd, proc):
 def test_async_mode_keeps_staleness_within_the_bound(tmp_path):
     """Rollouts keep running while the learner trains; the staleness gate and the store keep
     every trained group within max_steps_off_policy, and the learner's idle share is logged.
+    Entropulse phases run between the async steps.
     The run serves its live policy (config.serve.port) to a client meanwhile: the replies come
     from the rollouts' engine and name the learner version that wrote them."""
     import socket
@@ -191,6 +192,9 @@ def test_async_mode_keeps_staleness_within_the_bound(tmp_path):
         "--config.rl.max_steps_off_policy=1",
         "--config.ckpt.save_every=100",
         "--config.log.db=False",
+        # Entropulse in async mode (#16): a phase after steps 2 and 4, on this run's successes
+        "--config.rl.entropulse_every=2",
+        "--config.rl.entropulse_sft_steps=2",
     )
     proc = subprocess.Popen(
         _cmd(wd, *extra),
@@ -227,6 +231,14 @@ def test_async_mode_keeps_staleness_within_the_bound(tmp_path):
         s = {k[len("store/") :]: v for k, v in row.items() if k.startswith("store/")}
         assert s["put"] == s["trained"] + s["dropped_stale"] + s["pending"]
         assert s["trained"] == 4 * row["step"]  # 2 groups of 2 per step
+        # an Entropulse phase after every second step: SFT on the successes since the last
+        # one, or skipped (and said so) when there were none
+        phase = row.get("entropulse/phase", 0.0)
+        assert phase == (1.0 if row["step"] in (2, 4) else 0.0)
+        if phase:
+            assert row["entropulse/phases"] == row["step"] // 2
+            trained = row.get("entropulse/sft_steps") == 2.0
+            assert trained or row.get("entropulse/skipped_no_success") == 1.0, row
     assert not any(f.startswith("trajectories") for f in os.listdir(wd))  # log.db=False
 
 

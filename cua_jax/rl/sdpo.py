@@ -302,11 +302,13 @@ def system_end(ids: np.ndarray, chat: Any) -> int:
 @dataclasses.dataclass
 class TeacherSample:
     """A teacher sequence (a `Sample` whose loss mask marks the tokens to distill) and where the
-    student's tokens are in it: student position p >= `start` is teacher position p + `shift`."""
+    student's tokens are in it: student position p >= `start` is teacher position p + `shift`;
+    `feedback` is what the sequence shows the teacher."""
 
     sample: Sample
     start: int
     shift: int
+    feedback: Feedback | None = None
 
 
 def teacher_sample(
@@ -353,7 +355,7 @@ def teacher_sample(
         policy_version=sample.policy_version,
         task_id=sample.task_id,
     )
-    return TeacherSample(teacher, s, f)
+    return TeacherSample(teacher, s, f, fb)
 
 
 def action_decoder(chat: Any) -> Callable[[Sequence[int]], str]:
@@ -749,6 +751,14 @@ class SelfDistiller:
             "sdpo/teacher_samples": float(len(pairs)),
             "sdpo/teacher_rows": 0.0,
             "sdpo/teacher_too_long": float(too_long),
+            # what the distilled samples' teachers were shown (a sample can count in several)
+            "sdpo/feedback_screens": float(
+                sum(t.feedback.screenshot is not None for _, t in pairs)
+            ),
+            "sdpo/feedback_messages": float(
+                sum(bool(t.feedback.checker_message) for _, t in pairs)
+            ),
+            "sdpo/feedback_peers": float(sum(bool(t.feedback.peer_actions) for _, t in pairs)),
         }
         # multi-host: every process packs its share of the teacher batch and runs the pass
         # together, when any of them has a failure to distill

@@ -63,3 +63,46 @@ def test_smoke_run_on_local_desktops_resets_them_and_learns_api_actions(xserver,
     assert len(api) >= 2, first_turns  # the after-SFT eval's (the random policy's: none)
     summary = json.load(open(os.path.join(wd, "summary.json")))
     assert summary["steps"] == 1 and summary["eval_success_after_sft"] is not None
+
+
+def test_sdpo_in_async_mode_on_desktops_shows_the_teacher_the_final_desktop(xserver, tmp_path):
+    """rl.algorithm=sdpo with rl.mode=async on two local desktops (#16): with no SFT warm-up the
+    tiny policy fails its episodes, so every step has failures to distill, and the teacher of
+    every distilled sample is shown that episode's final desktop screenshot and the checker's
+    report. The run trains (the distillation moves the policy where GRPO's advantages are all
+    zero) and keeps its groups within the staleness bound."""
+    wd = str(tmp_path / "vm_sdpo")
+    args = [
+        "--config=configs/qwen3vl_grpo.py:smoke",
+        "--config.env.kind=vm",
+        "--config.env.concurrency=2",
+        "--config.env.max_turns=2",
+        "--config.env.viewport_width=384",
+        "--config.env.viewport_height=288",
+        "--config.total_steps=2",
+        "--config.rl.mode=async",
+        "--config.rl.max_steps_off_policy=1",
+        "--config.rl.algorithm=sdpo",
+        "--config.rl.filter_zero_variance=False",
+        "--config.rl.group_size=2",
+        "--config.rl.groups_per_batch=1",
+        "--config.rl.max_tokens=48",
+        "--config.sft.steps=0",
+        "--config.log.eval_every=100",
+        "--config.log.progress=False",
+        "--config.log.db=False",
+        "--config.compile_cache_dir=",
+        f"--config.tasks=({{'source_type': 'desktop', 'names': {TASKS}}},)",
+        f"--config.eval_tasks=({{'source_type': 'desktop', 'names': {TASKS}}},)",
+    ]
+    run_main_job(args, wd)
+    steps = [row for row in metrics_rows(wd) if row["step"] >= 1]
+    assert [row["step"] for row in steps] == [1, 2]
+    distilled = sum(row["train/sdpo/teacher_samples"] for row in steps)
+    assert distilled >= 1
+    assert sum(row["train/sdpo/feedback_screens"] for row in steps) == distilled
+    assert sum(row["train/sdpo/feedback_messages"] for row in steps) == distilled
+    for row in steps:
+        assert row["rollout/env_failures"] == 0.0
+        assert 0.0 <= row["rollout/staleness_max"] <= 1.0
+        assert row["train/sdpo/teacher_samples"] == 0 or row["train/sdpo/distilled_tokens"] > 0
