@@ -307,9 +307,12 @@ async def run(
         from cua_jax.viz import plot_run_curves
 
         rows = metrics_lib.read_metrics(writer.path)
+        keys = ["eval/success", "rollout/reward", "rollout/success", "train/loss"]
+        if config.rl.entropulse_every > 0:  # what the phases are for: entropy restored
+            keys.append("train/entropy")
         plot_run_curves(
             rows,
-            ["eval/success", "rollout/reward", "rollout/success", "train/loss"],
+            keys,
             os.path.join(workdir, "curves.png"),
             title=f"{config.model.family} {config.preset}",
         )

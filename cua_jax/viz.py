@@ -116,26 +116,63 @@ def sft_end(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     return None
 
 
+def entropulse_phases(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The Entropulse SFT phases that trained, in a run's metrics rows (`entropulse/phase` = 1
+    on the RL step the phase followed): {"step", "sft_steps", "entropy_before",
+    "entropy_after"}; a phase skipped for want of successes is left out."""
+    return [
+        {
+            "step": r["step"],
+            "sft_steps": r.get("entropulse/sft_steps"),
+            "entropy_before": r.get("entropulse/entropy_before"),
+            "entropy_after": r.get("entropulse/entropy_after"),
+        }
+        for r in rows
+        if r.get("entropulse/phase") == 1.0 and not r.get("entropulse/skipped_no_success")
+    ]
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, float | int) and not isinstance(v, bool)
+
+
 def plot_run_curves(
     rows: Sequence[dict[str, Any]], keys: Sequence[str], out_png: str, title: str = ""
 ) -> str | None:
-    """One panel per key with data (x = GRPO step), with the end of the SFT warm-up marked: a
-    dashed vertical line at its step labelled with its SFT steps, the before-SFT point (random
-    init) drawn apart as a cross, and on eval/success a dotted level at the after-SFT success,
-    so the RL phase's own gain reads off the plot. Returns the PNG's path (None: no data)."""
+    """`curve_figure` saved as a PNG; returns its path (None: no data)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from etils import epath
 
-    def num(v: Any) -> bool:
-        return isinstance(v, float | int) and not isinstance(v, bool)
+    fig = curve_figure(rows, keys, title)
+    if fig is None:
+        return None
+    with epath.Path(out_png).open("wb") as f:
+        fig.savefig(f, dpi=110, format="png")
+    plt.close(fig)
+    return out_png
 
+
+def curve_figure(rows: Sequence[dict[str, Any]], keys: Sequence[str], title: str = "") -> Any:
+    """One panel per key with data (x = GRPO step), with the end of the SFT warm-up marked: a
+    dashed vertical line at its step labelled with its SFT steps, the before-SFT point (random
+    init) drawn apart as a cross, and on eval/success a dotted level at the after-SFT success,
+    so the RL phase's own gain reads off the plot. Each Entropulse SFT phase that trained is a
+    dotted purple line at the step it followed; on train/entropy its probe's entropy before and
+    after the phase are drawn there (a triangle from one to the other). None: no data."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    num = _num
     present = [k for k in keys if any(num(r.get(k)) for r in rows)]
     if not present:
         return None
     end = sft_end(rows)
+    pulses = entropulse_phases(rows)
     fig, axes = plt.subplots(1, len(present), figsize=(4.2 * len(present), 3.2), squeeze=False)
     for ax, key in zip(axes[0], present, strict=True):
         before = [
@@ -156,6 +193,24 @@ def plot_run_curves(
             ax.axvline(end["step"], color="tab:red", ls="--", lw=1, label=label)
             if key == "eval/success" and num(end["eval_success"]):
                 ax.axhline(end["eval_success"], color="tab:red", ls=":", lw=1, label="after SFT")
+        for i, ph in enumerate(pulses):
+            n = ph["sft_steps"]
+            label = (
+                (f"Entropulse SFT ({int(n)} steps)" if num(n) else "Entropulse SFT")
+                if i == 0
+                else None
+            )
+            ax.axvline(ph["step"], color="tab:purple", ls=":", lw=1.2, label=label)
+            b, a = ph["entropy_before"], ph["entropy_after"]
+            if key == "train/entropy" and num(b) and num(a):
+                ax.annotate(
+                    "",
+                    xy=(ph["step"], a),
+                    xytext=(ph["step"], b),
+                    arrowprops={"arrowstyle": "->", "color": "tab:purple"},
+                )
+                ax.plot([ph["step"]], [a], "^", color="tab:purple", ms=5)
+        if end is not None or pulses:
             ax.legend(fontsize=7, loc="best")
         ax.set_title(key)
         ax.set_xlabel("GRPO step")
@@ -163,7 +218,4 @@ def plot_run_curves(
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    with epath.Path(out_png).open("wb") as f:
-        fig.savefig(f, dpi=110, format="png")
-    plt.close(fig)
-    return out_png
+    return fig

@@ -6,7 +6,7 @@ import json
 from PIL import Image
 
 from cua_jax.train import run_summary
-from cua_jax.viz import plot_run_curves, sft_end
+from cua_jax.viz import curve_figure, entropulse_phases, plot_run_curves, sft_end
 
 ROWS = [
     {"step": 0, "eval/success": 0.0, "phase_sft": 0.0},
@@ -62,3 +62,29 @@ def test_curves_mark_where_sft_ended(tmp_path):
         out = plot_run_curves(rows, ["eval/success", "rollout/reward"], str(tmp_path / name))
         assert Image.open(out).size[0] > 400
     assert plot_run_curves(ROWS, ["missing/key"], str(tmp_path / "none.png")) is None
+
+
+def test_curves_mark_entropulse_phases_and_their_entropy(tmp_path):
+    """A phase that trained is a dotted purple line at its step on every panel, and on
+    train/entropy an arrow from the entropy before to the entropy after; a skipped one is not."""
+    rows = [
+        *ROWS,
+        {"step": 9, "train/entropy": 0.2},
+        {"step": 10, "train/entropy": 0.1, "entropulse/phase": 1.0, "entropulse/sft_steps": 5.0,
+         "entropulse/entropy_before": 0.1, "entropulse/entropy_after": 0.3},
+        {"step": 12, "train/entropy": 0.25, "entropulse/phase": 1.0,
+         "entropulse/skipped_no_success": 1.0},
+    ]  # fmt: skip
+    assert entropulse_phases(rows) == [
+        {"step": 10, "sft_steps": 5.0, "entropy_before": 0.1, "entropy_after": 0.3}
+    ]
+    fig = curve_figure(rows, ["eval/success", "train/entropy"])
+    for ax in fig.axes:
+        purple = [ln for ln in ax.get_lines() if ln.get_color() == "tab:purple"]
+        assert [ln.get_xdata()[0] for ln in purple if ln.get_linestyle() == ":"] == [10]
+        assert "Entropulse SFT (5 steps)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    entropy_ax = fig.axes[1]
+    (after,) = [ln for ln in entropy_ax.get_lines() if ln.get_marker() == "^"]
+    assert list(after.get_xdata()) == [10] and list(after.get_ydata()) == [0.3]
+    assert len(entropy_ax.texts) == 1  # the before -> after arrow
+    assert plot_run_curves(rows, ["train/entropy"], str(tmp_path / "e.png")) is not None
