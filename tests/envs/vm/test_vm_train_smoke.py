@@ -14,17 +14,21 @@ import sqlite3
 from tests.main_job import metrics_rows, run_main_job
 
 TASKS = "('terminal-mkdir', 'terminal-delete-file')"
+# the smoke preset on two small local desktops, episodes of two turns
+DESKTOPS = [
+    "--config=configs/qwen3vl_grpo.py:smoke",
+    "--config.env.kind=vm",
+    "--config.env.concurrency=2",
+    "--config.env.max_turns=2",
+    "--config.env.viewport_width=384",
+    "--config.env.viewport_height=288",
+]
 
 
 def test_smoke_run_on_local_desktops_resets_them_and_learns_api_actions(xserver, tmp_path):
     wd = str(tmp_path / "vm")
     args = [
-        "--config=configs/qwen3vl_grpo.py:smoke",
-        "--config.env.kind=vm",
-        "--config.env.concurrency=2",
-        "--config.env.max_turns=2",
-        "--config.env.viewport_width=384",
-        "--config.env.viewport_height=288",
+        *DESKTOPS,
         "--config.total_steps=1",
         "--config.rl.group_size=2",
         "--config.rl.groups_per_batch=1",
@@ -73,12 +77,7 @@ def test_sdpo_in_async_mode_on_desktops_shows_the_teacher_the_final_desktop(xser
     zero) and keeps its groups within the staleness bound."""
     wd = str(tmp_path / "vm_sdpo")
     args = [
-        "--config=configs/qwen3vl_grpo.py:smoke",
-        "--config.env.kind=vm",
-        "--config.env.concurrency=2",
-        "--config.env.max_turns=2",
-        "--config.env.viewport_width=384",
-        "--config.env.viewport_height=288",
+        *DESKTOPS,
         "--config.total_steps=2",
         "--config.rl.mode=async",
         "--config.rl.max_steps_off_policy=1",
