@@ -3,7 +3,9 @@ wall-clock minute (a picture for BENCHMARKS.md and for choosing between algorith
 
     python tools/compare_runs.py --out=curves.png GRPO=/tmp/w/grpo SDPO=/tmp/w/sdpo [...]
 
-Each NAME=WORKDIR is a run's workdir (`launch/tpu.py --workdir`). The curves are its in-run
+Each NAME=WORKDIR is a run's workdir (`launch/tpu.py --workdir`); NAME=DIR1,DIR2,... is the
+mean of several runs (seeds of one method, with the same eval steps), drawn with a band from
+the lowest to the highest run. The curves are its in-run
 eval (`eval/success` of WORKDIR/metrics.jsonl; the after-SFT eval is the RL phase's step 0),
 against (a) the RL step, (b) rollouts so far (`rollout/groups_sampled` x `rl.group_size` of
 WORKDIR/config.json, summed over the steps: dynamic sampling's extra groups count) and (c)
@@ -48,6 +50,24 @@ def curves(workdir: str) -> dict[str, list[float]]:
     return out
 
 
+def mean_curves(runs: Sequence[dict[str, list[float]]]) -> dict[str, list[float]]:
+    """The pointwise mean of several runs' `curves` (their eval steps must agree), with "lo" and
+    "hi": the lowest and highest run's success at each eval (one run: its curves as they are)."""
+    if len(runs) == 1:
+        return runs[0]
+    steps = runs[0]["step"]
+    for c in runs[1:]:
+        if c["step"] != steps:
+            raise ValueError(
+                f"runs with different eval steps cannot be averaged: {steps} vs {c['step']}"
+            )
+    n = len(runs)
+    out = {k: [sum(c[k][i] for c in runs) / n for i in range(len(steps))] for k in runs[0]}
+    out["lo"] = [min(c["success"][i] for c in runs) for i in range(len(steps))]
+    out["hi"] = [max(c["success"][i] for c in runs) for i in range(len(steps))]
+    return out
+
+
 def plot(runs: dict[str, dict[str, list[float]]], path: str) -> None:
     import matplotlib
 
@@ -62,7 +82,9 @@ def plot(runs: dict[str, dict[str, list[float]]], path: str) -> None:
         strict=True,
     ):
         for name, c in runs.items():
-            ax.plot(c[key], c["success"], marker="o", label=name)
+            (line,) = ax.plot(c[key], c["success"], marker="o", label=name)
+            if "lo" in c:
+                ax.fill_between(c[key], c["lo"], c["hi"], color=line.get_color(), alpha=0.15)
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("eval success (in-run eval tasks)")
@@ -74,19 +96,25 @@ def plot(runs: dict[str, dict[str, list[float]]], path: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("runs", nargs="+", help="NAME=WORKDIR")
+    ap.add_argument("runs", nargs="+", help="NAME=WORKDIR or NAME=WORKDIR1,WORKDIR2,...")
     ap.add_argument("--out", required=True, help="the PNG to write")
     args = ap.parse_args(argv)
     runs = {}
     for spec in args.runs:
-        name, sep, workdir = spec.rpartition("=")
-        if not sep or not name or not workdir:
-            ap.error(f"{spec!r}: expected NAME=WORKDIR")
-        if not os.path.isfile(os.path.join(workdir, "metrics.jsonl")):
-            ap.error(f"{spec!r}: {workdir} has no metrics.jsonl (not a run's workdir)")
-        runs[name] = curves(workdir)
+        name, sep, dirs = spec.rpartition("=")
+        workdirs = [d for d in dirs.split(",") if d]
+        if not sep or not name or not workdirs:
+            ap.error(f"{spec!r}: expected NAME=WORKDIR or NAME=WORKDIR1,WORKDIR2,...")
+        for workdir in workdirs:
+            if not os.path.isfile(os.path.join(workdir, "metrics.jsonl")):
+                ap.error(f"{spec!r}: {workdir} has no metrics.jsonl (not a run's workdir)")
+        try:
+            runs[name] = mean_curves([curves(w) for w in workdirs])
+        except ValueError as e:
+            ap.error(f"{spec!r}: {e}")
     plot(runs, args.out)
     for name, c in runs.items():
+        c = {k: v for k, v in c.items() if k not in ("lo", "hi")}
         best = max(range(len(c["success"])), key=c["success"].__getitem__)
         evals = " ".join(f"{s:g}:{v:.3f}" for s, v in zip(c["step"], c["success"], strict=True))
         print(

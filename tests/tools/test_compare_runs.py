@@ -46,3 +46,19 @@ def test_picture_and_summary_lines(tmp_path, capsys):
     )
     with pytest.raises(SystemExit):
         compare_runs.main([f"x={tmp_path}", f"--out={out}"])  # not a workdir
+
+
+def test_seeds_of_a_method_are_averaged_with_a_band(tmp_path, capsys):
+    a = _run(tmp_path / "a", ROWS)
+    faster = [{**r, "time": 100.0 + (r["time"] - 100.0) / 2} for r in ROWS]
+    b = _run(tmp_path / "b", [{**r, "eval/success": 1.0} if r["step"] == 3 else r for r in faster])
+    c = compare_runs.mean_curves([compare_runs.curves(a), compare_runs.curves(b)])
+    assert c["success"] == [0.25, 0.5, 0.6875] and c["lo"] == [0.25, 0.5, 0.375]
+    assert c["hi"] == [0.25, 0.5, 1.0] and c["rollouts"] == [0.0, 40.0, 56.0]
+    assert c["minutes"] == pytest.approx([0.0, 0.75, 1.5])
+    out = tmp_path / "m.png"
+    compare_runs.main([f"GRPO={a},{b}", f"--out={out}"])
+    assert "GRPO: 0:0.250 2:0.500 3:0.688 | best 0.688 at step 3" in capsys.readouterr().out
+    short = _run(tmp_path / "short", ROWS[:4])  # no eval at step 3
+    with pytest.raises(SystemExit):
+        compare_runs.main([f"GRPO={a},{short}", f"--out={out}"])
