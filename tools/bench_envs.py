@@ -41,17 +41,8 @@ from envs.browser.pages import ORIGIN, handle_route
 
 async def _rate(seconds: float, fns) -> float:
     """Calls/s of all ``fns`` looping concurrently for ``seconds``."""
-
-    async def loop(fn) -> int:
-        n, end = 0, time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            await fn()
-            n += 1
-        return n
-
-    t0 = time.perf_counter()
-    counts = await asyncio.gather(*(loop(f) for f in fns))
-    return sum(counts) / (time.perf_counter() - t0)
+    calls, took = await loop_rate(seconds, fns)
+    return calls / took
 
 
 async def bench(host: BrowserHost, n: int, seconds: float, rounds: int, viewport) -> None:
