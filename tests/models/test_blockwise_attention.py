@@ -99,19 +99,10 @@ def test_the_learner_honours_attn_block(monkeypatch):
     monkeypatch.setattr(text, "blockwise_attention", counting)
 
     from cua_jax.rl.learner import Learner, LossConfig, OptimizerConfig
-    from cua_jax.rl.trajectory import Trajectory, Turn
+    from tests.models.tiny_learner import one_layer_config, random_text_group
 
-    tiny = qwen_vl.tiny("qwen3_vl", vocab_size=256)
-    cfg = tiny.replace(
-        text=dataclasses.replace(tiny.text, num_hidden_layers=1),
-        vision=dataclasses.replace(tiny.vision, depth=1, deepstack_visual_indexes=(0,)),
-    )
-    rng = np.random.default_rng(0)
-    group = []
-    for _ in range(4):
-        p, n = rng.integers(0, 200, rng.integers(4, 12)), int(rng.integers(3, 9))
-        turn = Turn(p, rng.integers(0, 200, n), -rng.random(n) * 4)
-        group.append(Trajectory("t", "g", [turn], reward=float(rng.random())))
+    cfg = one_layer_config()
+    group = random_text_group()
     learners = [
         Learner(
             qwen_vl.QwenVL(cfg.replace(attn_block=block), rngs=nnx.Rngs(0)),

@@ -7,8 +7,6 @@ interpret mode (the TPU compile itself is tools/plan.py's business). Real query 
 fsdp=2 x tensor=2 mesh; padding rows are not compared (they attend among themselves).
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,19 +98,10 @@ def test_the_learner_on_a_forced_mesh_gives_the_one_device_dense_logprobs(monkey
         return real_splash(*a, **kw)
 
     monkeypatch.setattr(text, "splash_attention", recording)
-    from cua_jax.rl.trajectory import Trajectory, Turn
+    from tests.models.tiny_learner import one_layer_config, random_text_group
 
-    tiny = qwen_vl.tiny("qwen3_vl", vocab_size=256)
-    cfg = tiny.replace(
-        text=dataclasses.replace(tiny.text, num_hidden_layers=1),
-        vision=dataclasses.replace(tiny.vision, depth=1, deepstack_visual_indexes=(0,)),
-    )
-    rng = np.random.default_rng(0)
-    group = []
-    for _ in range(4):
-        p, n = rng.integers(0, 200, rng.integers(10, 30)), int(rng.integers(5, 20))
-        turn = Turn(p, rng.integers(0, 200, n), -rng.random(n) * 4)
-        group.append(Trajectory("t", "g", [turn], reward=float(rng.random())))
+    cfg = one_layer_config()
+    group = random_text_group(prompt_len=(10, 30), gen_len=(5, 20))
 
     def learner(mesh, **model_options):
         return Learner(
