@@ -1,0 +1,23 @@
+"""tools/bench_decode.py on a file (no browser): a table row with both decoders' CPU times."""
+
+import io
+import sys
+
+import numpy as np
+from PIL import Image
+
+from tools import bench_decode
+
+
+def test_a_file_gets_a_row(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "screen.png"
+    rgb = np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="PNG")
+    path.write_bytes(buf.getvalue())
+    argv = ["bench_decode.py", "--viewports=", "--rounds=1", "--decodes=2", "--files", str(path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_decode.main()
+    (row,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| screen.png")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == str(len(buf.getvalue())) and cells[4].endswith("x")
