@@ -13,9 +13,11 @@ keep a drifting background load from favouring either side). Both show the same 
 
 ``--fleet``: N envs spread by ``envs.fleet.BrowserFleet`` over a local pool and ``--hosts``
 browser hosts (``python -m envs.browser.server`` child processes on loopback), against the same
-hosts' raw screenshot ceiling (local pages + each host's ``/bench/screenshots``, all at once),
+hosts' raw screenshot ceiling (local pages + each host's ``/bench/screenshots``, looping from one
+``start_at`` moment once every host has opened its pages),
 alternating as above. ``--kill``: then a run of oracle episodes (``--episodes``) over the same
-fleet in which the last host is SIGKILLed after ``--kill-after`` seconds: its episodes must be
+fleet in which the last host is SIGKILLed once a quarter of them are done (or after
+``--kill-after`` seconds): its episodes in flight must be
 infrastructure faults and every other episode must finish. The fleet run also prints where the
 env side's CPU goes, in CPU ms per env step by process kind: this process (the trainer's side:
 HTTP client, local Playwright calls, decode), the hosts' Python, Playwright's node drivers and
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import statistics
 import time
@@ -87,17 +90,19 @@ async def bench(host: BrowserHost, n: int, seconds: float, rounds: int, viewport
 TOKEN = "bench-envs-token"
 
 
-async def _remote_ceiling(session, ep: str, pages: int, seconds: float, viewport) -> float:
+async def _remote_ceiling(
+    session, ep: str, pages: int, seconds: float, viewport, start_at: float
+) -> tuple[int, float, float]:
     async with session.post(
         f"http://{ep}/bench/screenshots",
-        json={"pages": pages, "seconds": seconds, "viewport": list(viewport)},
+        json={"pages": pages, "seconds": seconds, "viewport": list(viewport), "start_at": start_at},
         headers={"Authorization": f"Bearer {TOKEN}"},
-        timeout=aiohttp.ClientTimeout(total=seconds + 120),
+        timeout=aiohttp.ClientTimeout(total=start_at - time.time() + seconds + 120),
     ) as r:
         d = await r.json()
         if r.status != 200:
             raise RuntimeError(f"{ep} /bench/screenshots: {d}")
-        return d["shots"] / d["seconds"]
+        return d["shots"], d["seconds"], d["late_s"]
 
 
 def _cpu_by_kind(host_pids: set[int]) -> dict[int, tuple[str, float]]:
@@ -150,7 +155,6 @@ async def _oracle_episode(env, task) -> float:
 
 async def bench_fleet(args, viewport) -> None:
     """N envs over the local host and --hosts remote hosts vs the same hosts' raw ceiling."""
-    import contextlib  # noqa: PLC0415
     import signal  # noqa: PLC0415
 
     from envs.browser.server import start_host_process  # noqa: PLC0415
@@ -198,15 +202,22 @@ async def bench_fleet(args, viewport) -> None:
                 cpu: dict[str, float] = {}
                 env_steps = 0
                 for _ in range(args.rounds):
+                    # every host opens its pages, then all loop from the same moment: loops
+                    # that ran one after another would each have the cores to themselves
+                    start_at = time.time() + args.ceiling_setup
                     rates = await asyncio.gather(
-                        raw_screenshot_rate(fleet.local.host, per[0], args.seconds, viewport),
+                        raw_screenshot_rate(
+                            fleet.local.host, per[0], args.seconds, viewport, start_at
+                        ),
                         *(
-                            _remote_ceiling(session, ep, c, args.seconds, viewport)
+                            _remote_ceiling(session, ep, c, args.seconds, viewport, start_at)
                             for ep, c in zip(eps, per[1:], strict=True)
                         ),
                     )
-                    local_shots, local_s = rates[0]
-                    raws.append(local_shots / local_s + sum(rates[1:]))
+                    late = max(r[2] for r in rates)
+                    if late > 0.2:
+                        print(f"  (a ceiling loop began {late:.1f} s late: raise --ceiling-setup)")
+                    raws.append(sum(shots / took for shots, took, _ in rates))
                     before = _cpu_by_kind(host_pids)
                     count, took = await loop_rate(args.seconds, steps)
                     for k, v in _cpu_delta(before, _cpu_by_kind(host_pids)).items():
@@ -244,18 +255,33 @@ async def _kill_run(fleet, victim, args, signal) -> None:
     tasks = [suite.make_task(names[i % len(names)], i) for i in range(args.episodes)]
     t0 = time.perf_counter()
 
+    finished = asyncio.Event()  # a quarter of the episodes are done: the run is mid-way
+    done = 0
+
     async def one(task):
+        nonlocal done
         async with fleet.acquire() as env:
             host = getattr(env, "endpoint", LOCAL)
             try:
                 return host, await _oracle_episode(env, task)
             except EnvError as e:
                 return host, e
+            finally:
+                done += 1
+                if done >= max(1, len(tasks) // 4):
+                    finished.set()
 
     async def killer():
-        await asyncio.sleep(args.kill_after)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(finished.wait(), args.kill_after)
         proc.send_signal(signal.SIGKILL)
-        print(f"  killed {ep} at {time.perf_counter() - t0:.1f} s", flush=True)
+        print(
+            f"  killed {ep} at {time.perf_counter() - t0:.1f} s, {done} of {len(tasks)} "
+            "episodes done",
+            flush=True,
+        )
+        if done == len(tasks):
+            raise SystemExit("the kill came after the last episode: nothing was in flight")
 
     k = asyncio.create_task(killer())
     results = await asyncio.gather(*(one(t) for t in tasks))
@@ -283,7 +309,18 @@ async def main() -> None:
     ap.add_argument("--fleet", action="store_true", help="local + remote hosts (see above)")
     ap.add_argument("--hosts", type=int, default=2, help="remote browser hosts (--fleet)")
     ap.add_argument("--kill", action="store_true", help="then kill a host mid-run (--fleet)")
-    ap.add_argument("--kill-after", type=float, default=8.0)
+    ap.add_argument(
+        "--kill-after",
+        type=float,
+        default=8.0,
+        help="kill the host after this many seconds, or once a quarter of the episodes are done",
+    )
+    ap.add_argument(
+        "--ceiling-setup",
+        type=float,
+        default=15.0,
+        help="seconds the hosts get to open their ceiling pages before all loop at once (--fleet)",
+    )
     ap.add_argument("--episodes", type=int, default=48)
     args = ap.parse_args()
     viewport = tuple(int(v) for v in args.viewport.split("x"))

@@ -40,12 +40,28 @@ async def loop_rate(seconds: float, fns) -> tuple[int, float]:
 
 
 async def raw_screenshot_rate(
-    host: BrowserHost, n: int, seconds: float, viewport: tuple[int, int]
-) -> tuple[int, float]:
-    """(screenshots, seconds) of ``n`` fresh pages looping ``page.screenshot()``."""
+    host: BrowserHost,
+    n: int,
+    seconds: float,
+    viewport: tuple[int, int],
+    start_at: float | None = None,
+) -> tuple[int, float, float]:
+    """(screenshots, seconds, late) of ``n`` fresh pages looping ``page.screenshot()``.
+
+    start_at: a ``time.time()`` at which to start looping once the pages are open, so that
+    several hosts' loops run at the same moment (a fleet's ceiling: loops that run one after
+    another, each with the cores to itself, add up to more than the hosts can do at once);
+    ``late`` is how many seconds after it the loop began (0.0 when on time or not given)."""
     pages = await open_pages(host, n, viewport)
+    late = 0.0
+    if start_at is not None:
+        wait = start_at - time.time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        late = max(0.0, time.time() - start_at)
     try:
-        return await loop_rate(seconds, [p.screenshot for p in pages])
+        shots, took = await loop_rate(seconds, [p.screenshot for p in pages])
+        return shots, took, late
     finally:
         for p in pages:
             await p.context.close()

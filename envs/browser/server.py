@@ -17,8 +17,10 @@ isolation on the client, with the pages served from its memory):
     POST /envs/{id}/evaluate     -> {"score"} (422 {"message"}: EnvError)
     POST /envs/{id}/oracle_next  -> {"action"} (501 for tasks without an oracle)
     POST /envs/{id}/close        gives the env back
-    POST /bench/screenshots      {"pages", "seconds", "viewport"} -> {"shots", "seconds"}: this
-                                 host's raw page.screenshot() rate (tools/bench_envs.py ceiling)
+    POST /bench/screenshots      {"pages", "seconds", "viewport"[, "start_at"]} -> {"shots",
+                                 "seconds", "late_s"}: this host's raw page.screenshot() rate
+                                 (tools/bench_envs.py ceiling), looping from time.time() =
+                                 start_at when given (all hosts at once)
 
 Every call renews its lease; a lease not renewed for ``--lease-s`` seconds (a client that
 died) is reclaimed. Built-in tasks, MiniWoB++ pages and inline HTML are served by this host's
@@ -269,12 +271,16 @@ class BrowserServer:
             n = int(data.get("pages", 1))
             seconds = float(data.get("seconds", 5.0))
             vp = tuple(int(v) for v in data.get("viewport", [640, 480]))
+            start_at = data.get("start_at")
+            start_at = None if start_at is None else float(start_at)
         except (TypeError, ValueError) as e:
             return error(f"bad bench arguments: {e}", 400)
         if not (1 <= n <= self.capacity) or not 0 < seconds <= MAX_BENCH_SECONDS:
             return error(f"pages must be 1..capacity, seconds in (0, {MAX_BENCH_SECONDS:g}]", 400)
-        shots, took = await raw_screenshot_rate(self.host, n, seconds, vp)
-        return web.json_response({"shots": shots, "seconds": took})
+        if start_at is not None and not 0 <= start_at - time.time() <= MAX_BENCH_SECONDS:
+            return error(f"start_at must be within {MAX_BENCH_SECONDS:g} s from now", 400)
+        shots, took, late = await raw_screenshot_rate(self.host, n, seconds, vp, start_at)
+        return web.json_response({"shots": shots, "seconds": took, "late_s": late})
 
     async def close(self, request: web.Request) -> web.Response:
         le = self.leases.pop(request.match_info["env"], None)

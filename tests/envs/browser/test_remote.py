@@ -125,6 +125,30 @@ def test_guard_refuses_web_pages_missing_tokens_and_big_bodies(host, run):
         assert status == want, (method, path, headers.keys(), status, text[:200])
 
 
+def test_bench_screenshots_loop_from_start_at(host, run):
+    """The fleet ceiling's loops begin at one moment on every host: the host opens its pages,
+    waits for `start_at`, then loops; a `start_at` out of range is refused."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    start_at = time.time() + 3.0
+    body = {"pages": 1, "seconds": 0.5, "viewport": list(VIEWPORT), "start_at": start_at}
+    status, text = run(_raw(host, "POST", "/bench/screenshots", headers=auth, json_body=body))
+    assert status == 200, text
+    d = json.loads(text)
+    assert d["shots"] >= 1 and d["late_s"] < 1.0
+    assert time.time() >= start_at + 0.5  # it looped after start_at, not before
+    for bad in (time.time() - 5.0, time.time() + 3600.0, "soon"):
+        status, text = run(
+            _raw(
+                host,
+                "POST",
+                "/bench/screenshots",
+                headers=auth,
+                json_body={**body, "start_at": bad},
+            )
+        )
+        assert status == 400, text
+
+
 def test_cli_binds_loopback_and_needs_a_token_elsewhere():
     r = subprocess.run(
         [sys.executable, "-m", "envs.browser.server", "--host", "0.0.0.0", "--no-token"],
