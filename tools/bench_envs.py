@@ -13,8 +13,8 @@ keep a drifting background load from favouring either side). Both show the same 
 
 ``--fleet``: N envs spread by ``envs.fleet.BrowserFleet`` over a local pool and ``--hosts``
 browser hosts (``python -m envs.browser.server`` child processes on loopback), against the same
-hosts' raw screenshot ceiling (local pages + each host's ``/bench/screenshots``, looping from one
-``start_at`` moment once every host has opened its pages),
+hosts' raw screenshot ceiling (local pages + each host's ``/bench/pages`` then
+``/bench/screenshots``: every host opens its pages, then all loop from one moment),
 alternating as above. ``--kill``: then a run of oracle episodes (``--episodes``) over the same
 fleet in which the last host is SIGKILLed once a quarter of them are done (or after
 ``--kill-after`` seconds): its episodes in flight must be
@@ -38,7 +38,7 @@ import aiohttp
 from cua_jax import actions as A
 from cua_jax.env_api import INFO_ERROR, EnvError
 from envs.browser import BrowserEnv, BrowserHost, BrowserPool, suite
-from envs.browser.bench import loop_rate, raw_screenshot_rate
+from envs.browser.bench import close_pages, loop_rate, open_pages, screenshot_loop
 from envs.browser.pages import ORIGIN, handle_route
 
 
@@ -90,19 +90,17 @@ async def bench(host: BrowserHost, n: int, seconds: float, rounds: int, viewport
 TOKEN = "bench-envs-token"
 
 
-async def _remote_ceiling(
-    session, ep: str, pages: int, seconds: float, viewport, start_at: float
-) -> tuple[int, float, float]:
+async def _post_bench(session, ep: str, path: str, body: dict, timeout_s: float) -> dict:
     async with session.post(
-        f"http://{ep}/bench/screenshots",
-        json={"pages": pages, "seconds": seconds, "viewport": list(viewport), "start_at": start_at},
+        f"http://{ep}{path}",
+        json=body,
         headers={"Authorization": f"Bearer {TOKEN}"},
-        timeout=aiohttp.ClientTimeout(total=start_at - time.time() + seconds + 120),
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
     ) as r:
         d = await r.json()
         if r.status != 200:
-            raise RuntimeError(f"{ep} /bench/screenshots: {d}")
-        return d["shots"], d["seconds"], d["late_s"]
+            raise RuntimeError(f"{ep} {path}: {d}")
+        return d
 
 
 def _cpu_by_kind(host_pids: set[int]) -> dict[int, tuple[str, float]]:
@@ -204,19 +202,37 @@ async def bench_fleet(args, viewport) -> None:
                 for _ in range(args.rounds):
                     # every host opens its pages, then all loop from the same moment: loops
                     # that ran one after another would each have the cores to themselves
-                    start_at = time.time() + args.ceiling_setup
-                    rates = await asyncio.gather(
-                        raw_screenshot_rate(
-                            fleet.local.host, per[0], args.seconds, viewport, start_at
-                        ),
+                    opened = await asyncio.gather(
+                        open_pages(fleet.local.host, per[0], viewport),
                         *(
-                            _remote_ceiling(session, ep, c, args.seconds, viewport, start_at)
+                            _post_bench(
+                                session,
+                                ep,
+                                "/bench/pages",
+                                {"pages": c, "viewport": list(viewport)},
+                                300,
+                            )
                             for ep, c in zip(eps, per[1:], strict=True)
                         ),
                     )
+                    start_at = time.time() + 1.0
+                    body = {"seconds": args.seconds, "start_at": start_at}
+                    try:
+                        local, *remote = await asyncio.gather(
+                            screenshot_loop(opened[0], args.seconds, start_at),
+                            *(
+                                _post_bench(
+                                    session, ep, "/bench/screenshots", body, args.seconds + 60
+                                )
+                                for ep in eps
+                            ),
+                        )
+                    finally:
+                        await close_pages(opened[0])
+                    rates = [local, *((d["shots"], d["seconds"], d["late_s"]) for d in remote)]
                     late = max(r[2] for r in rates)
                     if late > 0.2:
-                        print(f"  (a ceiling loop began {late:.1f} s late: raise --ceiling-setup)")
+                        print(f"  (a ceiling loop began {late:.1f} s late)")
                     raws.append(sum(shots / took for shots, took, _ in rates))
                     before = _cpu_by_kind(host_pids)
                     count, took = await loop_rate(args.seconds, steps)
@@ -314,12 +330,6 @@ async def main() -> None:
         type=float,
         default=8.0,
         help="kill the host after this many seconds, or once a quarter of the episodes are done",
-    )
-    ap.add_argument(
-        "--ceiling-setup",
-        type=float,
-        default=15.0,
-        help="seconds the hosts get to open their ceiling pages before all loop at once (--fleet)",
     )
     ap.add_argument("--episodes", type=int, default=48)
     args = ap.parse_args()

@@ -17,10 +17,11 @@ isolation on the client, with the pages served from its memory):
     POST /envs/{id}/evaluate     -> {"score"} (422 {"message"}: EnvError)
     POST /envs/{id}/oracle_next  -> {"action"} (501 for tasks without an oracle)
     POST /envs/{id}/close        gives the env back
-    POST /bench/screenshots      {"pages", "seconds", "viewport"[, "start_at"]} -> {"shots",
-                                 "seconds", "late_s"}: this host's raw page.screenshot() rate
-                                 (tools/bench_envs.py ceiling), looping from time.time() =
-                                 start_at when given (all hosts at once)
+    POST /bench/pages            {"pages", "viewport"} -> {"pages"}: opens pages for ...
+    POST /bench/screenshots      {"seconds"[, "start_at"]} -> {"shots", "seconds", "late_s"}:
+                                 this host's raw page.screenshot() rate on them (the ceiling
+                                 of tools/bench_envs.py), looping from time.time() = start_at
+                                 when given, so that every host of a fleet loops at once
 
 Every call renews its lease; a lease not renewed for ``--lease-s`` seconds (a client that
 died) is reclaimed. Built-in tasks, MiniWoB++ pages and inline HTML are served by this host's
@@ -85,6 +86,7 @@ ROUTES = (
     Route("POST", "/envs/{env}/evaluate", "evaluate", NONE),
     Route("POST", "/envs/{env}/oracle_next", "oracle_next", NONE),
     Route("POST", "/envs/{env}/close", "close", NONE),
+    Route("POST", "/bench/pages", "bench_pages", JSON),
     Route("POST", "/bench/screenshots", "bench_screenshots", JSON),
 )
 MAX_BENCH_SECONDS = 60.0
@@ -123,6 +125,7 @@ class BrowserServer:
         if capacity < 1:
             raise ValueError(f"a browser host needs capacity >= 1, got {capacity}")
         self.capacity = capacity
+        self._bench_pages: list | None = None  # opened by /bench/pages for /bench/screenshots
         self.lease_s = lease_s
         self.host = BrowserHost(executable_path, page_memory_mb=page_memory_mb)
         self.env_kwargs = env_kwargs
@@ -260,26 +263,50 @@ class BrowserServer:
                 return error(str(e), 409)
             return web.json_response({"action": A.action_to_dict(a)})
 
-    async def bench_screenshots(self, request: web.Request) -> web.Response:
-        """Raw ``page.screenshot()`` on ``pages`` fresh pages of this host's Chromium, looping
-        for ``seconds``: the host's screenshot ceiling, which ``tools/bench_envs.py`` sets
-        beside env steps/s (at most ``capacity`` pages, on top of the leased envs)."""
-        from envs.browser.bench import raw_screenshot_rate  # noqa: PLC0415
+    async def bench_pages(self, request: web.Request) -> web.Response:
+        """Opens ``pages`` fresh pages of this host's Chromium for the next
+        ``/bench/screenshots`` (at most ``capacity``, on top of the leased envs; pages opened
+        before and not looped yet are closed first)."""
+        from envs.browser.bench import close_pages, open_pages  # noqa: PLC0415
 
         data = await json_body(request)
         try:
             n = int(data.get("pages", 1))
-            seconds = float(data.get("seconds", 5.0))
             vp = tuple(int(v) for v in data.get("viewport", [640, 480]))
+        except (TypeError, ValueError) as e:
+            return error(f"bad bench arguments: {e}", 400)
+        if not 1 <= n <= self.capacity:
+            return error("pages must be 1..capacity", 400)
+        old, self._bench_pages = self._bench_pages, None
+        await close_pages(old or [])
+        self._bench_pages = await open_pages(self.host, n, vp)
+        return web.json_response({"pages": n})
+
+    async def bench_screenshots(self, request: web.Request) -> web.Response:
+        """Raw ``page.screenshot()`` looping for ``seconds`` on the pages ``/bench/pages``
+        opened: the host's screenshot ceiling, which ``tools/bench_envs.py`` sets beside env
+        steps/s. With ``start_at`` (a ``time.time()``) the loop begins then, so that every
+        host of a fleet loops at once; the pages are closed after."""
+        from envs.browser.bench import close_pages, screenshot_loop  # noqa: PLC0415
+
+        data = await json_body(request)
+        try:
+            seconds = float(data.get("seconds", 5.0))
             start_at = data.get("start_at")
             start_at = None if start_at is None else float(start_at)
         except (TypeError, ValueError) as e:
             return error(f"bad bench arguments: {e}", 400)
-        if not (1 <= n <= self.capacity) or not 0 < seconds <= MAX_BENCH_SECONDS:
-            return error(f"pages must be 1..capacity, seconds in (0, {MAX_BENCH_SECONDS:g}]", 400)
+        if not 0 < seconds <= MAX_BENCH_SECONDS:
+            return error(f"seconds must be in (0, {MAX_BENCH_SECONDS:g}]", 400)
         if start_at is not None and not 0 <= start_at - time.time() <= MAX_BENCH_SECONDS:
             return error(f"start_at must be within {MAX_BENCH_SECONDS:g} s from now", 400)
-        shots, took, late = await raw_screenshot_rate(self.host, n, seconds, vp, start_at)
+        pages, self._bench_pages = self._bench_pages, None
+        if not pages:
+            return error("no bench pages: POST /bench/pages first", 409)
+        try:
+            shots, took, late = await screenshot_loop(pages, seconds, start_at)
+        finally:
+            await close_pages(pages)
         return web.json_response({"shots": shots, "seconds": took, "late_s": late})
 
     async def close(self, request: web.Request) -> web.Response:

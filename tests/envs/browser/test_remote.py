@@ -125,28 +125,27 @@ def test_guard_refuses_web_pages_missing_tokens_and_big_bodies(host, run):
         assert status == want, (method, path, headers.keys(), status, text[:200])
 
 
-def test_bench_screenshots_loop_from_start_at(host, run):
-    """The fleet ceiling's loops begin at one moment on every host: the host opens its pages,
-    waits for `start_at`, then loops; a `start_at` out of range is refused."""
+def test_bench_pages_then_screenshots_from_start_at(host, run):
+    """The fleet ceiling's barrier: a host opens its pages (`/bench/pages`), then loops from
+    `start_at` (`/bench/screenshots`), not before; without opened pages, or with a `start_at`
+    out of range, it refuses."""
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    start_at = time.time() + 3.0
-    body = {"pages": 1, "seconds": 0.5, "viewport": list(VIEWPORT), "start_at": start_at}
-    status, text = run(_raw(host, "POST", "/bench/screenshots", headers=auth, json_body=body))
-    assert status == 200, text
-    d = json.loads(text)
+
+    def post(path, body):
+        status, text = run(_raw(host, "POST", path, headers=auth, json_body=body))
+        return status, json.loads(text) if text.startswith("{") else text
+
+    assert post("/bench/screenshots", {"seconds": 0.5})[0] == 409  # no pages opened
+    assert post("/bench/pages", {"pages": 99})[0] == 400  # over capacity
+    assert post("/bench/pages", {"pages": 1, "viewport": list(VIEWPORT)}) == (200, {"pages": 1})
+    for bad in (time.time() - 5.0, time.time() + 3600.0, "soon"):
+        assert post("/bench/screenshots", {"seconds": 0.5, "start_at": bad})[0] == 400
+    start_at = time.time() + 2.0
+    status, d = post("/bench/screenshots", {"seconds": 0.5, "start_at": start_at})
+    assert status == 200, d
     assert d["shots"] >= 1 and d["late_s"] < 1.0
     assert time.time() >= start_at + 0.5  # it looped after start_at, not before
-    for bad in (time.time() - 5.0, time.time() + 3600.0, "soon"):
-        status, text = run(
-            _raw(
-                host,
-                "POST",
-                "/bench/screenshots",
-                headers=auth,
-                json_body={**body, "start_at": bad},
-            )
-        )
-        assert status == 400, text
+    assert post("/bench/screenshots", {"seconds": 0.5})[0] == 409  # the pages were closed
 
 
 def test_cli_binds_loopback_and_needs_a_token_elsewhere():
