@@ -548,22 +548,7 @@ def plan_train_step(
     config: Any, ab: _Abstract, mesh: Any, chip: Chip, rows: int, row_len: int, kv_bytes: int
 ) -> ProgramPlan:
     learner = ab.learner
-    row_sh, pos_sh = learner._row_sh, learner._pos_sh
-
-    def arr(shape, dtype, sh):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
-
-    xs = {
-        "input_ids": arr((rows, row_len), jnp.int32, row_sh),
-        "segment_ids": arr((rows, row_len), jnp.int32, row_sh),
-        "loss_mask": arr((rows, row_len), jnp.bool_, row_sh),
-        "behaviour_logprobs": arr((rows, row_len), jnp.float32, row_sh),
-        "advantages": arr((rows, row_len), jnp.float32, row_sh),
-        "loss_weights": arr((rows, row_len), jnp.float32, row_sh),
-        "position_ids": arr((3, rows, row_len), jnp.int32, pos_sh),
-    }
-    if learner.route_shape is not None:  # MoE: the sampler's recorded experts (routing replay)
-        xs["routes"] = arr((rows, row_len, *learner.route_shape), jnp.int32, learner.route_sharding)
+    xs = _step_inputs(learner, rows, row_len)
     args = (ab.trainable, ab.opt_state, ab.frozen, ab.rest, ab.ref, xs, None)
     arguments = {
         "params (trainable)": tree_shard_bytes(ab.trainable),
@@ -605,6 +590,99 @@ def plan_train_step(
         prog.bytes_accessed *= s
         prog.notes.append(f"FLOPs and bytes: XLA's count x {s} micro-batches")
     return prog
+
+
+def _step_inputs(learner: Any, rows: int, row_len: int) -> dict[str, Any]:
+    """The RL step's batch as abstract arrays (text only), laid out as the learner lays it."""
+    row_sh, pos_sh = learner._row_sh, learner._pos_sh
+
+    def arr(shape, dtype, sh):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+
+    xs = {
+        "input_ids": arr((rows, row_len), jnp.int32, row_sh),
+        "segment_ids": arr((rows, row_len), jnp.int32, row_sh),
+        "loss_mask": arr((rows, row_len), jnp.bool_, row_sh),
+        "behaviour_logprobs": arr((rows, row_len), jnp.float32, row_sh),
+        "advantages": arr((rows, row_len), jnp.float32, row_sh),
+        "loss_weights": arr((rows, row_len), jnp.float32, row_sh),
+        "position_ids": arr((3, rows, row_len), jnp.int32, pos_sh),
+    }
+    if learner.route_shape is not None:  # MoE: the sampler's recorded experts (routing replay)
+        xs["routes"] = arr((rows, row_len, *learner.route_shape), jnp.int32, learner.route_sharding)
+    return xs
+
+
+def sdpo_topk_width(config: Any, vocab: int) -> int:
+    k = int(config.rl.sdpo_topk)
+    return vocab if k <= 0 or k >= vocab else k
+
+
+def plan_sdpo(
+    config: Any, ab: _Abstract, mesh: Any, chip: Chip, rows: int, row_len: int, kv_bytes: int
+) -> list[ProgramPlan]:
+    """rl.algorithm="sdpo": the SDPO step (the RL step plus the teacher's top-k targets as
+    inputs) on the RL rows, and the teacher pass (a forward, top-k log-probs out) on the
+    teacher rows, one length longer for the feedback message (`shapes.teacher_row_length`,
+    with one screen's tokens for the final screenshot)."""
+    from cua_jax.rl import sdpo
+    from cua_jax.rl.shapes import teacher_row_length
+
+    rl, learner = config.rl, ab.learner
+    cfg = learner.config
+    k = sdpo_topk_width(config, cfg.text.vocab_size)
+    mode = sdpo.TeacherTargets(
+        None, None, None, None, rl.sdpo_divergence, rl.sdpo_js_beta, rl.sdpo_weight
+    ).mode
+    xs = _step_inputs(learner, rows, row_len)
+    topk_sh, tok_sh = learner._rows_sharding(3), learner._rows_sharding(2)
+    xs["sdpo_ids"] = jax.ShapeDtypeStruct((rows, row_len, k), jnp.int32, sharding=topk_sh)
+    xs["sdpo_logp"] = jax.ShapeDtypeStruct((rows, row_len, k), jnp.float32, sharding=topk_sh)
+    xs["sdpo_mask"] = jax.ShapeDtypeStruct((rows, row_len), jnp.bool_, sharding=tok_sh)
+    xs["sdpo_weights"] = jax.ShapeDtypeStruct((rows, row_len), jnp.float32, sharding=tok_sh)
+    resident = {"KV pool (sampler, resident)": kv_bytes}
+    if rl.sdpo_teacher == "ema":
+        resident["EMA teacher params (resident)"] = tree_shard_bytes(ab.trainable)
+    arguments = {
+        "params (trainable)": tree_shard_bytes(ab.trainable),
+        "params (frozen)": tree_shard_bytes(ab.frozen) + tree_shard_bytes(ab.rest),
+        "optimizer state": tree_shard_bytes(ab.opt_state),
+        "batch with teacher targets": tree_shard_bytes(xs),
+    }
+    if ab.ref is not None:
+        arguments["KL reference"] = tree_shard_bytes(ab.ref)
+    step = ProgramPlan("sdpo_step", chip, arguments, resident)
+    step.notes.append(
+        f"{rows} rows x {row_len} tokens, text only; teacher top-{k} targets; mode {mode}"
+    )
+    args = (ab.trainable, ab.opt_state, ab.frozen, ab.rest, ab.ref, xs, None)
+    _compile(learner._get_step(mode), args, step)
+
+    unit = cfg.vision.patch_size * cfg.vision.spatial_merge_size
+    screen = -(-config.env.viewport_height // unit) * -(-config.env.viewport_width // unit)
+    t_len = teacher_row_length(config, screen, row_len)
+    t_xs = _step_inputs(learner, rows, t_len)
+    teacher = ProgramPlan(
+        "sdpo_teacher",
+        chip,
+        {
+            "teacher params": tree_shard_bytes(ab.trainable)
+            + tree_shard_bytes(ab.frozen)
+            + tree_shard_bytes(ab.rest),
+            "teacher batch": tree_shard_bytes(t_xs),
+        },
+        {
+            "optimizer state (learner, resident)": tree_shard_bytes(ab.opt_state),
+            **resident,
+        },
+    )
+    teacher.notes.append(
+        f"{rows} rows x {t_len} tokens (the RL rows plus the feedback message and a "
+        f"{screen}-token screen), text only; top-{k} ids and log-probs out"
+    )
+    fn = sdpo._teacher_jit(learner, rl.sdpo_topk, {})
+    _compile(fn, (ab.trainable, ab.frozen, ab.rest, t_xs, None), teacher)
+    return [step, teacher]
 
 
 def _splash_cost(cfg: qwen_vl.QwenVLConfig, rows: int, row_len: int, mesh: Any) -> tuple:
@@ -767,6 +845,8 @@ def make_plan(
     out: list[ProgramPlan] = []
     if "train_step" in programs:
         out.append(plan_train_step(config, ab, mesh, topo.chip, rows, row_len, kv_bytes))
+        if config.rl.algorithm == "sdpo":
+            out += plan_sdpo(config, ab, mesh, topo.chip, rows, row_len, kv_bytes)
     if "decode_step" in programs:
         out.append(plan_decode_step(config, ab, mesh, topo.chip, num_pages, attn_backend))
 

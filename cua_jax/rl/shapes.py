@@ -83,10 +83,11 @@ def first_fit_rows(lengths: Sequence[int], row_len: int) -> int:
 FEEDBACK_TEXT_TOKENS = 192
 
 
-def teacher_row_length(config: Any, image_tokens: int) -> int:
-    """The row length that holds the longest RL row's sample with SDPO's feedback message before
-    it (its screenshot, a peer's tool calls and `FEEDBACK_TEXT_TOKENS` of text), rounded up to
-    a multiple of 128 (of the splash kernel's block with model.attn_impl='splash')."""
+def teacher_row_length(config: Any, image_tokens: int, longest: int | None = None) -> int:
+    """The row length that holds the longest RL row's sample (`longest`, default the longest
+    of `rl.row_lengths`) with SDPO's feedback message before it (its screenshot, a peer's tool
+    calls and `FEEDBACK_TEXT_TOKENS` of text), rounded up to a multiple of 128 (of the splash
+    kernel's block with model.attn_impl='splash')."""
     rl, env = config.rl, config.env
     kinds = feedback_kinds(rl.sdpo_feedback)
     extra = FEEDBACK_TEXT_TOKENS
@@ -98,7 +99,8 @@ def teacher_row_length(config: Any, image_tokens: int) -> int:
     model = config.get("model")
     if model is not None and model.get("attn_impl", "") == "splash":
         unit = max(unit, model.get("attn_block", 0) or 512)
-    return -(-(max(rl.row_lengths) + extra) // unit) * unit
+    longest = max(rl.row_lengths) if longest is None else longest
+    return -(-(longest + extra) // unit) * unit
 
 
 def sample_patches(s: Sample) -> int:

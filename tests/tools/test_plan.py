@@ -141,6 +141,34 @@ def test_the_train_step_with_splash_attention_compiles_for_tpu(hf_dir):
     assert train.temp_bytes > 0 and train.total_bytes < p.budget_bytes
 
 
+def test_sdpo_plans_its_step_and_teacher_pass_for_tpu(hf_dir):
+    """rl.algorithm="sdpo": the SDPO step (the RL step with the teacher's top-k targets as
+    inputs) and the teacher pass (one length longer, for the feedback message and screen)
+    compile for v5e-4 beside the GRPO step; the top-k targets are in the SDPO step's
+    arguments (by hand: rows x length x k x (4 + 4) bytes, rows split over fsdp), and the EMA
+    teacher's params are resident."""
+    from cua_jax.rl.shapes import teacher_row_length
+
+    c = _config(hf_dir)
+    c.rl.algorithm, c.rl.sdpo_topk, c.rl.sdpo_teacher = "sdpo", 16, "ema"
+    with jax.default_matmul_precision("default"):
+        p = plan_lib.make_plan(c, "v5e-4", rows=ROWS, row_len=ROW_LEN, programs=("train_step",))
+    assert [q.name for q in p.programs] == ["train_step", "sdpo_step", "sdpo_teacher"]
+    train, step, teacher = p.programs
+    for q in p.programs:
+        assert q.compile_error is None, q.compile_error
+        assert q.temp_bytes > 0 and q.flops > 0 and q.total_bytes < p.budget_bytes
+    # rows are split over fsdp=2 (tensor replicates them): ids and log-probs of 16, mask, weight
+    targets = (ROWS * ROW_LEN * 16 * (4 + 4) + ROWS * ROW_LEN * (1 + 4)) // 2
+    assert step.arguments["batch with teacher targets"] == train.arguments["batch"] + targets
+    assert step.resident["EMA teacher params (resident)"] == train.arguments["params (trainable)"]
+    unit = 16 * 2  # patch 16, merge 2: 32-pixel screen units
+    screen = -(-c.env.viewport_height // unit) * -(-c.env.viewport_width // unit)
+    t_len = teacher_row_length(c, screen, ROW_LEN)
+    assert ROW_LEN < t_len < max(c.rl.row_lengths) and f"x {t_len} tokens" in teacher.notes[0]
+    assert "## sdpo_teacher" in plan_lib.format_plan(p)
+
+
 def test_bad_input_raises_a_plan_input_error(hf_dir, tmp_path):
     c = _config(hf_dir)
     c.model.hf_path = str(tmp_path / "missing")
