@@ -550,14 +550,7 @@ def plan_train_step(
     learner = ab.learner
     xs = _step_inputs(learner, rows, row_len)
     args = (ab.trainable, ab.opt_state, ab.frozen, ab.rest, ab.ref, xs, None)
-    arguments = {
-        "params (trainable)": tree_shard_bytes(ab.trainable),
-        "params (frozen)": tree_shard_bytes(ab.frozen) + tree_shard_bytes(ab.rest),
-        "optimizer state": tree_shard_bytes(ab.opt_state),
-        "batch": tree_shard_bytes(xs),
-    }
-    if ab.ref is not None:
-        arguments["KL reference"] = tree_shard_bytes(ab.ref)
+    arguments = _step_arguments(ab, xs, "batch")
     prog = ProgramPlan("train_step", chip, arguments, {"KV pool (sampler, resident)": kv_bytes})
     # Model FLOPs per device: 6 N T for trained weights (forward, input and weight gradients),
     # 4 N T for frozen ones (no weight gradient), 2 N T more for the KL reference's forward;
@@ -613,9 +606,17 @@ def _step_inputs(learner: Any, rows: int, row_len: int) -> dict[str, Any]:
     return xs
 
 
-def sdpo_topk_width(config: Any, vocab: int) -> int:
-    k = int(config.rl.sdpo_topk)
-    return vocab if k <= 0 or k >= vocab else k
+def _step_arguments(ab: _Abstract, xs: dict[str, Any], batch: str) -> dict[str, int]:
+    """A learner step's arguments by kind, in shard bytes (the batch under the name `batch`)."""
+    arguments = {
+        "params (trainable)": tree_shard_bytes(ab.trainable),
+        "params (frozen)": tree_shard_bytes(ab.frozen) + tree_shard_bytes(ab.rest),
+        "optimizer state": tree_shard_bytes(ab.opt_state),
+        batch: tree_shard_bytes(xs),
+    }
+    if ab.ref is not None:
+        arguments["KL reference"] = tree_shard_bytes(ab.ref)
+    return arguments
 
 
 def plan_sdpo(
@@ -630,10 +631,8 @@ def plan_sdpo(
 
     rl, learner = config.rl, ab.learner
     cfg = learner.config
-    k = sdpo_topk_width(config, cfg.text.vocab_size)
-    mode = sdpo.TeacherTargets(
-        None, None, None, None, rl.sdpo_divergence, rl.sdpo_js_beta, rl.sdpo_weight
-    ).mode
+    k = sdpo.topk_width(int(rl.sdpo_topk), cfg.text.vocab_size)
+    mode = sdpo.step_mode(rl.sdpo_divergence, rl.sdpo_js_beta, rl.sdpo_weight)
     xs = _step_inputs(learner, rows, row_len)
     topk_sh, tok_sh = learner._rows_sharding(3), learner._rows_sharding(2)
     xs["sdpo_ids"] = jax.ShapeDtypeStruct((rows, row_len, k), jnp.int32, sharding=topk_sh)
@@ -643,15 +642,9 @@ def plan_sdpo(
     resident = {"KV pool (sampler, resident)": kv_bytes}
     if rl.sdpo_teacher == "ema":
         resident["EMA teacher params (resident)"] = tree_shard_bytes(ab.trainable)
-    arguments = {
-        "params (trainable)": tree_shard_bytes(ab.trainable),
-        "params (frozen)": tree_shard_bytes(ab.frozen) + tree_shard_bytes(ab.rest),
-        "optimizer state": tree_shard_bytes(ab.opt_state),
-        "batch with teacher targets": tree_shard_bytes(xs),
-    }
-    if ab.ref is not None:
-        arguments["KL reference"] = tree_shard_bytes(ab.ref)
-    step = ProgramPlan("sdpo_step", chip, arguments, resident)
+    step = ProgramPlan(
+        "sdpo_step", chip, _step_arguments(ab, xs, "batch with teacher targets"), resident
+    )
     step.notes.append(
         f"{rows} rows x {row_len} tokens, text only; teacher top-{k} targets; mode {mode}"
     )

@@ -463,6 +463,17 @@ class LossVariant:
     weight: float
 
 
+def step_mode(divergence: str, js_beta: float, weight: float) -> str:
+    """The learner step mode (and jit key) of one SDPO loss variant; `parse_mode` reads it."""
+    return f"sdpo:{divergence}:{js_beta}:{weight}"
+
+
+def topk_width(topk: int, vocab: int) -> int:
+    """How many teacher log-probs a position keeps: `topk`, or the whole vocabulary when
+    `topk <= 0` or `topk >= vocab`."""
+    return vocab if topk <= 0 or topk >= vocab else topk
+
+
 def parse_mode(mode: str) -> LossVariant | None:
     """The `LossVariant` of a learner step mode (`TeacherTargets.mode`); None for others."""
     if not mode.startswith("sdpo:"):
@@ -490,7 +501,7 @@ class TeacherTargets:
     @property
     def mode(self) -> str:
         """The learner's jit key: one compiled step per loss variant."""
-        return f"sdpo:{self.divergence}:{self.js_beta}:{self.weight}"
+        return step_mode(self.divergence, self.js_beta, self.weight)
 
 
 def micro_loss(
@@ -676,7 +687,7 @@ class SelfDistiller:
     @property
     def step_mode(self) -> str:
         """The learner step mode (and jit key) every SDPO update runs (`TeacherTargets.mode`)."""
-        return f"sdpo:{self.divergence}:{self.js_beta}:{self.weight}"
+        return step_mode(self.divergence, self.js_beta, self.weight)
 
     def warmup(self, learner: Any) -> dict[str, float]:
         """Compiles ahead what an SDPO step runs, for the learner's shape set (#23): the
@@ -691,7 +702,7 @@ class SelfDistiller:
         if self._jit_owner is not learner:
             self._jit, self._jit_owner = {}, learner
         vocab = learner.config.text.vocab_size
-        k = vocab if self.topk <= 0 or self.topk >= vocab else self.topk
+        k = topk_width(self.topk, vocab)
 
         def zeros(r: int, length: int) -> TeacherTargets:
             return TeacherTargets(
@@ -746,7 +757,7 @@ class SelfDistiller:
         pairs = [p for p, f in zip(pairs, fits, strict=True) if f]
         student_at = [a for a, f in zip(student_at, fits, strict=True) if f]
         vocab = cfg.text.vocab_size
-        k = vocab if self.topk <= 0 or self.topk >= vocab else self.topk
+        k = topk_width(self.topk, vocab)
         info = {
             "sdpo/teacher_samples": float(len(pairs)),
             "sdpo/teacher_rows": 0.0,

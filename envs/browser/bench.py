@@ -69,15 +69,3 @@ async def screenshot_loop(
         late = max(0.0, time.time() - start_at)
     shots, took = await loop_rate(seconds, [p.screenshot for p in pages])
     return shots, took, late
-
-
-async def raw_screenshot_rate(
-    host: BrowserHost, n: int, seconds: float, viewport: tuple[int, int]
-) -> tuple[int, float]:
-    """(screenshots, seconds) of ``n`` fresh pages looping ``page.screenshot()``."""
-    pages = await open_pages(host, n, viewport)
-    try:
-        shots, took, _ = await screenshot_loop(pages, seconds)
-        return shots, took
-    finally:
-        await close_pages(pages)
