@@ -215,7 +215,7 @@ async def bench_fleet(args, viewport) -> None:
                             for ep, c in zip(eps, per[1:], strict=True)
                         ),
                     )
-                    start_at = time.time() + 1.0
+                    start_at = time.time() + 3.0  # time for every host to get the request
                     body = {"seconds": args.seconds, "start_at": start_at}
                     try:
                         local, *remote = await asyncio.gather(
