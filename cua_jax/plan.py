@@ -9,13 +9,17 @@ the real TPU compiler for them (as MaxText's train_compile.py does). The model i
 abstractly (`jax.eval_shape`: shapes only, no weights, no checkpoint) from the published
 config.json dimensions of the preset's size (`qwen_vl.published_config`) or from
 `model.hf_path/config.json`, laid out on a mesh of the slice's devices with the preset's rules,
-and two programs are compiled:
+and these programs are compiled (`PROGRAMS`; `programs=` picks):
 
-  train_step   the learner's RL step (cua_jax.rl.learner, built by train.build_learner) on one
-               packed batch of `rl.rows_per_step` rows x the longest `rl.row_lengths` bucket.
-  decode_step  one decode step of every sampler slot: the model's decode path with the
-               platform's paged-attention kernel (JAX's Pallas TPU kernel) over the KV pool,
-               params shared in place with the learner (colocated), K/V sharded over kv heads.
+  train_step    the learner's RL step (cua_jax.rl.learner, built by train.build_learner) on one
+                packed batch of `rl.rows_per_step` rows x the longest `rl.row_lengths` bucket;
+                with rl.algorithm="sdpo" also the two SDPO programs below.
+  sdpo_step     SDPO's step: the RL step with the teacher's top-k targets as inputs.
+  sdpo_teacher  SDPO's teacher pass: a forward over the learner's micro-batches, top-k out, on
+                rows one length longer (the feedback message and screen).
+  decode_step   one decode step of every sampler slot: the model's decode path with the
+                platform's paged-attention kernel (JAX's Pallas TPU kernel) over the KV pool,
+                params shared in place with the learner (colocated), K/V sharded over kv heads.
 
 Memory is per device: the compiler's argument / output / alias / temp bytes of each program,
 plus what the other program keeps resident meanwhile (the KV pool while the train step runs;
@@ -619,13 +623,24 @@ def _step_arguments(ab: _Abstract, xs: dict[str, Any], batch: str) -> dict[str, 
     return arguments
 
 
+PROGRAMS = ("train_step", "sdpo_step", "sdpo_teacher", "decode_step")
+
+
 def plan_sdpo(
-    config: Any, ab: _Abstract, mesh: Any, chip: Chip, rows: int, row_len: int, kv_bytes: int
+    config: Any,
+    ab: _Abstract,
+    mesh: Any,
+    chip: Chip,
+    rows: int,
+    row_len: int,
+    kv_bytes: int,
+    programs: tuple[str, ...] = ("sdpo_step", "sdpo_teacher"),
 ) -> list[ProgramPlan]:
     """rl.algorithm="sdpo": the SDPO step (the RL step plus the teacher's top-k targets as
-    inputs) on the RL rows, and the teacher pass (a forward, top-k log-probs out) on the
-    teacher rows, one length longer for the feedback message (`shapes.teacher_row_length`,
-    with one screen's tokens for the final screenshot)."""
+    inputs) on the RL rows, and the teacher pass (a forward over the learner's micro-batches,
+    top-k log-probs out) on the teacher rows, one length longer for the feedback message
+    (`shapes.teacher_row_length`, with one screen's tokens for the final screenshot); those of
+    the two in `programs`."""
     from cua_jax.rl import sdpo
     from cua_jax.rl.shapes import teacher_row_length
 
@@ -649,7 +664,12 @@ def plan_sdpo(
         f"{rows} rows x {row_len} tokens, text only; teacher top-{k} targets; mode {mode}"
     )
     args = (ab.trainable, ab.opt_state, ab.frozen, ab.rest, ab.ref, xs, None)
-    _compile(learner._get_step(mode), args, step)
+    out = []
+    if "sdpo_step" in programs:
+        _compile(learner._get_step(mode), args, step)
+        out.append(step)
+    if "sdpo_teacher" not in programs:
+        return out
 
     unit = cfg.vision.patch_size * cfg.vision.spatial_merge_size
     screen = -(-config.env.viewport_height // unit) * -(-config.env.viewport_width // unit)
@@ -671,11 +691,12 @@ def plan_sdpo(
     )
     teacher.notes.append(
         f"{rows} rows x {t_len} tokens (the RL rows plus the feedback message and a "
-        f"{screen}-token screen), text only; top-{k} ids and log-probs out"
+        f"{screen}-token screen) in {learner.num_substeps} micro-batches, text only; "
+        f"top-{k} ids and log-probs out"
     )
     fn = sdpo._teacher_jit(learner, rl.sdpo_topk, {})
     _compile(fn, (ab.trainable, ab.frozen, ab.rest, t_xs, None), teacher)
-    return [step, teacher]
+    return [*out, teacher]
 
 
 def _splash_cost(cfg: qwen_vl.QwenVLConfig, rows: int, row_len: int, mesh: Any) -> tuple:
@@ -835,11 +856,16 @@ def make_plan(
     rows = -(-rows // mult) * mult
     row_len = row_len or max(config.rl.row_lengths)
 
+    unknown = set(programs) - set(PROGRAMS)
+    if unknown:
+        raise PlanInputError(f"unknown programs {sorted(unknown)}; use {', '.join(PROGRAMS)}")
+    with_train = "train_step" in programs and config.rl.algorithm == "sdpo"
+    sdpo_programs = tuple(p for p in ("sdpo_step", "sdpo_teacher") if p in programs or with_train)
     out: list[ProgramPlan] = []
     if "train_step" in programs:
         out.append(plan_train_step(config, ab, mesh, topo.chip, rows, row_len, kv_bytes))
-        if config.rl.algorithm == "sdpo":
-            out += plan_sdpo(config, ab, mesh, topo.chip, rows, row_len, kv_bytes)
+    if sdpo_programs:
+        out += plan_sdpo(config, ab, mesh, topo.chip, rows, row_len, kv_bytes, sdpo_programs)
     if "decode_step" in programs:
         out.append(plan_decode_step(config, ab, mesh, topo.chip, num_pages, attn_backend))
 

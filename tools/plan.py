@@ -36,7 +36,12 @@ _TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice by its usual name: 
 _HEADROOM = flags.DEFINE_float("headroom", 0.1, "Share of each chip's HBM that must stay free.")
 _ROWS = flags.DEFINE_integer("rows", None, "Train-step rows (default: config.rl.rows_per_step).")
 _ROW_LEN = flags.DEFINE_integer("row_len", None, "Row length (default: longest rl.row_lengths).")
-_PROGRAMS = flags.DEFINE_list("programs", "train_step,decode_step", "Programs to compile.")
+_PROGRAMS = flags.DEFINE_list(
+    "programs",
+    "train_step,decode_step",
+    "Programs to compile: train_step (with rl.algorithm=sdpo also sdpo_step and sdpo_teacher), "
+    "sdpo_step, sdpo_teacher, decode_step.",
+)
 _LIST = flags.DEFINE_bool("list_topologies", False, "Print the table of known slices and exit.")
 
 
@@ -74,9 +79,9 @@ def main() -> None:
         print(plan_lib.table_of_topologies())
         return
     programs = tuple(_PROGRAMS.value)
-    unknown = set(programs) - {"train_step", "decode_step"}
+    unknown = set(programs) - set(plan_lib.PROGRAMS)
     if unknown:
-        _fail(f"error: unknown --programs {sorted(unknown)}; use train_step, decode_step", 2)
+        _fail(f"error: unknown --programs {sorted(unknown)}; use {','.join(plan_lib.PROGRAMS)}", 2)
     try:
         plan = plan_lib.make_plan(
             _CONFIG.value,

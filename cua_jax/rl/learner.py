@@ -193,6 +193,34 @@ def shape_bucket(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def split_micro(x: Any, s: int) -> Any:
+    """Rows [R, ...] -> [S, R/S, ...] (a list of arrays: each; None stays None): micro-batch j
+    holds rows i x S + j, so each device keeps its own rows when the rows are sharded."""
+    if x is None:
+        return None
+    if isinstance(x, list | tuple):
+        return type(x)(split_micro(a, s) for a in x)
+    return x.reshape(x.shape[0] // s, s, *x.shape[1:]).swapaxes(0, 1)
+
+
+def unsplit_micro(x: Any) -> Any:
+    """`split_micro`'s inverse: [S, R/S, ...] -> [R, ...]."""
+    if x is None:
+        return None
+    if isinstance(x, list | tuple):
+        return type(x)(unsplit_micro(a) for a in x)
+    return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def split_micro_inputs(xs: dict[str, Any], s: int) -> dict[str, Any]:
+    """A device batch's inputs as `s` micro-batches (`split_micro`); position ids are
+    [3, R, L] -> [S, 3, R/S, L]."""
+    out = {k: split_micro(v, s) for k, v in xs.items() if k != "position_ids"}
+    pos = xs["position_ids"]
+    out["position_ids"] = pos.reshape(3, pos.shape[1] // s, s, pos.shape[-1]).transpose(2, 0, 1, 3)
+    return out
+
+
 def pad_images_to_bucket(
     pixel_values: np.ndarray, image_grid_thw: np.ndarray, merge: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -954,8 +982,6 @@ class Learner:
         """(grads of the batch loss w.r.t. the trainable params, metrics)."""
         s = self.num_substeps
         ids = xs["input_ids"]
-        r = ids.shape[0]
-        mb = r // s
         n_total = jnp.sum(xs["loss_mask"]).astype(jnp.float32)
         (emb, ds), embed_vjp, vmask = jax.vjp(
             lambda tr: self._embed(tr, frozen, rest, ids, images), trainable, has_aux=True
@@ -967,21 +993,12 @@ class Learner:
             ref_emb, _ = self._embed(ref, frozen, rest, ids, images)
             ref_emb = jax.lax.stop_gradient(ref_emb)
 
-        def split(x):  # [R, ...] -> [S, mb, ...], micro-batch s = rows i * S + s
-            return None if x is None else x.reshape(mb, s, *x.shape[1:]).swapaxes(0, 1)
-
-        def split_list(xs_):
-            return None if xs_ is None else [split(x) for x in xs_]
-
-        mbs = {k: split(v) for k, v in xs.items() if k != "position_ids"}
-        pos = xs["position_ids"]
-        mbs["position_ids"] = pos.reshape(3, mb, s, pos.shape[-1]).transpose(2, 0, 1, 3)
         scan_in = {
-            "mb": mbs,
-            "emb": split(emb),
-            "ds": split_list(ds),
-            "vmask": split(vmask),
-            "ref_emb": None if ref_emb is None else (split(ref_emb[0]), split_list(ref_emb[1])),
+            "mb": split_micro_inputs(xs, s),
+            "emb": split_micro(emb, s),
+            "ds": split_micro(ds, s),
+            "vmask": split_micro(vmask, s),
+            "ref_emb": split_micro(ref_emb, s),
         }
 
         def body(g_acc, x):
@@ -999,12 +1016,7 @@ class Learner:
         g0 = jax.tree.map(jnp.zeros_like, trainable)
         g_tr, (g_emb, g_ds, metrics) = jax.lax.scan(body, g0, scan_in)
 
-        def unsplit(x):
-            return None if x is None else x.swapaxes(0, 1).reshape(r, *x.shape[2:])
-
-        (g_embed,) = embed_vjp(
-            (unsplit(g_emb), None if g_ds is None else [unsplit(g) for g in g_ds])
-        )
+        (g_embed,) = embed_vjp((unsplit_micro(g_emb), unsplit_micro(g_ds)))
         grads = jax.tree.map(jnp.add, g_tr, g_embed)
         # Per-micro-batch token means -> batch token means (weighted by token counts); loss
         # terms are already batch-normalised sums, so they add up.

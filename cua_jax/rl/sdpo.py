@@ -526,10 +526,11 @@ def teacher_topk(
     """The policy `params`' top-k next-token (ids i32[R, L, K], log-probs f32[R, L, K]) on a
     packed batch, at the learner's temperature with its banned ids masked; entry [r, q] is the
     distribution of token q given tokens < q (q = 0: zeros). ``k <= 0`` or ``k >= V``: the
-    whole vocabulary in id order. Logits are made `learner.logits_chunk` positions at a time;
-    no gradient. One compile per batch shape (kept in `cache`)."""
+    whole vocabulary in id order. The decoder runs over the learner's micro-batches
+    (`num_substeps`, as the step does) and makes logits `learner.logits_chunk` positions at a
+    time; no gradient. One compile per batch shape (kept in `cache`)."""
     fn = _teacher_jit(learner, k, cache)
-    xs, images = learner._device_batch(batch, substeps=1)
+    xs, images = learner._device_batch(batch, substeps=learner.num_substeps)
     ids, logp = fn(params, learner._frozen, learner._rest, xs, images)
     return multihost.local_rows(ids), multihost.local_rows(logp)  # multi-host: this one's rows
 
@@ -550,12 +551,14 @@ def _teacher_jit(learner: Any, k: int, cache: dict | None) -> Any:
 
 
 def _teacher_topk_fn(learner, k, params, frozen, rest, xs, images):
+    """The teacher pass: the vision tower and embeddings over the whole batch (as the step
+    does), then the decoder and the top-k over `learner.num_substeps` micro-batches in turn, so
+    its activations (attention scores included) are one micro-batch's, as in the step."""
+    from cua_jax.rl.learner import split_micro, split_micro_inputs, unsplit_micro
 
     params = jax.lax.stop_gradient(params)
     (emb, ds), vmask = learner._embed(params, frozen, rest, xs["input_ids"], images)
     model = learner._merge(params, frozen, rest)
-    attn = model.attn_fn(None, xs["segment_ids"])
-    hidden_BTD = model.decode(emb, xs["position_ids"], attn, vmask, ds)[:, :-1]
     banned = jnp.asarray(learner._banned, jnp.int32) if learner._banned else None
     temperature = learner.loss_config.temperature
 
@@ -570,17 +573,33 @@ def _teacher_topk_fn(learner, k, params, frozen, rest, xs, images):
         vals, idx = jax.lax.top_k(logp, k)
         return idx.astype(jnp.int32), vals
 
-    b, t = hidden_BTD.shape[:2]
-    chunk = learner.logits_chunk
-    if chunk <= 0 or chunk >= t:
-        ids, logp = top(hidden_BTD)
-    else:
+    def micro(x):  # one micro-batch: decoder, then the top-k `logits_chunk` positions at a time
+        attn = model.attn_fn(None, x["mb"]["segment_ids"])
+        hidden_BTD = model.decode(x["emb"], x["mb"]["position_ids"], attn, x["vmask"], x["ds"])[
+            :, :-1
+        ]
+        b, t = hidden_BTD.shape[:2]
+        chunk = learner.logits_chunk
+        if chunk <= 0 or chunk >= t:
+            return top(hidden_BTD)
         n = -(-t // chunk)
         h = jnp.pad(hidden_BTD, ((0, 0), (0, n * chunk - t), (0, 0)))
         h = h.reshape(b, n, chunk, h.shape[-1]).swapaxes(0, 1)
         ids, logp = jax.lax.map(top, h)
         ids = ids.swapaxes(0, 1).reshape(b, n * chunk, -1)[:, :t]
         logp = logp.swapaxes(0, 1).reshape(b, n * chunk, -1)[:, :t]
+        return ids, logp
+
+    s = learner.num_substeps
+    mbs = {"mb": xs, "emb": emb, "ds": ds, "vmask": vmask}
+    if s == 1:
+        ids, logp = micro(mbs)
+    else:
+        mbs = {
+            "mb": split_micro_inputs(xs, s),
+            **{k: split_micro(v, s) for k, v in mbs.items() if k != "mb"},
+        }
+        ids, logp = unsplit_micro(jax.lax.map(micro, mbs))
     pad = ((0, 0), (1, 0), (0, 0))  # entry q is about token q: q = 0 has no distribution
     return jnp.pad(ids, pad), jnp.pad(logp, pad)
 
@@ -720,7 +739,7 @@ class SelfDistiller:
         params = self.teacher_params(learner)
 
         def lower_teacher(shape: Any) -> Any:
-            xs, images = learner._device_batch(learner.blank_batch(shape), substeps=1)
+            xs, images = learner._device_batch(learner.blank_batch(shape), learner.num_substeps)
             return fn.lower(params, learner._frozen, learner._rest, xs, images)
 
         mode = zeros(1, 1).mode

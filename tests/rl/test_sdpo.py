@@ -332,7 +332,7 @@ def test_checker_message_and_config_errors(proc):
 # ---------------------------------------------------------------------------------------------
 
 
-def _sdpo_learner(proc, seed=0, lr=1e-5, lora=None, buckets=(512,)):
+def _sdpo_learner(proc, seed=0, lr=1e-5, lora=None, buckets=(512,), num_substeps=1):
     import dataclasses
 
     from flax import nnx
@@ -353,6 +353,7 @@ def _sdpo_learner(proc, seed=0, lr=1e-5, lora=None, buckets=(512,)):
         seq_len_buckets=buckets,
         logits_chunk=64,
         lora=lora,
+        num_substeps=num_substeps,
     )
 
 
@@ -401,6 +402,29 @@ def test_sdpo_step_moves_the_student_toward_the_teacher(proc, lora):
     assert after < before
     for x, y in zip(base, jax.tree.leaves(learner._frozen), strict=True):
         np.testing.assert_array_equal(x, np.asarray(y))  # (with LoRA: the frozen base)
+
+
+def test_teacher_pass_over_micro_batches_is_the_one_pass_result(proc):
+    """The teacher pass runs the decoder over the learner's micro-batches (rl.num_substeps), so
+    its activations are one micro-batch's as in the step (the 2b preset's one-pass teacher
+    needed 92 GiB of a v5p's 85.5). Its full distribution is the one-pass result, and at each
+    next token it is the learner's own log-prob (`token_logprobs`, an independent program)."""
+    one, two = _sdpo_learner(proc), _sdpo_learner(proc, num_substeps=2)  # same seed: same params
+    pairs = sdpo.teacher_samples([_group(proc)], proc.chat, one.position_fn())
+    batch = two.pack([t.sample for _, t in pairs] * 2, num_rows=2, mode="teacher")
+    assert batch.shape[0] == 2 and (batch.arrays()["segment_ids"] > 0).any(-1).all()
+    ids1, lp1 = sdpo.teacher_topk(one, one._trainable, batch, 0)
+    ids2, lp2 = sdpo.teacher_topk(two, two._trainable, batch, 0)
+    np.testing.assert_array_equal(ids1, ids2)
+    np.testing.assert_allclose(lp2, lp1, atol=2e-5)
+    tok = batch.arrays()["input_ids"]
+    at_token = np.take_along_axis(lp2, tok[..., None], axis=-1)[..., 0]
+    real = batch.arrays()["segment_ids"] > 0
+    real[:, 0] = False  # entry 0 has no distribution
+    np.testing.assert_allclose(at_token[real], one.token_logprobs(batch)[real], atol=2e-5)
+    top_ids, top_lp = sdpo.teacher_topk(two, two._trainable, batch, 8)  # top-k of the same
+    np.testing.assert_allclose(top_lp, -np.sort(-lp1, axis=-1)[..., :8], atol=2e-5)
+    np.testing.assert_allclose(np.take_along_axis(lp1, top_ids, -1), top_lp, atol=2e-5)
 
 
 def test_a_teacher_sequence_longer_than_every_row_is_counted_and_not_distilled(proc):

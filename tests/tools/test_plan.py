@@ -167,6 +167,14 @@ def test_sdpo_plans_its_step_and_teacher_pass_for_tpu(hf_dir):
     t_len = teacher_row_length(c, screen, ROW_LEN)
     assert ROW_LEN < t_len < max(c.rl.row_lengths) and f"x {t_len} tokens" in teacher.notes[0]
     assert "## sdpo_teacher" in plan_lib.format_plan(p)
+    # the teacher pass runs its decoder over the learner's micro-batches, as the step does:
+    # with 2 of them its temporaries (one micro-batch's activations) are smaller
+    c.rl.num_substeps = 2
+    with jax.default_matmul_precision("default"):
+        p2 = plan_lib.make_plan(c, "v5e-4", rows=ROWS, row_len=ROW_LEN, programs=("sdpo_teacher",))
+    (teacher2,) = p2.programs
+    assert teacher2.compile_error is None and "in 2 micro-batches" in teacher2.notes[0]
+    assert teacher2.temp_bytes < teacher.temp_bytes, (teacher2.temp_bytes, teacher.temp_bytes)
 
 
 def test_bad_input_raises_a_plan_input_error(hf_dir, tmp_path):
