@@ -574,10 +574,10 @@ def _teacher_topk_fn(learner, k, params, frozen, rest, xs, images):
         return idx.astype(jnp.int32), vals
 
     def micro(x):  # one micro-batch: decoder, then the top-k `logits_chunk` positions at a time
-        attn = model.attn_fn(None, x["mb"]["segment_ids"])
-        hidden_BTD = model.decode(x["emb"], x["mb"]["position_ids"], attn, x["vmask"], x["ds"])[
-            :, :-1
-        ]
+        mb = x["mb"]
+        attn = model.attn_fn(None, mb["segment_ids"])
+        hidden_BTD = model.decode(x["emb"], mb["position_ids"], attn, x["vmask"], x["ds"])
+        hidden_BTD = hidden_BTD[:, :-1]
         b, t = hidden_BTD.shape[:2]
         chunk = learner.logits_chunk
         if chunk <= 0 or chunk >= t:
@@ -591,15 +591,12 @@ def _teacher_topk_fn(learner, k, params, frozen, rest, xs, images):
         return ids, logp
 
     s = learner.num_substeps
-    mbs = {"mb": xs, "emb": emb, "ds": ds, "vmask": vmask}
     if s == 1:
-        ids, logp = micro(mbs)
+        ids, logp = micro({"mb": xs, "emb": emb, "ds": ds, "vmask": vmask})
     else:
-        mbs = {
-            "mb": split_micro_inputs(xs, s),
-            **{k: split_micro(v, s) for k, v in mbs.items() if k != "mb"},
-        }
-        ids, logp = unsplit_micro(jax.lax.map(micro, mbs))
+        split = {"mb": split_micro_inputs(xs, s)}
+        split.update(emb=split_micro(emb, s), ds=split_micro(ds, s), vmask=split_micro(vmask, s))
+        ids, logp = unsplit_micro(jax.lax.map(micro, split))
     pad = ((0, 0), (1, 0), (0, 0))  # entry q is about token q: q = 0 has no distribution
     return jnp.pad(ids, pad), jnp.pad(logp, pad)
 
