@@ -14,6 +14,10 @@ and these programs are compiled (`PROGRAMS`; `programs=` picks):
   train_step    the learner's RL step (cua_jax.rl.learner, built by train.build_learner) on one
                 packed batch of `rl.rows_per_step` rows x the longest `rl.row_lengths` bucket;
                 with rl.algorithm="sdpo" also the two SDPO programs below.
+  train_step_screens  the RL step at the largest shape of the trainer's shape set
+                (`rl.shapes`: a step's episodes or turns as rows) with its screens through the
+                vision tower: the program the trainer compiles for its biggest batch. Not in
+                the default set (its compile is the largest).
   sdpo_step     SDPO's step: the RL step with the teacher's top-k targets as inputs.
   sdpo_teacher  SDPO's teacher pass: a forward over the learner's micro-batches, top-k out, on
                 rows one length longer (the feedback message and screen).
@@ -45,6 +49,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -574,6 +579,13 @@ def plan_train_step(
         f"{rows} rows x {row_len} tokens, text only (no screenshots); "
         f"remat={ab.learner.config.remat}, logits_chunk={ab.learner.logits_chunk}"
     )
+    largest = max(trainer_rl_shapes(config, learner).rl, key=lambda sh: sh.rows * sh.length)
+    if largest.rows * largest.length > tokens or largest.patches:
+        prog.notes.append(
+            f"the trainer's largest RL batch is {largest.rows} rows x {largest.length} tokens "
+            f"+ {largest.patches} screen patches (its shape set): --programs=train_step_screens "
+            "plans that program"
+        )
     if ab.learner.config.attn_impl == "splash":
         prog.pallas_flops, prog.pallas_bytes = _splash_cost(ab.learner.config, rows, row_len, mesh)
         prog.notes.append("splash attention (Pallas): FLOPs and bytes counted by hand")
@@ -586,6 +598,64 @@ def plan_train_step(
         prog.flops *= s
         prog.bytes_accessed *= s
         prog.notes.append(f"FLOPs and bytes: XLA's count x {s} micro-batches")
+    return prog
+
+
+def trainer_rl_shapes(config: Any, learner: Any) -> Any:
+    """The learner's shape set as the trainer builds it (`warmup.begin`): its RL shapes are a
+    step's episodes (or turns) as rows, with their screens' patch budget."""
+    from cua_jax.data.processor import QwenVLProcessor
+    from cua_jax.rl.shapes import ShapeSet
+
+    env = config.env
+    ic = QwenVLProcessor.default(
+        learner.config.family,
+        max_pixels=env.viewport_width * env.viewport_height,
+        min_pixels=32 * 32,
+    ).image_config
+    return ShapeSet.from_config(config, ic, row_multiple=learner.row_multiple)
+
+
+def plan_train_step_screens(
+    config: Any, ab: _Abstract, mesh: Any, chip: Chip, kv_bytes: int
+) -> ProgramPlan:
+    """The RL step at the largest shape of the trainer's shape set (most tokens), its screens
+    through the vision tower: the program the trainer compiles for its biggest batch. The
+    pixel values and the vision tower's index arrays are replicated, as the learner puts them
+    (`Learner._device_batch`)."""
+    from cua_jax.models.qwen_vl.vision import vision_metadata
+
+    learner = ab.learner
+    cfg = learner.config
+    shapes = trainer_rl_shapes(config, learner)
+    shape = max(shapes.rl, key=lambda sh: (sh.rows * sh.length, sh.patches))
+    xs = _step_inputs(learner, shape.rows, shape.length)
+    v = cfg.vision
+    patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+    unit = math.prod(shapes.grid)
+    meta = vision_metadata(cfg, np.tile(np.asarray(shapes.grid), (shape.patches // unit, 1)))
+    repl = learner._repl
+
+    def spec(a):
+        a = np.asarray(a)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=repl)
+
+    pixels = jax.ShapeDtypeStruct((shape.patches, patch_dim), jnp.float32, sharding=repl)
+    images = (pixels, jax.tree.map(spec, meta))
+    arguments = _step_arguments(ab, xs, "batch (text)")
+    arguments["screens (pixel values and layout, replicated)"] = tree_shard_bytes(images)
+    prog = ProgramPlan(
+        "train_step_screens", chip, arguments, {"KV pool (sampler, resident)": kv_bytes}
+    )
+    screens = shape.patches // unit
+    prog.notes.append(
+        f"the trainer's largest RL shape: {shape.rows} rows x {shape.length} tokens and "
+        f"{screens} screens of {unit} patches ({shape.patches} patches) through the vision "
+        f"tower; shape set: {', '.join(map(str, shapes.rl))}; "
+        f"{learner.num_substeps} micro-batches, remat={cfg.remat}"
+    )
+    args = (ab.trainable, ab.opt_state, ab.frozen, ab.rest, ab.ref, xs, images)
+    _compile(learner._get_step("rl"), args, prog)
     return prog
 
 
@@ -623,7 +693,7 @@ def _step_arguments(ab: _Abstract, xs: dict[str, Any], batch: str) -> dict[str, 
     return arguments
 
 
-PROGRAMS = ("train_step", "sdpo_step", "sdpo_teacher", "decode_step")
+PROGRAMS = ("train_step", "train_step_screens", "sdpo_step", "sdpo_teacher", "decode_step")
 
 
 def plan_sdpo(
@@ -864,6 +934,8 @@ def make_plan(
     out: list[ProgramPlan] = []
     if "train_step" in programs:
         out.append(plan_train_step(config, ab, mesh, topo.chip, rows, row_len, kv_bytes))
+    if "train_step_screens" in programs:
+        out.append(plan_train_step_screens(config, ab, mesh, topo.chip, kv_bytes))
     if sdpo_programs:
         out += plan_sdpo(config, ab, mesh, topo.chip, rows, row_len, kv_bytes, sdpo_programs)
     if "decode_step" in programs:
@@ -939,7 +1011,13 @@ def format_plan(plan: Plan) -> str:
                 f"accessed {p.bytes_accessed:.3e} (Pallas: {p.pallas_bytes:.3e}); "
                 + (
                     f"roofline {p.roofline_s * 1e3:.2f} ms; "
-                    + (f"MFU {p.mfu:.1%}" if p.name == "train_step" else f"MBU {p.mbu:.1%}")
+                    + (
+                        f"MFU {p.mfu:.1%}"
+                        if p.model_flops
+                        else f"MBU {p.mbu:.1%}"
+                        if p.min_bytes
+                        else "no MFU / MBU (no useful-work count for this program)"
+                    )
                     if p.roofline_s
                     else "no roofline (no published peak figures for this device)"
                 ),

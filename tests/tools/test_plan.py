@@ -177,6 +177,32 @@ def test_sdpo_plans_its_step_and_teacher_pass_for_tpu(hf_dir):
     assert teacher2.temp_bytes < teacher.temp_bytes, (teacher2.temp_bytes, teacher.temp_bytes)
 
 
+def test_train_step_screens_plans_the_trainers_largest_shape_with_its_screens(hf_dir):
+    """The trainer's RL step takes a step's episodes as rows (the shape set) with their screens
+    through the vision tower; `train_step_screens` compiles its largest shape. The pixel values
+    are replicated on every device: patches x (3 x 2 x 16²) x 4 bytes each, by hand."""
+    from cua_jax.data.processor import QwenVLProcessor
+    from cua_jax.rl.shapes import ShapeSet
+
+    c = _config(hf_dir)
+    c.rl.group_size, c.rl.groups_per_batch, c.env.max_turns = 2, 1, 1
+    c.env.viewport_width = c.env.viewport_height = 64  # 2 x 2 patches of 32 after merging
+    with jax.default_matmul_precision("default"):
+        p = plan_lib.make_plan(c, "v5e-4", programs=("train_step_screens",))
+    (q,) = p.programs
+    assert q.compile_error is None, q.compile_error
+    assert q.temp_bytes > 0 and q.flops > 0 and q.total_bytes < p.budget_bytes
+    ic = QwenVLProcessor.default("qwen3_vl", max_pixels=64 * 64, min_pixels=32 * 32).image_config
+    shapes = ShapeSet.from_config(c, ic, row_multiple=2)  # fsdp=2 splits the rows
+    largest = max(shapes.rl, key=lambda sh: sh.rows * sh.length)
+    assert largest.rows == 2 and largest.patches == 2 * 16  # a screen each, 4 x 4 patches
+    assert f"{largest.rows} rows x {largest.length} tokens and 2 screens" in q.notes[0]
+    pixels = largest.patches * 3 * 2 * 16 * 16 * 4
+    screens = q.arguments["screens (pixel values and layout, replicated)"]
+    assert pixels < screens < pixels + 4096  # + the vision tower's index arrays
+    assert "no MFU / MBU" in plan_lib.format_plan(p)
+
+
 def test_bad_input_raises_a_plan_input_error(hf_dir, tmp_path):
     c = _config(hf_dir)
     c.model.hf_path = str(tmp_path / "missing")
