@@ -444,9 +444,13 @@ def apply_learn(c: ConfigDict) -> None:
     c.sft.num_tasks = 120  # the SFT demonstrations: 20 tasks per template
     c.rl.group_size = 4
     # 64 episodes a step: above 16 at step 50 on all three seeds (+0.057 mean, BENCHMARKS.md,
-    # session 12); about 20 s a step here and 16 GB of host memory
+    # session 12); about 20 s a step here
     c.rl.groups_per_batch = 16
     c.env.concurrency = 16
+    # 4 micro-batches (the same gradient): XLA's temporaries of the step's largest shape, 192
+    # rows x 1024 + 82944 patches, are 30.7 GiB in one batch (more than this 24 GiB VM: the
+    # session 11 run was OOM-killed in it) and 9.2 GiB in four; 64 x 1024: 11.3 -> 4.1 GiB
+    c.rl.num_substeps = 4
     c.rl.learning_rate = 1e-4  # 1e-3 collapsed the policy (invalid actions 0.05 -> 0.7)
     # 0.7: invalid actions per turn 0.46 -> 0.05, 27% fewer generated tokens than at 1.0
     c.rl.temperature = 0.7
