@@ -895,6 +895,9 @@ def make_plan(
     Raises PlanInputError for bad input (unknown topology, hf_path not a directory, a mesh that
     does not divide the slice or the model).
     """
+    unknown = set(programs) - set(PROGRAMS)
+    if unknown:
+        raise PlanInputError(f"unknown programs {sorted(unknown)}; use {', '.join(PROGRAMS)}")
     if devices is None:
         topo = get_topology(str(topology))
         devices = abstract_devices(topo)
@@ -926,9 +929,6 @@ def make_plan(
     rows = -(-rows // mult) * mult
     row_len = row_len or max(config.rl.row_lengths)
 
-    unknown = set(programs) - set(PROGRAMS)
-    if unknown:
-        raise PlanInputError(f"unknown programs {sorted(unknown)}; use {', '.join(PROGRAMS)}")
     with_train = "train_step" in programs and config.rl.algorithm == "sdpo"
     sdpo_programs = tuple(p for p in ("sdpo_step", "sdpo_teacher") if p in programs or with_train)
     out: list[ProgramPlan] = []

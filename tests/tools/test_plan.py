@@ -208,6 +208,8 @@ def test_bad_input_raises_a_plan_input_error(hf_dir, tmp_path):
     c.model.hf_path = str(tmp_path / "missing")
     with pytest.raises(plan_lib.PlanInputError, match="is not a directory"):
         plan_lib.make_plan(c, "v5e-4")
+    with pytest.raises(plan_lib.PlanInputError, match=r"unknown programs \['train'\]"):
+        plan_lib.make_plan(_config(hf_dir), "v5e-4", programs=("train",))
     c = _config(hf_dir)
     c.mesh.fsdp = 1  # 1 x 1 x 2 = 2 devices on a 4-chip slice
     with pytest.raises(plan_lib.PlanInputError, match="mesh does not fit v5e-4"):
