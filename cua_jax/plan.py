@@ -554,8 +554,17 @@ def _compile(fn: Any, args: tuple, prog: ProgramPlan) -> None:
 
 # ------------------------------------------------------------------------------- train step
 def plan_train_step(
-    config: Any, ab: _Abstract, mesh: Any, chip: Chip, rows: int, row_len: int, kv_bytes: int
+    config: Any,
+    ab: _Abstract,
+    mesh: Any,
+    chip: Chip,
+    rows: int,
+    row_len: int,
+    kv_bytes: int,
+    shapes: Any,
 ) -> ProgramPlan:
+    """The RL step on `rows` text-only rows of `row_len`; its notes name the trainer's largest
+    RL shape of `shapes` (`trainer_rl_shapes`) when that is larger."""
     learner = ab.learner
     xs = _step_inputs(learner, rows, row_len)
     args = (ab.trainable, ab.opt_state, ab.frozen, ab.rest, ab.ref, xs, None)
@@ -579,7 +588,7 @@ def plan_train_step(
         f"{rows} rows x {row_len} tokens, text only (no screenshots); "
         f"remat={ab.learner.config.remat}, logits_chunk={ab.learner.logits_chunk}"
     )
-    largest = max(trainer_rl_shapes(config, learner).rl, key=lambda sh: sh.rows * sh.length)
+    largest = largest_rl_shape(shapes)
     if largest.rows * largest.length > tokens or largest.patches:
         prog.notes.append(
             f"the trainer's largest RL batch is {largest.rows} rows x {largest.length} tokens "
@@ -616,9 +625,12 @@ def trainer_rl_shapes(config: Any, learner: Any) -> Any:
     return ShapeSet.from_config(config, ic, row_multiple=learner.row_multiple)
 
 
-def plan_train_step_screens(
-    config: Any, ab: _Abstract, mesh: Any, chip: Chip, kv_bytes: int
-) -> ProgramPlan:
+def largest_rl_shape(shapes: Any) -> Any:
+    """The RL shape of a shape set with the most tokens (then the most patches)."""
+    return max(shapes.rl, key=lambda sh: (sh.rows * sh.length, sh.patches))
+
+
+def plan_train_step_screens(ab: _Abstract, chip: Chip, kv_bytes: int, shapes: Any) -> ProgramPlan:
     """The RL step at the largest shape of the trainer's shape set (most tokens), its screens
     through the vision tower: the program the trainer compiles for its biggest batch. The
     pixel values and the vision tower's index arrays are replicated, as the learner puts them
@@ -627,8 +639,7 @@ def plan_train_step_screens(
 
     learner = ab.learner
     cfg = learner.config
-    shapes = trainer_rl_shapes(config, learner)
-    shape = max(shapes.rl, key=lambda sh: (sh.rows * sh.length, sh.patches))
+    shape = largest_rl_shape(shapes)
     xs = _step_inputs(learner, shape.rows, shape.length)
     v = cfg.vision
     patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
@@ -932,10 +943,13 @@ def make_plan(
     with_train = "train_step" in programs and config.rl.algorithm == "sdpo"
     sdpo_programs = tuple(p for p in ("sdpo_step", "sdpo_teacher") if p in programs or with_train)
     out: list[ProgramPlan] = []
+    shapes = None
+    if {"train_step", "train_step_screens"} & set(programs):
+        shapes = trainer_rl_shapes(config, ab.learner)
     if "train_step" in programs:
-        out.append(plan_train_step(config, ab, mesh, topo.chip, rows, row_len, kv_bytes))
+        out.append(plan_train_step(config, ab, mesh, topo.chip, rows, row_len, kv_bytes, shapes))
     if "train_step_screens" in programs:
-        out.append(plan_train_step_screens(config, ab, mesh, topo.chip, kv_bytes))
+        out.append(plan_train_step_screens(ab, topo.chip, kv_bytes, shapes))
     if sdpo_programs:
         out += plan_sdpo(config, ab, mesh, topo.chip, rows, row_len, kv_bytes, sdpo_programs)
     if "decode_step" in programs:

@@ -590,13 +590,10 @@ def _teacher_topk_fn(learner, k, params, frozen, rest, xs, images):
         logp = logp.swapaxes(0, 1).reshape(b, n * chunk, -1)[:, :t]
         return ids, logp
 
-    s = learner.num_substeps
-    if s == 1:
-        ids, logp = micro({"mb": xs, "emb": emb, "ds": ds, "vmask": vmask})
-    else:
-        split = {"mb": split_micro_inputs(xs, s)}
-        split.update(emb=split_micro(emb, s), ds=split_micro(ds, s), vmask=split_micro(vmask, s))
-        ids, logp = unsplit_micro(jax.lax.map(micro, split))
+    s = learner.num_substeps  # as the step, a loop over the micro-batches even when s = 1
+    split = {"mb": split_micro_inputs(xs, s)}
+    split.update(emb=split_micro(emb, s), ds=split_micro(ds, s), vmask=split_micro(vmask, s))
+    ids, logp = unsplit_micro(jax.lax.map(micro, split))
     pad = ((0, 0), (1, 0), (0, 0))  # entry q is about token q: q = 0 has no distribution
     return jnp.pad(ids, pad), jnp.pad(logp, pad)
 
