@@ -633,9 +633,10 @@ def largest_rl_shape(shapes: Any) -> Any:
 def plan_train_step_screens(ab: _Abstract, chip: Chip, kv_bytes: int, shapes: Any) -> ProgramPlan:
     """The RL step at the largest shape of the trainer's shape set (most tokens), its screens
     through the vision tower: the program the trainer compiles for its biggest batch. The
-    pixel values and the vision tower's index arrays are replicated, as the learner puts them
-    (`Learner._device_batch`)."""
-    from cua_jax.models.qwen_vl.vision import vision_metadata
+    screens are laid out as the learner lays them out (`Learner._device_batch`): grouped by
+    micro-batch and device (`cua_jax.rl.image_groups`), sharded over the batch axes, in the
+    model's compute dtype."""
+    from cua_jax.rl.image_groups import ImageGroups
 
     learner = ab.learner
     cfg = learner.config
@@ -643,18 +644,23 @@ def plan_train_step_screens(ab: _Abstract, chip: Chip, kv_bytes: int, shapes: An
     xs = _step_inputs(learner, shape.rows, shape.length)
     v = cfg.vision
     patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
-    unit = math.prod(shapes.grid)
-    meta = vision_metadata(cfg, np.tile(np.asarray(shapes.grid), (shape.patches // unit, 1)))
+    s, b = learner.num_substeps, learner._batch_parallel
+    per_group, unit, meta = learner._screen_layout(shape.length, shape.patches, s, shapes.grid)
     repl = learner._repl
 
     def spec(a):
         a = np.asarray(a)
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=repl)
 
-    pixels = jax.ShapeDtypeStruct((shape.patches, patch_dim), jnp.float32, sharding=repl)
-    images = (pixels, jax.tree.map(spec, meta))
+    pixels = jax.ShapeDtypeStruct(
+        (s, b, per_group * unit, patch_dim), learner._pixel_dtype(),
+        sharding=learner._pixel_sharding(4),
+    )  # fmt: skip
+    images = ImageGroups(pixels, jax.tree.map(spec, meta))
     arguments = _step_arguments(ab, xs, "batch (text)")
-    arguments["screens (pixel values and layout, replicated)"] = tree_shard_bytes(images)
+    arguments["screens (pixel values by micro-batch and device, and layout)"] = tree_shard_bytes(
+        images
+    )
     prog = ProgramPlan(
         "train_step_screens", chip, arguments, {"KV pool (sampler, resident)": kv_bytes}
     )
@@ -662,11 +668,11 @@ def plan_train_step_screens(ab: _Abstract, chip: Chip, kv_bytes: int, shapes: An
     prog.notes.append(
         f"the trainer's largest RL shape: {shape.rows} rows x {shape.length} tokens and "
         f"{screens} screens of {unit} patches ({shape.patches} patches) through the vision "
-        f"tower; shape set: {', '.join(map(str, shapes.rl))}; "
-        f"{learner.num_substeps} micro-batches, remat={cfg.remat}"
+        f"tower, {per_group} a (micro-batch, device) group of {s} x {b}; shape set: "
+        f"{', '.join(map(str, shapes.rl))}; {s} micro-batches, remat={cfg.remat}"
     )
     args = (ab.trainable, ab.opt_state, ab.frozen, ab.rest, ab.ref, xs, images)
-    _compile(learner._get_step("rl"), args, prog)
+    _compile(learner._get_step("rl", grouped=True), args, prog)
     return prog
 
 

@@ -13,10 +13,14 @@ donated arguments with explicit shardings from the params' logical axes (`cua_ja
 Gradient accumulation: the packed rows are split into ``num_substeps`` micro-batches scanned
 with `jax.lax.scan`; loss weights are normalised over the whole batch on the host
 (`losses.loss_weights`), so the summed micro-batch gradients are exactly the full-batch
-gradient. The embedding stage (token embeddings + the vision tower + image scatter) runs once
-for the whole batch outside the scan through `jax.vjp`; the scan returns the cotangents of the
-embeddings, which are pulled back through the vision tower once at the end. So image batches
-accumulate gradients too, and the vision tower runs once per step.
+gradient. Screens of a shape-set batch (one screen size, one process) are grouped by
+micro-batch and device (`cua_jax.rl.image_groups`): sharded over the batch axes, and each
+micro-batch embeds its own rows (token embeddings + the vision tower + image scatter) inside the
+scan's gradient, so a device encodes only its rows' screens and the tower's activations are one
+micro-batch's. Other image batches (the flat layout: replicated, e.g. screens of mixed sizes,
+multi-host) run the embedding stage once for the whole batch outside the scan through
+`jax.vjp`; the scan returns the cotangents of the embeddings, which are pulled back through the
+vision tower once at the end. Either way the vision tower sees each screen once per step.
 
 Reference policy for the KL penalty (only when ``kl_coef > 0``): the policy the learner starts
 from, as a frozen copy of the trainable params (with LoRA only the adapters, so the base weights
@@ -57,10 +61,12 @@ from cua_jax import multihost
 from cua_jax import sharding as shd
 from cua_jax.models import lora as lora_lib
 from cua_jax.models.qwen_vl.moe import load_balancing_loss
+from cua_jax.models.qwen_vl.text import jdtype
 from cua_jax.models.qwen_vl.vision import vision_metadata
-from cua_jax.rl import losses, sdpo
+from cua_jax.rl import image_groups, losses, sdpo
 from cua_jax.rl import shapes as shapes_lib
 from cua_jax.rl.advantages import group_advantages
+from cua_jax.rl.image_groups import ImageGroups
 from cua_jax.rl.packing import DEFAULT_BUCKETS, PackedBatch, pack, pick_bucket
 from cua_jax.rl.trajectory import (
     MIN_LIVE_EPISODES,
@@ -400,6 +406,10 @@ class Learner:
         # The run's fixed shape set (#23, `cua_jax.rl.shapes`; single process): `pack` puts every
         # batch into one of its shapes and `warmup` compiles them ahead. None: rounded buckets.
         self.shapes: shapes_lib.ShapeSet | None = None
+        # Shape-set batches of one screen size lay their screens out per micro-batch and device
+        # (`image_groups`): sharded, and encoded a micro-batch at a time. False: the flat,
+        # replicated layout of every screen (tests compare the two).
+        self.group_images = True
         t = self.config.text
         self._moe = t.is_moe
         self._route_shape = (
@@ -464,7 +474,7 @@ class Learner:
                 kw["seq_len_buckets"] = (shape.length,)
                 batch = pack(samples, num_rows=shape.rows, **kw)
                 batch.patch_budget = shape.patches
-                return batch
+                return self._balance_screens(batch)
             message = self.shapes.miss_message(mode, samples)
             if self.shapes.strict:
                 raise shapes_lib.ShapeError(message + " (rl.strict_shapes)")
@@ -560,7 +570,8 @@ class Learner:
         """The jitted step of `mode` ("rl", "sft", or an SDPO mode with its target arrays in
         `extra`) for `batch`, lowered but not run (`jax.stages.Lowered`):
         `.compile().memory_analysis()` is its XLA buffer assignment (tools/bench_*)."""
-        return self._get_step(mode).lower(*self._step_args(batch, extra))
+        args = self._step_args(batch, extra)
+        return self._get_step(mode, isinstance(args[-1], ImageGroups)).lower(*args)
 
     def blank_batch(self, shape: shapes_lib.Shape) -> PackedBatch:
         """An all-padding batch of `shape` (rows x length + patch budget), packed as real ones
@@ -808,7 +819,9 @@ class Learner:
                 xs[k] = jax.device_put(v, sh)
             else:
                 xs[k] = jax.make_array_from_process_local_data(sh, v, (rows * shares, *v.shape[1:]))
-        images = None
+        images = self._grouped_images(batch, substeps)
+        if images is not None:
+            return xs, images
         if batch.patch_budget:  # the shape set's fixed patch budget, padded with blank screens
             v = self.config.vision
             pv, grid = shapes_lib.pad_images(
@@ -829,11 +842,88 @@ class Learner:
             images = jax.device_put((jnp.asarray(pv), meta), self._repl)
         return xs, images
 
+    def _balance_screens(self, batch: PackedBatch) -> PackedBatch:
+        """A shape-set batch with its rows permuted so its screens spread evenly over the
+        (micro-batch, device) groups of the step (`image_groups.balance_rows`)."""
+        groups = self.num_substeps * self._batch_parallel
+        if batch.pixel_values is None or not self._groupable(batch) or batch.shape[0] % groups:
+            return batch
+        unit = int(np.prod(self.shapes.grid))
+        tokens = unit // self.config.vision.spatial_merge_size**2
+        screens_R = image_groups.screens_per_row(batch, self.config.image_token_id, tokens)
+        groups_R = image_groups.row_groups(batch.shape[0], self.num_substeps, self._batch_parallel)
+        return image_groups.balance_rows(batch, groups_R, screens_R)
+
+    def _groupable(self, batch: PackedBatch) -> bool:
+        """Whether `batch`'s screens can be grouped by micro-batch and device (`image_groups`):
+        one process, a shape-set batch, and every image one screen of the shape set's size."""
+        if self._processes > 1 or not batch.patch_budget or self.shapes is None:
+            return False
+        if self.shapes.grid is None or not self.group_images:
+            return False
+        return batch.pixel_values is None or image_groups.uniform_screens(batch, self.shapes.grid)
+
+    def _screen_layout(
+        self, length: int, budget: int, substeps: int, grid=None
+    ) -> tuple[int, int, Any]:
+        """(screens a group holds, patches of a screen, the host `VisionMeta` of one group) of
+        a shape-set shape of rows of `length` tokens and a patch `budget` of `grid` screens
+        (default: the shape set's), split into `substeps` x batch-parallel groups."""
+        grid = grid or self.shapes.grid
+        unit = int(np.prod(grid))
+        per_row = length // (unit // self.config.vision.spatial_merge_size**2)
+        groups = substeps * self._batch_parallel
+        per_group = image_groups.group_budget(budget // unit, groups, per_row)
+        meta = vision_metadata(self.config, np.tile(np.asarray(grid, np.int32), (per_group, 1)))
+        return per_group, unit, meta
+
+    def _pixel_dtype(self) -> Any:
+        """Screens travel in the model's compute dtype (its patch embedding casts to it first)."""
+        return jnp.dtype(jdtype(self.config.dtype))
+
+    def _pixel_sharding(self, ndim: int) -> NamedSharding:
+        """Grouped screens [S, B, P_g, C] ([B, P_g, C]): the groups' B axis over the batch axes."""
+        lead = (None,) * (ndim - 3)
+        return NamedSharding(self.mesh, P(*lead, self._row_sh.spec[0], None, None))
+
+    def _grouped_images(self, batch: PackedBatch, substeps: int) -> ImageGroups | None:
+        """`batch`'s screens as `ImageGroups` on the mesh, or None (the flat layout) when they
+        cannot be grouped or a group has more screens than its budget (logged)."""
+        if not self._groupable(batch):
+            return None
+        per_group, unit, meta = self._screen_layout(batch.shape[1], batch.patch_budget, substeps)
+        v = self.config.vision
+        dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+        rows = batch.shape[0]
+        groups_R = image_groups.row_groups(rows, substeps, self._batch_parallel)
+        if batch.pixel_values is None:
+            screens_R = np.zeros(rows, np.int64)
+            flat = np.zeros((0, dim), np.float32)
+        else:
+            tokens = unit // v.spatial_merge_size**2
+            screens_R = image_groups.screens_per_row(batch, self.config.image_token_id, tokens)
+            flat = batch.pixel_values
+        pv = image_groups.group_pixels(
+            flat, screens_R, groups_R, substeps, self._batch_parallel, per_group, unit
+        )
+        if pv is None:
+            logging.warning(
+                "a batch's screens do not fit %d per (micro-batch, device) group (%d groups): "
+                "replicated flat layout instead, a new compile",
+                per_group,
+                substeps * self._batch_parallel,
+            )
+            return None
+        pv = jax.device_put(pv.astype(self._pixel_dtype()), self._pixel_sharding(4))
+        return ImageGroups(pv, jax.device_put(jax.tree.map(jnp.asarray, meta), self._repl))
+
     def _merge(self, trainable, frozen, rest):
         return nnx.merge(self._graphdef, trainable, frozen, rest)
 
     def _embed(self, trainable, frozen, rest, ids_RL, images):
         model = self._merge(trainable, frozen, rest)
+        if isinstance(images, ImageGroups):
+            return image_groups.embed_groups(model, ids_RL, images)
         if images is None:
             emb, vmask, ds = model.embed(ids_RL)
         else:
@@ -983,13 +1073,20 @@ class Learner:
         s = self.num_substeps
         ids = xs["input_ids"]
         n_total = jnp.sum(xs["loss_mask"]).astype(jnp.float32)
+        use_ref = mode != "sft" and self.loss_config.kl_coef > 0
+        ref = None
+        if use_ref:
+            ref = ref_full if ref_full is not None else self._reference_params(trainable)
+        if isinstance(images, ImageGroups):  # each micro-batch embeds its own screens
+            grads, metrics = self._grads_grouped(
+                mode, trainable, frozen, rest, ref, xs, images, n_total
+            )
+            return grads, self._batch_metrics(grads, metrics)
         (emb, ds), embed_vjp, vmask = jax.vjp(
             lambda tr: self._embed(tr, frozen, rest, ids, images), trainable, has_aux=True
         )
-        use_ref = mode != "sft" and self.loss_config.kl_coef > 0
-        ref = ref_emb = None
+        ref_emb = None
         if use_ref:
-            ref = ref_full if ref_full is not None else self._reference_params(trainable)
             ref_emb, _ = self._embed(ref, frozen, rest, ids, images)
             ref_emb = jax.lax.stop_gradient(ref_emb)
 
@@ -1018,6 +1115,36 @@ class Learner:
 
         (g_embed,) = embed_vjp((unsplit_micro(g_emb), unsplit_micro(g_ds)))
         grads = jax.tree.map(jnp.add, g_tr, g_embed)
+        return grads, self._batch_metrics(grads, metrics)
+
+    def _grads_grouped(self, mode, trainable, frozen, rest, ref, xs, images, n_total):
+        """`_grads_fn` with grouped screens (`image_groups`): the scan over micro-batches embeds
+        each one's rows with its own screens inside the gradient, so the vision tower's
+        activations are one micro-batch's and each device encodes its own rows' screens."""
+        scan_in = {"mb": split_micro_inputs(xs, self.num_substeps), "pv": images.pixel_values}
+
+        def body(g_acc, x):
+            mb = x["mb"]
+            imgs = ImageGroups(x["pv"], images.meta)
+            ref_emb = None
+            if ref is not None:
+                ref_emb, _ = self._embed(ref, frozen, rest, mb["input_ids"], imgs)
+                ref_emb = jax.lax.stop_gradient(ref_emb)
+
+            def f(tr):
+                (e, d), vmask = self._embed(tr, frozen, rest, mb["input_ids"], imgs)
+                return self._micro_loss(
+                    mode, tr, frozen, rest, ref, e, d, vmask, ref_emb, mb, n_total
+                )
+
+            (_, metrics), g_tr = jax.value_and_grad(f, has_aux=True)(trainable)
+            return jax.tree.map(jnp.add, g_acc, g_tr), metrics
+
+        g0 = jax.tree.map(jnp.zeros_like, trainable)
+        return jax.lax.scan(body, g0, scan_in)
+
+    def _batch_metrics(self, grads, metrics):
+        """The step's metrics from the scan's per-micro-batch ones."""
         # Per-micro-batch token means -> batch token means (weighted by token counts); loss
         # terms are already batch-normalised sums, so they add up.
         n = metrics["num_tokens"]
@@ -1035,7 +1162,7 @@ class Learner:
             else:
                 out[k] = jnp.sum(v * n) / jnp.maximum(jnp.sum(n), 1.0)
         out["grad_norm"] = optax.tree.norm(grads)
-        return grads, out
+        return out
 
     def _step_fn(self, mode, trainable, opt_state, frozen, rest, ref_full, xs, images):
         grads, out = self._grads_fn(mode, trainable, frozen, rest, ref_full, xs, images)
@@ -1044,9 +1171,14 @@ class Learner:
         out["update_norm"] = optax.tree.norm(updates)
         return trainable, opt_state, out
 
-    def _get_step(self, mode: str) -> Callable:
-        fn = self._jit.get(mode)
+    def _get_step(self, mode: str, grouped: bool = False) -> Callable:
+        """The jitted step of `mode`; `grouped`: for `ImageGroups` screens (sharded pixels)."""
+        key = (mode, "grouped") if grouped else mode
+        fn = self._jit.get(key)
         if fn is None:
+            images_sh = self._repl
+            if grouped:
+                images_sh = ImageGroups(self._pixel_sharding(4), self._repl)
             ref_sh = None if self._ref is None else self._trainable_sh
             xs_sh = {k: self._row_sh for k in _TEXT_KEYS}
             xs_sh["position_ids"] = self._pos_sh
@@ -1069,12 +1201,12 @@ class Learner:
                     self._rest_sh,
                     ref_sh,
                     xs_sh,
-                    self._repl,
+                    images_sh,
                 ),
                 out_shardings=(self._trainable_sh, self._opt_sh, self._repl),
                 donate_argnums=(0, 1) if self._donate else (1,),
             )
-            self._jit[mode] = fn
+            self._jit[key] = fn
         return fn
 
     def _rows_sharding(self, ndim: int) -> NamedSharding:
@@ -1088,9 +1220,12 @@ class Learner:
     def _step(self, mode: str, batch: PackedBatch, extra=None) -> dict[str, float]:
         args = self._step_args(batch, extra)
         images = args[-1]
-        pix_shape = None if images is None else images[0].shape
+        grouped = isinstance(images, ImageGroups)
+        pix_shape = (
+            None if images is None else (images.pixel_values if grouped else images[0]).shape
+        )
         self.compiled_shapes.add((mode, batch.shape, pix_shape))
-        trainable, opt_state, metrics = self._get_step(mode)(*args)
+        trainable, opt_state, metrics = self._get_step(mode, grouped)(*args)
         self._trainable, self._opt_state = trainable, opt_state
         nnx.update(self.model, trainable)
         self.version += 1

@@ -551,13 +551,17 @@ def _teacher_jit(learner: Any, k: int, cache: dict | None) -> Any:
 
 
 def _teacher_topk_fn(learner, k, params, frozen, rest, xs, images):
-    """The teacher pass: the vision tower and embeddings over the whole batch (as the step
-    does), then the decoder and the top-k over `learner.num_substeps` micro-batches in turn, so
-    its activations (attention scores included) are one micro-batch's, as in the step."""
+    """The teacher pass, over `learner.num_substeps` micro-batches in turn as the step goes,
+    so its activations (attention scores included) are one micro-batch's: the decoder and the
+    top-k of each; the vision tower and embeddings per micro-batch too with grouped screens
+    (`image_groups`), else once over the whole batch before (the flat layout)."""
+    from cua_jax.rl.image_groups import ImageGroups
     from cua_jax.rl.learner import split_micro, split_micro_inputs, unsplit_micro
 
     params = jax.lax.stop_gradient(params)
-    (emb, ds), vmask = learner._embed(params, frozen, rest, xs["input_ids"], images)
+    grouped = isinstance(images, ImageGroups)  # then each micro-batch embeds its own screens
+    if not grouped:
+        (emb, ds), vmask = learner._embed(params, frozen, rest, xs["input_ids"], images)
     model = learner._merge(params, frozen, rest)
     banned = jnp.asarray(learner._banned, jnp.int32) if learner._banned else None
     temperature = learner.loss_config.temperature
@@ -575,6 +579,11 @@ def _teacher_topk_fn(learner, k, params, frozen, rest, xs, images):
 
     def micro(x):  # one micro-batch: decoder, then the top-k `logits_chunk` positions at a time
         mb = x["mb"]
+        if grouped:
+            imgs = ImageGroups(x["pv"], images.meta)
+            (x["emb"], x["ds"]), x["vmask"] = learner._embed(
+                params, frozen, rest, mb["input_ids"], imgs
+            )
         attn = model.attn_fn(None, mb["segment_ids"])
         hidden_BTD = model.decode(x["emb"], mb["position_ids"], attn, x["vmask"], x["ds"])
         hidden_BTD = hidden_BTD[:, :-1]
@@ -592,7 +601,10 @@ def _teacher_topk_fn(learner, k, params, frozen, rest, xs, images):
 
     s = learner.num_substeps  # as the step, a loop over the micro-batches even when s = 1
     split = {"mb": split_micro_inputs(xs, s)}
-    split.update(emb=split_micro(emb, s), ds=split_micro(ds, s), vmask=split_micro(vmask, s))
+    if grouped:
+        split["pv"] = images.pixel_values
+    else:
+        split.update(emb=split_micro(emb, s), ds=split_micro(ds, s), vmask=split_micro(vmask, s))
     ids, logp = unsplit_micro(jax.lax.map(micro, split))
     pad = ((0, 0), (1, 0), (0, 0))  # entry q is about token q: q = 0 has no distribution
     return jnp.pad(ids, pad), jnp.pad(logp, pad)

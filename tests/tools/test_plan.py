@@ -180,7 +180,9 @@ def test_sdpo_plans_its_step_and_teacher_pass_for_tpu(hf_dir):
 def test_train_step_screens_plans_the_trainers_largest_shape_with_its_screens(hf_dir):
     """The trainer's RL step takes a step's episodes as rows (the shape set) with their screens
     through the vision tower; `train_step_screens` compiles its largest shape. The pixel values
-    are replicated on every device: patches x (3 x 2 x 16²) x 4 bytes each, by hand."""
+    are grouped by micro-batch and device (`image_groups`), in bf16: with fsdp = 2 a device holds
+    its group's budget, here both screens (a row could hold them all), so 2 x 16 patches x
+    (3 x 2 x 16²) x 2 bytes, by hand."""
     from cua_jax.data.processor import QwenVLProcessor
     from cua_jax.rl.shapes import ShapeSet
 
@@ -197,8 +199,9 @@ def test_train_step_screens_plans_the_trainers_largest_shape_with_its_screens(hf
     largest = max(shapes.rl, key=lambda sh: sh.rows * sh.length)
     assert largest.rows == 2 and largest.patches == 2 * 16  # a screen each, 4 x 4 patches
     assert f"{largest.rows} rows x {largest.length} tokens and 2 screens" in q.notes[0]
-    pixels = largest.patches * 3 * 2 * 16 * 16 * 4
-    screens = q.arguments["screens (pixel values and layout, replicated)"]
+    assert "2 a (micro-batch, device) group of 1 x 2" in q.notes[0]
+    pixels = 2 * 16 * 3 * 2 * 16 * 16 * 2
+    screens = q.arguments["screens (pixel values by micro-batch and device, and layout)"]
     assert pixels < screens < pixels + 4096  # + the vision tower's index arrays
     assert "no MFU / MBU" in plan_lib.format_plan(p)
 
