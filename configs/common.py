@@ -40,7 +40,9 @@ def base_config(family: str) -> ConfigDict:
     c.model = ConfigDict()
     c.model.family = family  # "qwen2_5_vl" | "qwen3_vl"
     c.model.hf_path = _str()  # local HF directory; None -> random init of `preset`
-    c.model.preset = "tiny"  # used only when hf_path is None: "tiny" | "tiny_moe" (Qwen3-VL-MoE)
+    # used only when hf_path is None: "tiny" | "small" (twice tiny's depth and width) |
+    # "tiny_moe" (Qwen3-VL-MoE)
+    c.model.preset = "tiny"
     c.model.dtype = "float32"  # activations / compute
     c.model.param_dtype = "float32"
     c.model.remat = "none"  # "none" | "full" | "dots"

@@ -46,8 +46,9 @@ def mesh_and_rules(config: Any, devices: Any = None) -> tuple[Any, tuple]:
 
 def build_model_and_processor(config: Any, mesh: Any, rules: Any):
     """The policy and its processor: a local HF checkpoint, or the tiny preset at random init
-    with the tokenizer the project ships (`model.preset`: "tiny", or "tiny_moe": the tiny
-    Qwen3-VL-MoE, 8 experts top-2 in every decoder layer)."""
+    with the tokenizer the project ships (`model.preset`: "tiny"; "small": the tiny model at
+    twice the depth and width, `qwen_vl.tiny(scale=2)`; or "tiny_moe": the tiny Qwen3-VL-MoE,
+    8 experts top-2 in every decoder layer)."""
     from cua_jax.data.processor import QwenVLProcessor
     from cua_jax.models import qwen_vl
 
@@ -75,6 +76,7 @@ def build_model_and_processor(config: Any, mesh: Any, rules: Any):
         attn_block=mc.attn_block,
         attn_impl=mc.attn_impl,
         moe=mc.preset == "tiny_moe",
+        scale=2 if mc.preset == "small" else 1,
     )
     return qwen_vl.init_random(cfg, seed=config.seed), processor
 

@@ -151,7 +151,7 @@ def _check_splash(config: Any) -> None:
 
 
 # model.preset values built at random init when model.hf_path is unset (builders)
-TINY_PRESETS = ("tiny", "tiny_moe")
+TINY_PRESETS = ("tiny", "small", "tiny_moe")
 
 
 def _check_model(config: Any) -> None:

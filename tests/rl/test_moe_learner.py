@@ -260,7 +260,7 @@ def test_config_keys_build_the_tiny_moe_and_are_checked():
         ({"rl.router_aux_coef": 0.1}, "rl.router_aux_coef=0.1 is for MoE models"),
         ({"mesh.expert": 2}, "mesh.expert=2 is for MoE models"),
         ({"model.preset": "tiny_moe", "mesh.expert": 3}, "does not divide the model's 8"),
-        ({"model.preset": "huge"}, "one of tiny, tiny_moe"),
+        ({"model.preset": "huge"}, "one of tiny, small, tiny_moe"),
         ({"mesh.expert": 0}, "config.mesh.expert=0 is out of range"),
         ({"model.preset": "tiny_moe", "rl.router_aux_coef": -1.0}, "router_aux_coef=-1.0"),
     ]:
@@ -268,6 +268,24 @@ def test_config_keys_build_the_tiny_moe_and_are_checked():
             validate_config(_smoke_config(**bad))
     with pytest.raises(ConfigError, match="expert=2"):  # 1 device cannot hold expert=2
         builders.mesh_and_rules(_smoke_config(**{"mesh.expert": 2}), devices=jax.devices()[:1])
+
+
+def test_small_preset_is_tiny_at_twice_the_depth_and_width():
+    from cua_jax import builders
+    from cua_jax.config_checks import validate_config
+
+    for family in ("qwen3_vl", "qwen2_5_vl"):
+        c = _smoke_config(**{"model.preset": "small", "model.family": family})
+        validate_config(c)
+        mesh, rules = builders.mesh_and_rules(c, devices=jax.devices()[:1])
+        model, _ = builders.build_model_and_processor(c, mesh, rules)
+        t, v = model.config.text, model.config.vision
+        assert (t.hidden_size, t.num_hidden_layers, t.num_attention_heads) == (256, 4, 8)
+        assert (v.depth, v.hidden_size, v.out_hidden_size) == (4, 128, 256)
+        if family == "qwen3_vl":  # an 8x8 position grid, DeepStack from the last two blocks
+            assert v.num_position_embeddings == 64 and v.deepstack_visual_indexes == (2, 3)
+        else:  # window, full, window, full
+            assert v.fullatt_block_indexes == (1, 3)
 
 
 def test_real_moe_preset():

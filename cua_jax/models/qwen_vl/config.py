@@ -448,6 +448,7 @@ def tiny(
     vocab_size: int = 512,
     *,
     moe: bool | dict[str, Any] = False,
+    scale: int = 1,
     **overrides: Any,
 ) -> QwenVLConfig:
     """A tiny random-init config for tests and the CPU smoke run.
@@ -455,6 +456,9 @@ def tiny(
     2 vision blocks, 2 decoder layers, hidden 128, GQA (4 q heads / 2 kv heads). Qwen2.5-VL gets
     one window-attention and one full-attention vision block (window = 2x2 merged tokens);
     Qwen3-VL gets a 4x4 learned position grid and DeepStack features from both vision blocks.
+    `scale` = k multiplies depths, widths and head counts by k (head sizes stay 32 and 16) and
+    the Qwen3-VL position grid by k a side, DeepStack taken from the last two vision blocks:
+    the "small" preset is k = 2 (4 + 4 blocks, hidden 256, an 8x8 grid).
     Special token ids default to the top of the vocabulary; `overrides` replaces any top-level
     field (token ids, tie_word_embeddings, dtype, remat ...) and the text config's
     bos/eos/pad_token_id (written to generation_config.json on export).
@@ -464,14 +468,17 @@ def tiny(
     """
     if family not in FAMILIES:
         raise ValueError(f"family={family!r}: use one of {FAMILIES}")
+    if scale < 1:
+        raise ValueError(f"scale={scale} must be >= 1")
     q3 = family == "qwen3_vl"
+    k = scale
     text = TextConfig(
         vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=128 * k,
+        intermediate_size=256 * k,
+        num_hidden_layers=2 * k,
+        num_attention_heads=4 * k,
+        num_key_value_heads=2 * k,
         head_dim=32,
         rms_norm_eps=1e-6,
         rope_theta=5000000.0 if q3 else 1000000.0,
@@ -485,17 +492,17 @@ def tiny(
         pad_token_id=vocab_size - 7,
     )
     vision = VisionConfig(
-        depth=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_heads=4,
-        out_hidden_size=128,
+        depth=2 * k,
+        hidden_size=64 * k,
+        intermediate_size=128 * k,
+        num_heads=4 * k,
+        out_hidden_size=128 * k,
         hidden_act="gelu_pytorch_tanh" if q3 else "silu",
         patch_size=16 if q3 else 14,
         window_size=112 if q3 else 56,  # Qwen2.5: 56 // 2 // 14 = 2 merged tokens a side
-        fullatt_block_indexes=() if q3 else (1,),
-        num_position_embeddings=16 if q3 else 0,
-        deepstack_visual_indexes=(0, 1) if q3 else (),
+        fullatt_block_indexes=() if q3 else tuple(range(1, 2 * k, 2)),
+        num_position_embeddings=16 * k * k if q3 else 0,
+        deepstack_visual_indexes=(2 * k - 2, 2 * k - 1) if q3 else (),
     )
     ids = dict(
         vision_start_token_id=vocab_size - 6,
