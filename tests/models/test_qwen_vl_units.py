@@ -118,3 +118,39 @@ def test_mrope_axis_layouts():
     np.testing.assert_array_equal(
         rope.mrope_axis_of_freq(16, (4, 2, 2), True), [0, 1, 2, 0, 1, 2, 0, 0]
     )
+
+
+def test_vision_blocks_are_rematerialised_like_the_decoder_layers():
+    """remat="full": the vision tower's gradient equals remat="none"'s, and the backward keeps
+    each block's input instead of its MLP's activations: less scratch over the same screens."""
+    import dataclasses
+
+    import jax
+    from flax import nnx
+
+    from cua_jax.models import qwen_vl
+    from cua_jax.models.qwen_vl.vision import vision_metadata
+
+    cfg = qwen_vl.tiny("qwen3_vl", scale=2)
+    grid = np.array([[1, 8, 8]] * 6)  # six 64-patch screens
+    meta = vision_metadata(cfg, grid)
+    pv = jnp.asarray(np.random.default_rng(3).standard_normal((6 * 64, 3 * 2 * 16 * 16)))
+    pv = pv.astype(jnp.float32)
+    out = {}
+    for remat in ("none", "full"):
+        model = qwen_vl.init_random(dataclasses.replace(cfg, remat=remat), seed=0)
+        graphdef, state = nnx.split(model.model.visual)
+
+        def loss(state, pv, graphdef=graphdef):
+            feats, ds = nnx.merge(graphdef, state)(pv, meta)
+            return jnp.sum(feats**2) + sum(jnp.sum(d**2) for d in ds)
+
+        fn = jax.jit(jax.value_and_grad(loss))
+        temp = fn.lower(state, pv).compile().memory_analysis().temp_size_in_bytes
+        out[remat] = fn(state, pv), temp
+    (v0, g0), t0 = out["none"]
+    (v1, g1), t1 = out["full"]
+    np.testing.assert_allclose(float(v1), float(v0), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert t1 < 0.8 * t0, (t1, t0)

@@ -399,14 +399,33 @@ class VisionModel(nnx.Module):
         for i, blk in enumerate(self.blocks):
             full = self.cfg.family == "qwen3_vl" or i in v.fullatt_block_indexes
             if full:
-                x = blk(x, cos, sin, meta.full_seg, meta.full_keys, meta.full_chunk)
+                args = (meta.full_seg, meta.full_keys, meta.full_chunk)
             else:
-                x = blk(x, cos, sin, meta.window_seg, meta.window_keys, meta.window_chunk)
+                args = (meta.window_seg, meta.window_keys, meta.window_chunk)
+            x = self._run_block(blk, x, cos, sin, *args)
             if i in v.deepstack_visual_indexes:
                 j = v.deepstack_visual_indexes.index(i)
                 deepstack.append(self.deepstack_merger_list[j](x).astype(jnp.float32))
         merged = jnp.take(self.merger(x), meta.merge_unperm, axis=0)
         return merged.astype(jnp.float32), deepstack
+
+    def _run_block(self, blk, x, cos, sin, seg, keys, chunk):
+        """A vision block, wrapped in jax.checkpoint per cfg.remat as the decoder's layers are:
+        a learner's backward then keeps each block's input, not its MLP's 4x-wide activations
+        (for a real tower, tens of GiB over a step's screens)."""
+        if self.cfg.remat == "none":
+            return blk(x, cos, sin, seg, keys, chunk)
+        graphdef, state = nnx.split(blk)
+
+        def f(state, x, cos, sin, seg, keys):
+            return nnx.merge(graphdef, state)(x, cos, sin, seg, keys, chunk)
+
+        policy = (
+            jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+            if self.cfg.remat == "dots"
+            else None
+        )
+        return jax.checkpoint(f, policy=policy)(state, x, cos, sin, seg, keys)
 
 
 class _Table(nnx.Module):
