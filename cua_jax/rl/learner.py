@@ -848,11 +848,21 @@ class Learner:
         groups = self.num_substeps * self._batch_parallel
         if batch.pixel_values is None or not self._groupable(batch) or batch.shape[0] % groups:
             return batch
-        unit = int(np.prod(self.shapes.grid))
-        tokens = unit // self.config.vision.spatial_merge_size**2
-        screens_R = image_groups.screens_per_row(batch, self.config.image_token_id, tokens)
         groups_R = image_groups.row_groups(batch.shape[0], self.num_substeps, self._batch_parallel)
-        return image_groups.balance_rows(batch, groups_R, screens_R)
+        return image_groups.balance_rows(batch, groups_R, self._screens_per_row(batch))
+
+    def _screen_tokens(self, grid=None) -> int:
+        """Merged tokens of one screen of `grid` (default: the shape set's)."""
+        grid = grid or self.shapes.grid
+        return int(np.prod(grid)) // self.config.vision.spatial_merge_size**2
+
+    def _screens_per_row(self, batch: PackedBatch) -> np.ndarray:
+        """Screens of the shape set's size each row of `batch` holds (0 without images)."""
+        if batch.pixel_values is None:
+            return np.zeros(batch.shape[0], np.int64)
+        return image_groups.screens_per_row(
+            batch, self.config.image_token_id, self._screen_tokens()
+        )
 
     def _groupable(self, batch: PackedBatch) -> bool:
         """Whether `batch`'s screens can be grouped by micro-batch and device (`image_groups`):
@@ -871,7 +881,7 @@ class Learner:
         (default: the shape set's), split into `substeps` x batch-parallel groups."""
         grid = grid or self.shapes.grid
         unit = int(np.prod(grid))
-        per_row = length // (unit // self.config.vision.spatial_merge_size**2)
+        per_row = length // self._screen_tokens(grid)
         groups = substeps * self._batch_parallel
         per_group = image_groups.group_budget(budget // unit, groups, per_row)
         meta = vision_metadata(self.config, np.tile(np.asarray(grid, np.int32), (per_group, 1)))
@@ -894,17 +904,18 @@ class Learner:
         per_group, unit, meta = self._screen_layout(batch.shape[1], batch.patch_budget, substeps)
         v = self.config.vision
         dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
-        rows = batch.shape[0]
-        groups_R = image_groups.row_groups(rows, substeps, self._batch_parallel)
-        if batch.pixel_values is None:
-            screens_R = np.zeros(rows, np.int64)
+        groups_R = image_groups.row_groups(batch.shape[0], substeps, self._batch_parallel)
+        flat = batch.pixel_values
+        if flat is None:
             flat = np.zeros((0, dim), np.float32)
-        else:
-            tokens = unit // v.spatial_merge_size**2
-            screens_R = image_groups.screens_per_row(batch, self.config.image_token_id, tokens)
-            flat = batch.pixel_values
         pv = image_groups.group_pixels(
-            flat, screens_R, groups_R, substeps, self._batch_parallel, per_group, unit
+            flat,
+            self._screens_per_row(batch),
+            groups_R,
+            substeps,
+            self._batch_parallel,
+            per_group,
+            unit,
         )
         if pv is None:
             logging.warning(

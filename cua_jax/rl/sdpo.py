@@ -581,11 +581,11 @@ def _teacher_topk_fn(learner, k, params, frozen, rest, xs, images):
         mb = x["mb"]
         if grouped:
             imgs = ImageGroups(x["pv"], images.meta)
-            (x["emb"], x["ds"]), x["vmask"] = learner._embed(
-                params, frozen, rest, mb["input_ids"], imgs
-            )
+            (emb_mb, ds_mb), vmask_mb = learner._embed(params, frozen, rest, mb["input_ids"], imgs)
+        else:
+            emb_mb, ds_mb, vmask_mb = x["emb"], x["ds"], x["vmask"]
         attn = model.attn_fn(None, mb["segment_ids"])
-        hidden_BTD = model.decode(x["emb"], mb["position_ids"], attn, x["vmask"], x["ds"])
+        hidden_BTD = model.decode(emb_mb, mb["position_ids"], attn, vmask_mb, ds_mb)
         hidden_BTD = hidden_BTD[:, :-1]
         b, t = hidden_BTD.shape[:2]
         chunk = learner.logits_chunk

@@ -426,20 +426,26 @@ class TextModel(nnx.Module):
         self, i: int, h_BTD, cos, sin, attn_fn: AttnFn, routes_BTK: jax.Array | None = None
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """Layer i (see DecoderLayer.__call__), wrapped in jax.checkpoint per cfg.remat."""
-        layer = self.layers[i]
-        if self.cfg.remat == "none":
-            return layer(h_BTD, cos, sin, attn_fn, i, routes_BTK)
-        graphdef, state = nnx.split(layer)
 
-        def f(state, h, cos, sin, routes):
-            return nnx.merge(graphdef, state)(h, cos, sin, attn_fn, i, routes)
+        def call(layer, h, cos, sin, routes):
+            return layer(h, cos, sin, attn_fn, i, routes)
 
-        policy = (
-            jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-            if self.cfg.remat == "dots"
-            else None
-        )
-        return jax.checkpoint(f, policy=policy)(state, h_BTD, cos, sin, routes_BTK)
+        return remat_call(self.layers[i], self.cfg.remat, call, h_BTD, cos, sin, routes_BTK)
+
+
+def remat_call(module: nnx.Module, remat: str, call, *args):
+    """`call(module, *args)` (array args), wrapped in `jax.checkpoint` per `remat`: "none" as
+    is; "full" keeps only the inputs for the backward; "dots" also keeps matmul outputs without
+    batch dims. The decoder's layers and the vision tower's blocks both go through here."""
+    if remat == "none":
+        return call(module, *args)
+    graphdef, state = nnx.split(module)
+
+    def f(state, *args):
+        return call(nnx.merge(graphdef, state), *args)
+
+    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if remat == "dots" else None
+    return jax.checkpoint(f, policy=policy)(state, *args)
 
 
 def deepstack_add(h_BTD: jax.Array, ds_BTD: jax.Array, mask_BT: jax.Array) -> jax.Array:

@@ -19,7 +19,15 @@ from flax import nnx, struct
 
 from cua_jax.models.qwen_vl.config import QwenVLConfig
 from cua_jax.models.qwen_vl.rope import apply_rotary, vision_cos_sin
-from cua_jax.models.qwen_vl.text import LayerNorm, Linear, RMSNorm, dense_attention, jdtype, param
+from cua_jax.models.qwen_vl.text import (
+    LayerNorm,
+    Linear,
+    RMSNorm,
+    dense_attention,
+    jdtype,
+    param,
+    remat_call,
+)
 
 _INIT_STD = 0.02
 
@@ -410,22 +418,14 @@ class VisionModel(nnx.Module):
         return merged.astype(jnp.float32), deepstack
 
     def _run_block(self, blk, x, cos, sin, seg, keys, chunk):
-        """A vision block, wrapped in jax.checkpoint per cfg.remat as the decoder's layers are:
-        a learner's backward then keeps each block's input, not its MLP's 4x-wide activations
-        (for a real tower, tens of GiB over a step's screens)."""
-        if self.cfg.remat == "none":
+        """A vision block, wrapped in jax.checkpoint per cfg.remat as the decoder's layers are
+        (`text.remat_call`): a learner's backward then keeps each block's input, not its MLP's
+        4x-wide activations (for a real tower, tens of GiB over a step's screens)."""
+
+        def call(blk, x, cos, sin, seg, keys):
             return blk(x, cos, sin, seg, keys, chunk)
-        graphdef, state = nnx.split(blk)
 
-        def f(state, x, cos, sin, seg, keys):
-            return nnx.merge(graphdef, state)(x, cos, sin, seg, keys, chunk)
-
-        policy = (
-            jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-            if self.cfg.remat == "dots"
-            else None
-        )
-        return jax.checkpoint(f, policy=policy)(state, x, cos, sin, seg, keys)
+        return remat_call(blk, self.cfg.remat, call, x, cos, sin, seg, keys)
 
 
 class _Table(nnx.Module):
