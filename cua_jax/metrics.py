@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 from etils import epath
 
+from cua_jax.redact import redact
+
 
 def is_local(path: str) -> bool:
     """Whether `path` is on the local file system (not `gs://...` or another URI)."""
@@ -81,7 +83,10 @@ class MetricsWriter:
                     "`pip install wandb` or leave log.wandb_project empty"
                 ) from e
             self._wandb = wandb.init(
-                project=wandb_project, name=wandb_name, config=dict(config or {}), dir=workdir
+                project=wandb_project,
+                name=wandb_name,
+                config=redact(dict(config or {})),  # W&B's pages are shared: no tokens
+                dir=workdir,
             )
 
     def truncate_after(self, step: int) -> None:

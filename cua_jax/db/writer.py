@@ -42,6 +42,7 @@ from sqlalchemy.orm import Session
 
 from cua_jax.db import records
 from cua_jax.db.engine import make_engine, migrate, resolve_url, safe_url
+from cua_jax.redact import redact
 
 RUN_FILE = "trajectories.run"  # the run's uid: a resumed run continues the same runs row
 SPILL_FILE = "trajectories.spill.jsonl"
@@ -498,7 +499,7 @@ def open_run(
         "name": run_name or os.path.basename(workdir),
         "kind": kind,
         "workdir": workdir,
-        "config": records.clean(config or {}),
+        "config": records.clean(redact(config or {})),  # the monitor shows it: no secrets
         "host": socket.gethostname(),
         "git_commit": _git_commit(),
         "attach": kind == "eval" and existed,

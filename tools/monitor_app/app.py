@@ -24,6 +24,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
+from cua_jax.redact import redact
 from tools.monitor_app import queries
 from tools.monitor_app.security import Guard
 
@@ -77,7 +78,7 @@ def make_app(
                 request,
                 "run.html",
                 run=queries.run_dict(run),
-                config=run.config,
+                config=redact(run.config or {}),  # rows written before redaction too
                 evals=queries.evals(s, run.id),
                 sft=queries.sft(s, run.id),
                 recent=last,
