@@ -37,6 +37,12 @@ CHROMIUM_CANDIDATES = (
 # the per-context request routing: any name that still reached the resolver fails to resolve.
 # OverscrollHistoryNavigation off: a sideways wheel scroll past a page's edge is otherwise a "swipe"
 # that goes back in history (on a reused env: into an earlier episode's page, which could score).
+# WebRTC is the one way out that request routing cannot see: an RTCPeerConnection's STUN/TURN
+# traffic is UDP to any address. The IP handling policy disable_non_proxied_udp allows UDP only
+# through a proxy (there is none) and the permission check hides local addresses; a page's STUN
+# requests to a listener then send nothing (tests/envs/browser/test_env.py). This Chromium reads
+# the plain switch; --force-... is the older builds' name. A host that must not reach anything
+# at all also needs a network namespace or a firewall around the browser host process.
 CHROMIUM_ARGS = (
     "--headless",
     "--no-sandbox",
@@ -50,6 +56,9 @@ CHROMIUM_ARGS = (
     "--hide-scrollbars",
     "--mute-audio",
     "--host-resolver-rules=MAP * ~NOTFOUND",
+    "--webrtc-ip-handling-policy=disable_non_proxied_udp",
+    "--force-webrtc-ip-handling-policy=disable_non_proxied_udp",
+    "--enforce-webrtc-ip-permission-check",
     "--disable-features=OverscrollHistoryNavigation",
 )
 DISABLE_FEATURES = "--disable-features="

@@ -2,6 +2,9 @@
 screenshot is the page, the network is closed, and faults end episodes without hanging."""
 
 import asyncio
+import contextlib
+import socket
+import time
 
 import numpy as np
 import pytest
@@ -134,6 +137,40 @@ def test_network_is_closed(env, run):
             await env.reset(bad)
 
     run(go())
+
+
+# Opens a peer connection whose STUN server is `stun`; resolves when ICE gathering completes
+# (at once when UDP is off) or after 3 s (STUN retransmits meanwhile when it is on).
+_STUN_JS = """(stun) => new Promise((done) => {
+  const pc = new RTCPeerConnection({iceServers: [{urls: stun}]});
+  pc.createDataChannel("x");
+  pc.onicegatheringstatechange = () => { if (pc.iceGatheringState === "complete") done("done"); };
+  setTimeout(() => done("timeout"), 3000);
+  pc.createOffer().then((o) => pc.setLocalDescription(o));
+})"""
+
+
+def test_webrtc_sends_nothing(env, run):
+    # A page's RTCPeerConnection is UDP to any address, unseen by request routing: a STUN server
+    # on a loopback port is the probe. With UDP open it receives a request within ~0.1 s.
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    udp.setblocking(False)
+
+    async def go():
+        await env.reset(page_task("<html><body>rtc</body></html>", "rtc"))
+        return await env.page.evaluate(_STUN_JS, f"stun:127.0.0.1:{udp.getsockname()[1]}")
+
+    try:
+        run(go())
+        time.sleep(0.2)  # a request sent as gathering completed is in the socket by now
+        got = []
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                got.append(udp.recvfrom(2048))
+    finally:
+        udp.close()
+    assert got == [], f"the page reached a loopback UDP port: {len(got)} packets"
 
 
 def test_hung_page_and_step_timeout_end_the_episode(env, run):
