@@ -29,6 +29,9 @@ feedback) and OSWorld-style per-episode folders under --result_dir (default OUT/
 `tools/show_results.py OUT/results` summarizes them, `--compare=OTHER` puts two agents side by
 side). --samples=N plays every task N times with sampling (--temperature) and adds pass@k
 (unbiased, k = 1, 2, 4, ... N) to eval.json. OUT defaults to WORKDIR/eval/step_N.
+An eval that measured nothing (most episodes infrastructure faults, e.g. an endpoint that does
+not serve --model; or a number that is NaN) exits 1 naming the cause: it writes
+OUT/eval.failed.json, and eval.json and the database keep the last good result.
 The episodes also go to the trajectory database (`tools/monitor.py`, tag tools_step_N or
 tools_agent_MODEL): with --workdir the run's own, else OUT/trajectories.sqlite (or
 `log.db_url` / $DATABASE_URL) as a run of kind "eval"; none when the config has `log.db=False`.
@@ -161,6 +164,12 @@ def main(argv: list[str]) -> None:
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
     config, task_sources = _load_config()
+    from cua_jax.evaluation import verdict
+
+    try:
+        verdict.check_sampling(_SAMPLES.value, _TEMPERATURE.value)
+    except ValueError as e:
+        raise EvalError(str(e)) from None
 
     from cua_jax import builders, train
     from cua_jax import metrics as metrics_lib
@@ -241,8 +250,6 @@ def main(argv: list[str]) -> None:
         agent_name = f"checkpoint:{_WORKDIR.value or config.model.get('hf_path') or 'init'}"
 
     n_samples = _SAMPLES.value
-    if n_samples < 0:
-        raise EvalError(f"--samples={n_samples} must be >= 0")
     temperature = settings.temperature if _TEMPERATURE.value is None else _TEMPERATURE.value
     if n_samples:  # every task n times, sampled; pass@k from them
         import dataclasses
@@ -355,8 +362,16 @@ def main(argv: list[str]) -> None:
             for t, task in zip(trajs, played, strict=True)
         ],
     }
-    with open(os.path.join(out_dir, "eval.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    # A result that measured nothing never replaces the last good eval.json or database row.
+    failure = verdict.eval_failure(result, trajs)
+    written = verdict.write_result(out_dir, result, failure)
+    if failure is not None:
+        print(
+            f"tools/eval.py: error: the eval failed: {failure}; {written} holds what ran, "
+            f"{out_dir}/{verdict.RESULT_FILE} and the database were left as they were",
+            file=sys.stderr,
+        )
+        raise SystemExit(1)
     _log_to_database(config, out_dir, step, tag, trajs, played, screens, result, processor)
     n = _LOG_EPISODES.value
     train.write_episodes(

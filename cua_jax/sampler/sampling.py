@@ -15,6 +15,7 @@ Two log-probs come back per token, both f32:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -49,8 +50,11 @@ class SamplingParams:
     banned_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy).")
+        # NaN passes every comparison: `not (x >= 0)` and isfinite keep NaN and inf out.
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(
+                f"temperature={self.temperature} must be finite and >= 0 (0 = greedy)."
+            )
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off).")
         if not 0.0 < self.top_p <= 1.0:

@@ -75,6 +75,11 @@ def test_params_validation():
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
+    for bad in (float("nan"), float("inf")):  # NaN passed `temperature < 0` unnoticed
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingParams(temperature=bad)
+        with pytest.raises(ValueError, match="top_p"):
+            SamplingParams(top_p=bad)
 
 
 def test_host_side_keys_equal_jax_keys():
