@@ -29,6 +29,8 @@ import io
 import math
 import posixpath
 import re
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -77,6 +79,7 @@ from cua_jax.env_api import (
 from envs.screenshots import decode_screenshot
 from envs.vm import osworld
 from envs.vm.client import VMClient, VMError, VMFileNotFoundError
+from envs.vm.osworld_setup import DEFAULT_CLIENT_PASSWORD
 from envs.vm.providers import Desktop, DesktopPool
 
 
@@ -334,6 +337,12 @@ class VMEnv:
         local apps settle in well under 0.1 s).
       action_timeout: the run-time limit of one action's pyautogui command in the VM.
       max_wait_s: cap on ``Wait`` actions (the model picks their length).
+      cache: OSWorld's file cache for ``download`` steps and ``cloud_file`` getters (a
+        ``ContentCache`` or its directory; None: ``~/.cache/cua_jax/osworld``).
+      client_password: fills ``{CLIENT_PASSWORD}``; None: the desktop's own
+        (``LocalDesktop.client_password``), else OSWorld's "password".
+      strict_setup: any non-zero exit of a setup command is a fault (default: the exits that
+        say a program is missing; see ``envs.vm.osworld_setup``).
     """
 
     def __init__(
@@ -344,6 +353,9 @@ class VMEnv:
         pause_s: float = 0.0,
         action_timeout: float = 30.0,
         max_wait_s: float = 5.0,
+        cache: osworld.ContentCache | str | None = None,
+        client_password: str | None = None,
+        strict_setup: bool = False,
     ):
         self._pool = target if isinstance(target, DesktopPool) else None
         self._desktop: Desktop | None = (
@@ -354,6 +366,13 @@ class VMEnv:
         self.pause_s = pause_s
         self.action_timeout = action_timeout
         self.max_wait_s = max_wait_s
+        self.cache = cache if isinstance(cache, osworld.ContentCache | None) else None
+        if isinstance(cache, str):
+            self.cache = osworld.ContentCache(cache)
+        self.client_password = client_password
+        self.strict_setup = strict_setup
+        self._setup = osworld.SetupOptions()
+        self._work_dir: str | None = None
         self._task: Task | None = None
         self._ot: osworld.OSWorldTask | None = None
         self._screen: tuple[int, int] = (0, 0)
@@ -404,8 +423,14 @@ class VMEnv:
             if self._desktop is not None:
                 await self._desktop.reset()
             self._screen = await self.client.screen_size()
+            self._setup = self._setup_options()
             await osworld.run_setup(
-                self.client, ot.config, screen_size=self._screen, base_dir=ot.base_dir
+                self.client,
+                ot.config,
+                screen_size=self._screen,
+                base_dir=ot.base_dir,
+                task_id=ot.id,
+                options=self._setup,
             )
             obs, _ = await self._observe()
         except (VMError, osworld.SetupError, RuntimeError, OSError) as e:
@@ -595,6 +620,7 @@ class VMEnv:
                 self._ot,
                 screen_size=self._screen,
                 last_action_was_fail=isinstance(self._last_action, Fail),
+                options=self._setup,
             )
         except (VMError, osworld.SetupError, OSError) as e:
             self._fault = f"{type(e).__name__}: {e}"
@@ -608,8 +634,31 @@ class VMEnv:
             raise EnvError("this task has no oracle")
         return list(self._task.oracle)
 
+    def _setup_options(self) -> osworld.SetupOptions:
+        """This episode's setup options: a fresh work dir (``execute`` outputs), the password
+        the desktop's sudo takes (its own, e.g. ``LocalDesktop.client_password``)."""
+        self._drop_work_dir()
+        self._work_dir = tempfile.mkdtemp(prefix="osworld-episode-")
+        password = (
+            self.client_password
+            or getattr(self._desktop, "client_password", None)
+            or DEFAULT_CLIENT_PASSWORD
+        )
+        return osworld.SetupOptions(
+            client_password=password,
+            cache=self.cache,
+            work_dir=self._work_dir,
+            strict=self.strict_setup,
+        )
+
+    def _drop_work_dir(self) -> None:
+        if self._work_dir is not None:
+            shutil.rmtree(self._work_dir, ignore_errors=True)
+            self._work_dir = None
+
     async def close(self) -> None:
         """Gives a pooled desktop back (as faulty if the episode broke). Safe to call twice."""
+        self._drop_work_dir()
         if self._pool is not None and self._desktop is not None:
             d, self._desktop = self._desktop, None
             await self._pool.release(d, self._fault)

@@ -8,10 +8,12 @@ An OSWorld task (``evaluation_examples/examples/<domain>/<id>.json`` in xlang-ai
                    "result": {"type": "vm_command_line", ...}, "expected": {"type": "rule", ...},
                    "options": {...}}}
 
-This module implements the subset that needs no cloud downloads or app-specific Python
-(see ``SETUP_TYPES``, ``GETTERS``, ``METRICS``), with the same semantics as OSWorld's
-``desktop_env/controllers/setup.py`` and ``desktop_env/evaluators``. A task that uses anything
-else fails at *load* time with an error naming the unsupported type and the supported ones, so a
+Every setup step type OSWorld's task files use runs (``envs.vm.osworld_setup``: downloads
+through OSWorld's file cache, Chrome tabs, ...; ``googledrive`` and ``login`` only when their
+credentials are configured). The getters and metrics here are the subset that needs no
+app-specific Python (see ``GETTERS``, ``METRICS``), with the same semantics as OSWorld's
+``desktop_env/evaluators``. A task that uses anything else fails at *load* time with an error
+naming the unsupported type and the supported ones (``TaskFormatError.reason`` in short), so a
 suite never dies halfway through a run.
 
 Built-in desktop tasks (``envs/vm/tasks/*.json``) use the same format plus an ``"oracle"`` list
@@ -23,27 +25,39 @@ actions, and optionally ``"api_actions"`` (the API actions the task may allow: "
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import re
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from envs.vm.client import VMClient, VMRequestError
-
-SETUP_TYPES = (
-    "execute",
-    "command",
-    "launch",
-    "open",
-    "sleep",
-    "upload_file",
-    "activate_window",
-    "close_window",
+from envs.vm.client import VMClient
+from envs.vm.osworld_setup import (
+    CREDENTIAL_STEPS,
+    SETUP_TYPES,
+    ContentCache,
+    DownloadError,
+    SetupError,
+    SetupOptions,
+    credentials_problem,
+    fill_placeholders,
+    run_setup,
+    settings_roots,
 )
+
+__all__ = [  # the setup names live in osworld_setup; importers of this module see them here too
+    "CREDENTIAL_STEPS",
+    "SETUP_TYPES",
+    "ContentCache",
+    "DownloadError",
+    "SetupError",
+    "SetupOptions",
+    "fill_placeholders",
+    "run_setup",
+]
+
 GETTERS = (
     "vm_command_line",
     "vm_command_error",
@@ -51,6 +65,8 @@ GETTERS = (
     "rule",
     "vm_screen_size",
     "vm_terminal_output",
+    "cloud_file",
+    "cache_file",
 )
 METRICS = (
     "exact_match",
@@ -65,11 +81,12 @@ BUILTIN_TASK_DIR = Path(__file__).parent / "tasks"
 
 
 class TaskFormatError(ValueError):
-    """A task JSON is malformed or uses a type this loader does not support."""
+    """A task JSON is malformed or uses a type this loader does not support. ``reason``: the
+    short why (``"metric compare_table"``) that load counts group by."""
 
-
-class SetupError(RuntimeError):
-    """A setup (or postconfig) step failed in the VM."""
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +116,9 @@ def _as_list(x: Any) -> list[Any]:
     return list(x) if isinstance(x, list | tuple) else [x]
 
 
-def _check_steps(steps: Any, where: str, what: str) -> tuple[Mapping[str, Any], ...]:
+def _check_steps(
+    steps: Any, where: str, what: str, roots: list[Path]
+) -> tuple[Mapping[str, Any], ...]:
     if steps is None:
         return ()
     if not isinstance(steps, list):
@@ -110,10 +129,14 @@ def _check_steps(steps: Any, where: str, what: str) -> tuple[Mapping[str, Any], 
         if s["type"] not in SETUP_TYPES:
             raise TaskFormatError(
                 f"{where}: {what}[{i}] has type {s['type']!r}, which is not supported; "
-                f"supported setup types: {', '.join(SETUP_TYPES)}"
+                f"supported setup types: {', '.join(SETUP_TYPES)}",
+                f"setup step {s['type']}",
             )
         if not isinstance(s.get("parameters", {}), dict):
             raise TaskFormatError(f"{where}: {what}[{i}].parameters must be an object")
+        problem = credentials_problem(s, roots)
+        if problem:
+            raise TaskFormatError(f"{where}: {what}[{i}]: {problem}", problem.split(":")[0])
     return tuple(steps)
 
 
@@ -125,7 +148,8 @@ def _check_getters(cfg: Any, where: str, what: str) -> None:
             got = g.get("type") if isinstance(g, dict) else g
             raise TaskFormatError(
                 f"{where}: evaluator.{what}[{i}] has getter type {got!r}, which is not "
-                f"supported; supported getters: {', '.join(GETTERS)}"
+                f"supported; supported getters: {', '.join(GETTERS)}",
+                f"getter {got}",
             )
 
 
@@ -144,7 +168,8 @@ def parse_task(
             raise TaskFormatError(f"{where}: missing required field {key!r}")
     if not isinstance(d["instruction"], str) or not d["instruction"].strip():
         raise TaskFormatError(f"{where}: 'instruction' must be a non-empty string")
-    config = _check_steps(d.get("config", []), where, "config")
+    roots = settings_roots(base_dir)
+    config = _check_steps(d.get("config", []), where, "config", roots)
     ev = d["evaluator"]
     if not isinstance(ev, dict) or "func" not in ev:
         raise TaskFormatError(f"{where}: 'evaluator' must be an object with a 'func'")
@@ -153,11 +178,12 @@ def parse_task(
         if f not in METRICS:
             raise TaskFormatError(
                 f"{where}: evaluator.func {f!r} is not supported; supported metrics: "
-                f"{', '.join(METRICS)}"
+                f"{', '.join(METRICS)}",
+                f"metric {f}",
             )
     if ev.get("conj", "and") not in ("and", "or"):
         raise TaskFormatError(f"{where}: evaluator.conj must be 'and' or 'or'")
-    _check_steps(ev.get("postconfig", []), where, "evaluator.postconfig")
+    _check_steps(ev.get("postconfig", []), where, "evaluator.postconfig", roots)
     if funcs != ["infeasible"]:
         if "result" not in ev:
             raise TaskFormatError(f"{where}: evaluator needs a 'result' getter")
@@ -225,95 +251,24 @@ def load_builtin() -> list[OSWorldTask]:
     return [dataclasses.replace(t, domain="desktop") for t in load_dir(BUILTIN_TASK_DIR)]
 
 
-# ----------------------------------------------------------------------------- placeholders
-
-
-def fill_placeholders(obj: Any, screen_size: tuple[int, int]) -> Any:
-    """Replaces ``{SCREEN_WIDTH}``/``{SCREEN_HEIGHT}`` (and ``_HALF``) in every string."""
-    w, h = screen_size
-    subs = {
-        "{SCREEN_WIDTH}": str(w),
-        "{SCREEN_HEIGHT}": str(h),
-        "{SCREEN_WIDTH_HALF}": str(w // 2),
-        "{SCREEN_HEIGHT_HALF}": str(h // 2),
-    }
-    if isinstance(obj, str):
-        for k, v in subs.items():
-            obj = obj.replace(k, v)
-        return obj
-    if isinstance(obj, list | tuple):
-        return [fill_placeholders(x, screen_size) for x in obj]
-    if isinstance(obj, Mapping):
-        return {k: fill_placeholders(v, screen_size) for k, v in obj.items()}
-    return obj
-
-
-# ----------------------------------------------------------------------------- setup steps
-
-
-async def run_setup(
-    client: VMClient,
-    steps: Sequence[Mapping[str, Any]],
-    *,
-    screen_size: tuple[int, int],
-    base_dir: str | None = None,
-) -> None:
-    """Runs setup steps in order, as OSWorld's SetupController does."""
-    for i, step in enumerate(steps):
-        t = step["type"]
-        p = fill_placeholders(dict(step.get("parameters", {})), screen_size)
-        try:
-            await _run_step(client, t, p, base_dir)
-        except (VMRequestError, SetupError, OSError) as e:
-            raise SetupError(f"setup step {i} ({t} {json.dumps(p)[:200]}) failed: {e}") from e
-
-
-async def _run_step(client: VMClient, t: str, p: dict[str, Any], base_dir: str | None) -> None:
-    if t in ("execute", "command"):
-        until = p.get("until")
-        tries = 40 if until else 1
-        for _ in range(tries):
-            r = await client.execute(p["command"], shell=bool(p.get("shell", False)))
-            if r.get("status") != "success":
-                raise SetupError(r.get("message") or r)
-            if not until or _until_met(until, r):
-                return
-            await asyncio.sleep(0.25)
-        raise SetupError(f"condition {until} not met after {tries} tries")
-    elif t == "launch":
-        await client.launch(p["command"], shell=bool(p.get("shell", False)))
-    elif t == "open":
-        await client.open_file(p["path"])
-    elif t == "sleep":
-        await asyncio.sleep(float(p["seconds"]))
-    elif t == "upload_file":
-        for f in p["files"]:
-            local = Path(f["local_path"])
-            if not local.is_absolute() and base_dir is not None:
-                local = Path(base_dir) / local
-            await client.upload(f["path"], local.read_bytes())
-    elif t in ("activate_window", "close_window"):
-        fn = client.activate_window if t == "activate_window" else client.close_window
-        await fn(p["window_name"], bool(p.get("strict", False)), bool(p.get("by_class", False)))
-    else:  # parse_task already rejected it; kept for direct callers
-        raise TaskFormatError(f"unsupported setup type {t!r}; supported: {', '.join(SETUP_TYPES)}")
-
-
-def _until_met(until: Mapping[str, Any], r: Mapping[str, Any]) -> bool:
-    if "returncode" in until and r.get("returncode") != until["returncode"]:
-        return False
-    if "stdout" in until and until["stdout"] not in (r.get("output") or ""):
-        return False
-    if "stderr" in until and until["stderr"] not in (r.get("error") or ""):
-        return False
-    return True
-
-
 # ----------------------------------------------------------------------------- getters
 
 
-async def get_value(client: VMClient, cfg: Mapping[str, Any] | None, cache_dir: Path) -> Any:
-    """Fetches a ``result`` / ``expected`` value like OSWorld's getters (None when missing)."""
+async def get_value(
+    client: VMClient,
+    cfg: Mapping[str, Any] | None,
+    cache_dir: Path,
+    *,
+    task_id: str = "",
+    options: SetupOptions | None = None,
+) -> Any:
+    """Fetches a ``result`` / ``expected`` value like OSWorld's getters (None when missing).
+
+    ``cache_dir``: where ``vm_file`` puts its copies (this evaluation's own). ``cloud_file``
+    goes through ``options.cache`` (``<task id>/<dest>``, OSWorld's layout), ``cache_file``
+    reads the episode's ``options.work_dir`` (what ``execute`` steps saved with ``stdout``).
+    """
+    opts = options or SetupOptions()
     if cfg is None:
         return None
     t = cfg["type"]
@@ -342,6 +297,19 @@ async def get_value(client: VMClient, cfg: Mapping[str, Any] | None, cache_dir: 
         return {"width": w, "height": h}
     if t == "vm_terminal_output":
         return await client.terminal()
+    if t == "cloud_file":
+        urls, dests = _as_list(cfg["path"]), _as_list(cfg["dest"])
+        if not cfg.get("multi", False):
+            urls, dests = urls[:1], dests[:1]
+        cache = opts.cache or ContentCache()
+        got = [
+            await cache.fetch(task_id, str(u), [str(d)]) for u, d in zip(urls, dests, strict=True)
+        ]
+        gives = [str(got[i]) for i in cfg.get("gives", [0])]
+        return gives[0] if len(gives) == 1 else gives
+    if t == "cache_file":
+        local = Path(opts.work_dir or cache_dir) / str(cfg["path"])
+        return str(local) if local.is_file() else None
     raise TaskFormatError(f"unsupported getter {t!r}; supported: {', '.join(GETTERS)}")
 
 
@@ -422,20 +390,29 @@ async def evaluate(
     screen_size: tuple[int, int],
     last_action_was_fail: bool,
     cache_dir: str | Path | None = None,
+    options: SetupOptions | None = None,
 ) -> EvalResult:
     """Scores the VM's current state for ``task`` (OSWorld's DesktopEnv.evaluate semantics).
 
     Infeasible tasks score 1 only when the last action was FAIL; a FAIL on a feasible task
     scores 0. ``postconfig`` runs first; each metric gets (result, expected, **options);
-    ``conj`` "and" averages (0 as soon as one metric is 0), "or" takes the max.
+    ``conj`` "and" averages (0 as soon as one metric is 0), "or" takes the max. ``options``:
+    what the postconfig steps and the cache getters need (``SetupOptions``). A postconfig step
+    or an ``expected`` file that fails raises ``SetupError``: a fault, not a score.
     """
-    ev = fill_placeholders(dict(task.evaluator), screen_size)
+    opts = options or SetupOptions()
+    ev = fill_placeholders(dict(task.evaluator), screen_size, opts.client_password)
     if task.infeasible:
         return EvalResult(float(last_action_was_fail), [{"func": "infeasible"}])
     if last_action_was_fail:
         return EvalResult(0.0, [{"note": "the last action was FAIL on a feasible task"}])
     await run_setup(
-        client, ev.get("postconfig", []), screen_size=screen_size, base_dir=task.base_dir
+        client,
+        ev.get("postconfig", []),
+        screen_size=screen_size,
+        base_dir=task.base_dir,
+        task_id=task.id,
+        options=opts,
     )
     funcs = _as_list(ev["func"])
     multi = isinstance(ev["func"], list)
@@ -455,8 +432,8 @@ async def evaluate(
             sub.mkdir()
             (sub / "r").mkdir()
             (sub / "e").mkdir()
-            result = await get_value(client, r_cfg, sub / "r")
-            expected = await get_value(client, e_cfg, sub / "e")
+            result = await get_value(client, r_cfg, sub / "r", task_id=task.id, options=opts)
+            expected = await get_value(client, e_cfg, sub / "e", task_id=task.id, options=opts)
             metric = _METRIC_FNS[fn]
             if e_cfg is None:
                 s = metric(result, **(opt or {}))

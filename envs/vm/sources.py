@@ -67,8 +67,9 @@ def osworld_tasks(cfg: dict[str, Any]) -> list[Task]:
     "skip_unsupported": bool, "limit": N, "seed": S}``.
 
     ``path`` is OSWorld's ``evaluation_examples/examples`` (``<domain>/<id>.json``). Tasks that
-    use setup steps, getters or metrics this loader lacks raise, unless ``skip_unsupported``,
-    which skips them and prints how many were skipped and why.
+    use getters or metrics this loader lacks, or steps that need credentials it was not given
+    (``googledrive``, ``login``), raise, unless ``skip_unsupported``, which skips them and prints
+    one line saying how many were skipped and why.
     """
     path = cfg.get("path")
     if not path or not Path(path).is_dir():
@@ -90,7 +91,7 @@ def osworld_tasks(cfg: dict[str, Any]) -> list[Task]:
         except osworld.TaskFormatError as e:
             if not cfg.get("skip_unsupported"):
                 raise TaskSourceError(str(e)) from e
-            reason = str(e).split(": ", 1)[-1].split(";")[0]
+            reason = e.reason or str(e).split(": ", 1)[-1].split(";")[0]
             skipped[reason] = skipped.get(reason, 0) + 1
     if skipped:
         print(

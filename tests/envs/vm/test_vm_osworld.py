@@ -114,13 +114,12 @@ def test_builtin_tasks_load_and_convert():
 @pytest.mark.parametrize(
     "over, needle",
     [
-        ({"config": [{"type": "download", "parameters": {}}]}, "'download'"),
-        ({"config": [{"type": "chrome_open_tabs", "parameters": {}}]}, "'chrome_open_tabs'"),
+        ({"config": [{"type": "tidy_desktop", "parameters": {}}]}, "'tidy_desktop'"),
         (
             {"evaluator": {"func": "compare_table", "result": {"type": "vm_file"}}},
             "'compare_table'",
         ),
-        ({"evaluator": {"func": "exact_match", "result": {"type": "cloud_file"}}}, "'cloud_file'"),
+        ({"evaluator": {"func": "exact_match", "result": {"type": "vlc_config"}}}, "'vlc_config'"),
         (
             {
                 "evaluator": {
@@ -353,7 +352,7 @@ def test_computer13_dicts_translate_like_osworld():
 # ----------------------------------------------------------------------------- task sources
 
 
-def test_task_sources_registered_with_envs_tasks(tmp_path):
+def test_task_sources_registered_with_envs_tasks(tmp_path, capsys):
     import envs.vm  # noqa: F401  (registers the sources)
     from envs.tasks import TaskSourceError, load_tasks
 
@@ -366,12 +365,16 @@ def test_task_sources_registered_with_envs_tasks(tmp_path):
     # An OSWorld-layout directory with one supported and one unsupported task.
     (tmp_path / "os").mkdir()
     (tmp_path / "os" / "good.json").write_text(json.dumps(_task(id="good")))
-    bad = _task(id="bad", config=[{"type": "download", "parameters": {}}])
+    drive = {"settings_file": "evaluation_examples/settings/googledrive/settings.yml"}
+    bad = _task(id="bad", config=[{"type": "googledrive", "parameters": drive}])
     (tmp_path / "os" / "bad.json").write_text(json.dumps(bad))
-    with pytest.raises(TaskSourceError, match="'download'"):
+    with pytest.raises(TaskSourceError, match="googledrive needs Google Drive API credentials"):
         load_tasks({"source_type": "osworld", "path": str(tmp_path)})
     got = load_tasks({"source_type": "osworld", "path": str(tmp_path), "skip_unsupported": True})
     assert [t.id for t in got] == ["osworld/os/good"]
+    # one line at load names the skipped task's reason
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "setup step googledrive needs Google Drive" in err[0]
 
 
 @pytest.mark.parametrize(
