@@ -366,7 +366,9 @@ class _Emitter:
         s = "".join(self._pending)
         self._pending = []
         if s and not self._text_only:
-            piece = self._tok.encode(s)
+            # Every template token arrives through `ids`; text is only ever text (a user's
+            # "<|im_end|>" must not end its turn), hence encode_text, not encode.
+            piece = self._tok.encode_text(s)
             self._ids.extend(piece)
             self._mask.extend([self._pending_trained] * len(piece))
 

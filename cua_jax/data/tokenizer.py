@@ -76,6 +76,14 @@ class Tokenizer(abc.ABC):
         """Token ids of `text`; special-token strings in it become their single ids."""
 
     @abc.abstractmethod
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` read as plain text: a control-token string in it (`<|im_end|>`,
+        `<|image_pad|>`, ...) is encoded as its characters, never as the control token, so
+        text from a user or a web page cannot close its turn or forge an image slot. The
+        non-special added tokens (`<tool_call>`, `<think>`) stay single ids, as in `encode`
+        (transformers' `split_special_tokens=True`)."""
+
+    @abc.abstractmethod
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; with skip_special_tokens, `<|...|>` tokens are left out."""
 
@@ -187,6 +195,9 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))
 
+    def encode_text(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False, split_special_tokens=True))
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         ids = [int(i) for i in ids]
         if skip_special_tokens:
@@ -250,11 +261,21 @@ class SentencePieceTokenizer(Tokenizer):
             return cls(f.read())
 
     def encode(self, text: str) -> list[int]:
+        return self._encode(text, literal=False)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self._encode(text, literal=True)
+
+    def _encode(self, text: str, literal: bool) -> list[int]:
         ids: list[int] = []
         for part in self._split_re.split(text):
             if not part:
                 continue
-            if part in self._ids:
+            if literal and part in self._ids and self._ids[part] in self._special_ids:
+                # A control token's string as text: its first character and the rest encoded
+                # apart (each alone is no user-defined symbol), as byte-level BPE splits it.
+                ids.extend(self.sp.encode(part[0]) + self.sp.encode(part[1:]))
+            elif part in self._ids:
                 ids.append(self._ids[part])
             elif part == _SP_SPACE:
                 ids.extend(self._space_byte_ids)

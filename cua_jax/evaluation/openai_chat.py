@@ -59,7 +59,13 @@ KNOWN_FIELDS = frozenset(
 ROLES = ("system", "user", "assistant")
 MAX_STOP = 4  # as OpenAI
 MAX_N = 16
-MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # a decoded image larger than this is refused (a bomb)
+# Decoded images cost ~12 bytes a pixel at their peak (RGBA decode, RGB copy, the processor's
+# float resize), read from PNG headers before anything is decoded: a 248 KB 8000x8000 PNG was
+# 0.75 GB. Per image: a 4096x4096 screen (a 4K screenshot fits); per request: 32 images and
+# 2^25 pixels (16 full-HD screenshots), so one request peaks near 0.4 GB, not tens of GB.
+MAX_IMAGE_PIXELS = 4096 * 4096
+MAX_IMAGES = 32
+MAX_REQUEST_PIXELS = 2**25
 # "omitted screenshot" text parts do not make two conversations different (history windows).
 _IGNORED_KEY_TEXTS = ("(an earlier screenshot, omitted)",)
 
@@ -111,8 +117,9 @@ def encode_image(image: np.ndarray, fmt: str = "PNG") -> str:
     return f"data:image/{mime};base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def decode_image(url: Any, param: str) -> np.ndarray:
-    """u8[H, W, 3] of a `data:image/...;base64,` URI; RequestError naming `param` otherwise."""
+def decode_image(url: Any, param: str, max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
+    """u8[H, W, 3] of a `data:image/...;base64,` URI; RequestError naming `param` otherwise,
+    and (code "image_too_large", before decoding) for an image of more than `max_pixels`."""
     from PIL import Image
 
     if not isinstance(url, str):
@@ -137,12 +144,13 @@ def decode_image(url: Any, param: str) -> np.ndarray:
         raise RequestError(f"{param}: bad base64 ({e})", param, "invalid_image") from None
     try:
         with Image.open(io.BytesIO(raw)) as im:
-            if im.width * im.height > MAX_IMAGE_PIXELS:
+            if im.width * im.height > max_pixels:
                 raise RequestError(
-                    f"{param}: a {im.width}x{im.height} image is over the "
-                    f"{MAX_IMAGE_PIXELS} pixel limit",
+                    f"{param}: a {im.width}x{im.height} image is over the {max_pixels} pixel "
+                    f"limit (at most {MAX_IMAGE_PIXELS} per image, {MAX_REQUEST_PIXELS} per "
+                    "request); send it scaled down",
                     param,
-                    "invalid_image",
+                    "image_too_large",
                 )
             arr = np.asarray(im.convert("RGB"), np.uint8)
     except RequestError:
@@ -209,7 +217,13 @@ def _content(msg: Mapping[str, Any], i: int, images: list[np.ndarray]) -> str | 
             if set(iu) - {"url", "detail"}:
                 extra = sorted(set(iu) - {"url", "detail"})
                 raise RequestError(f"{p}.image_url: unknown field(s) {extra}", p, "unknown_field")
-            images.append(decode_image(iu.get("url"), f"{p}.image_url.url"))
+            if len(images) >= MAX_IMAGES:
+                raise RequestError(
+                    f"{p}: more than {MAX_IMAGES} images in one request", p, "too_many_images"
+                )
+            used = sum(im.shape[0] * im.shape[1] for im in images)
+            budget = min(MAX_IMAGE_PIXELS, MAX_REQUEST_PIXELS - used)
+            images.append(decode_image(iu.get("url"), f"{p}.image_url.url", budget))
             parts.append({"type": "image"})
         else:
             raise RequestError(
@@ -442,6 +456,9 @@ class MessageRenderer:
 
 
 __all__ = [
+    "MAX_IMAGES",
+    "MAX_IMAGE_PIXELS",
+    "MAX_REQUEST_PIXELS",
     "ChatRequest",
     "MessageRenderer",
     "Prompt",
