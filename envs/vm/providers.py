@@ -4,7 +4,8 @@
   openbox, and ``python -m envs.vm.server`` on a free loopback port (``--port 0``), with a fresh
   home directory copied from a template. ``reset()`` after an episode kills all three and
   recreates them, so every episode starts from the same state (the local stand-in for OSWorld's
-  snapshot revert).
+  snapshot revert). Like OSWorld's VMs, the home has ``Desktop/``, ``Documents/`` and
+  ``Downloads/``, and ``sudo`` takes the desktop's ``client_password`` (see :data:`SUDO_SHIM`).
 * :class:`RemoteDesktop`: a server somebody else runs (a real OSWorld VM on port 5000, a cloud
   machine running our server). ``reset()`` checks it answers and calls the user's ``revert``
   hook if given (e.g. ``vmrun revertToSnapshot``); we cannot revert a machine we do not own.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import os
 import secrets
 import shutil
@@ -56,6 +58,44 @@ class Desktop(Protocol):
         ...
 
     async def stop(self) -> None: ...
+
+
+# LocalDesktop's ``sudo``: OSWorld's tasks run ``echo {CLIENT_PASSWORD} | sudo -S <cmd>`` and
+# expect a user whose password sudo takes. A desktop runs as this process's own user and cannot
+# give more rights than that user has, so the shim checks the password (-S: from stdin; else
+# from the terminal, as sudo asks) and runs the command as that same user. On this project's
+# machines that user is root, and the command gets root's rights as with real sudo.
+SUDO_SHIM = r"""#!/bin/sh
+want=@SHA256@
+from_stdin=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -S|--stdin) from_stdin=1; shift ;;
+    -k|-K|-E|-H|-n|-b|-i|-s|--preserve-env|--preserve-env=*|--reset-timestamp) shift ;;
+    -u|-g|-p|-C|-D|--user|--group|--prompt) shift 2 ;;
+    -u*|-g*|-p*|--user=*|--group=*|--prompt=*) shift ;;
+    --) shift; break ;;
+    -*) echo "sudo: unsupported option $1 (this desktop's sudo takes -S, -u, -E, -H, -k)" >&2
+        exit 1 ;;
+    *) break ;;
+  esac
+done
+if [ $# -eq 0 ]; then echo "usage: sudo [-S] command [args...]" >&2; exit 1; fi
+if [ $from_stdin = 1 ]; then
+  IFS= read -r pw || [ -n "$pw" ] || pw=""
+elif [ -t 0 ]; then
+  printf '[sudo] password for %s: ' "$(id -un)" >&2
+  stty -echo; IFS= read -r pw; stty echo; echo >&2
+else
+  echo "sudo: a terminal is required to read the password; use the -S option" >&2
+  exit 1
+fi
+if [ "$(printf %s "$pw" | sha256sum | cut -d' ' -f1)" != "$want" ]; then
+  echo "sudo: 1 incorrect password attempt" >&2
+  exit 1
+fi
+exec "$@"
+"""
 
 
 def missing_programs(
@@ -104,6 +144,8 @@ class LocalDesktop:
         (the apps, the commands of run_shell / execute; ``RLIMIT_AS``, inherited): a runaway
         command in one desktop fails with out-of-memory instead of taking the machine's
         memory from the other desktops. None: no cap.
+      client_password: the password this desktop's ``sudo`` takes (OSWorld's
+        ``{CLIENT_PASSWORD}``; ``VMEnv`` fills the placeholder with it).
     """
 
     def __init__(
@@ -119,6 +161,7 @@ class LocalDesktop:
         name: str | None = None,
         warm_pyautogui: bool = True,
         memory_mb: int | None = None,
+        client_password: str = "password",
     ):
         if width < 64 or height < 64:
             raise ValueError(f"LocalDesktop screen {width}x{height} is too small (min 64x64)")
@@ -134,6 +177,7 @@ class LocalDesktop:
         if memory_mb is not None and memory_mb < 256:
             raise ValueError(f"LocalDesktop memory_mb must be >= 256 (MiB), got {memory_mb}")
         self.memory_mb = memory_mb
+        self.client_password = client_password
         self._name = name
         self.display: str | None = None
         self.home: Path | None = None
@@ -179,6 +223,13 @@ class LocalDesktop:
             shutil.copytree(self.template_home, self.home, symlinks=True)
         else:
             self.home.mkdir()
+        for d in ("Desktop", "Documents", "Downloads"):  # OSWorld's tasks assume them
+            (self.home / d).mkdir(exist_ok=True)
+        bin_dir = self._root / "bin"
+        bin_dir.mkdir()
+        digest = hashlib.sha256(self.client_password.encode()).hexdigest()
+        (bin_dir / "sudo").write_text(SUDO_SHIM.replace("@SHA256@", digest))
+        (bin_dir / "sudo").chmod(0o755)
         self.tmp = self._root / "tmp"  # a private /tmp: parallel desktops never see each other
         self.tmp.mkdir()
         try:
@@ -252,13 +303,21 @@ class LocalDesktop:
             )
 
     def _child_env(self) -> dict[str, str]:
+        assert self.home is not None, "start() makes the home first"
         env = dict(os.environ)
         env.update(
             DISPLAY=self.display or "",
             HOME=str(self.home),
             TMPDIR=str(self.tmp),
-            # `python` inside the desktop must be one with pyautogui (OSWorld's action command).
-            PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
+            # the desktop's own bin (its sudo), then a `python` with pyautogui (OSWorld's action
+            # command runs `python`)
+            PATH=os.pathsep.join(
+                [
+                    str(self.home.parent / "bin"),
+                    os.path.dirname(sys.executable),
+                    env.get("PATH", ""),
+                ]
+            ),
             PYTHONPATH=str(_REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
         )
         env.pop("XAUTHORITY", None)

@@ -1,4 +1,6 @@
-"""Every OSWorld setup step type against our VM server on a real Xvfb desktop.
+"""Every OSWorld setup step type against our VM server on a real Xvfb desktop, the desktop's
+OSWorld assumptions (home folders, sudo with the password), and OSWorld task e0df059f end to
+end on a LocalDesktop.
 
 Downloads come from a loopback HTTP server; Chrome's DevTools endpoints from a loopback stand-in
 that records the calls (the step's script runs inside the desktop, as in a VM).
@@ -9,15 +11,17 @@ from __future__ import annotations
 import http.server
 import io
 import json
+import os
 import threading
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
+from cua_jax.actions import Done, RunShell
 from cua_jax.env_api import EnvError, Task
 from envs.vm import osworld
-from envs.vm.env import VMEnv
+from envs.vm.env import VMEnv, task_from_osworld
 from envs.vm.osworld_setup import ContentCache, SetupOptions
 from envs.vm.providers import LocalDesktop
 
@@ -156,3 +160,77 @@ def test_a_failing_step_on_a_desktop_is_an_infrastructure_fault(desk, aio, tmp_p
         aio(env.reset(task))
     with pytest.raises(EnvError, match="faulted"):
         aio(env.evaluate())
+
+
+E0DF059F = {  # OSWorld's evaluation_examples/examples/os/e0df059f-28a6-4169-924f-b9623e7184cc.json
+    "id": "e0df059f-28a6-4169-924f-b9623e7184cc",
+    "snapshot": "os",
+    "instruction": 'I have a directory named "todo_list_Jan_1". Can you help me change its name '
+    'into "todo_list_Jan_2"?',
+    "source": "https://help.ubuntu.com/lts/ubuntu-help/files-rename.html.en",
+    "trajectory": "trajectories/",
+    "config": [
+        {
+            "type": "execute",
+            "parameters": {
+                "command": "echo {CLIENT_PASSWORD} | sudo -S mkdir ~/Desktop/todo_list_Jan_1",
+                "shell": True,
+            },
+        },
+        {
+            "type": "execute",
+            "parameters": {
+                "command": [
+                    "python",
+                    "-c",
+                    "import pyautogui; import time; "
+                    "pyautogui.click({SCREEN_WIDTH_HALF}, {SCREEN_HEIGHT_HALF}); time.sleep(0.5);",
+                ]
+            },
+        },
+    ],
+    "related_apps": ["os"],
+    "evaluator": {
+        "func": "exact_match",
+        "result": {
+            "type": "vm_command_line",
+            "command": "[ -d ~/Desktop/todo_list_Jan_2 ] && echo 'Directory exists.' "
+            "|| echo 'Directory does not exist.'",
+            "shell": True,
+        },
+        "expected": {"type": "rule", "rules": {"expected": "Directory exists.\n"}},
+    },
+    "proxy": False,
+    "fixed_ip": False,
+    "possibility_of_env_change": "low",
+}
+
+
+def test_osworld_e0df059f_end_to_end_on_a_local_desktop(xserver, aio, tmp_path):
+    task = task_from_osworld(osworld.parse_task(E0DF059F, domain="os"), api_actions=["run_shell"])
+
+    async def episode(actions):
+        async with LocalDesktop(640, 480) as d:
+            env = VMEnv(d, cache=ContentCache(tmp_path))
+            await env.reset(task)
+            made = (Path(d.home) / "Desktop" / "todo_list_Jan_1").is_dir()
+            for a in actions:
+                await env.step(a)
+            return made, await env.evaluate()
+
+    assert aio(episode([Done()])) == (True, 0.0)
+    rename = RunShell("mv ~/Desktop/todo_list_Jan_1 ~/Desktop/todo_list_Jan_2")
+    assert aio(episode([rename, Done()])) == (True, 1.0)
+
+
+def test_local_desktop_meets_osworld_assumptions(desk, aio):
+    home = Path(desk.home)
+    assert all((home / d).is_dir() for d in ("Desktop", "Documents", "Downloads"))
+    ex = desk.client.execute
+    ok = aio(ex("echo password | sudo -S sh -c 'id -u > ~/Documents/who'", shell=True))
+    assert ok["returncode"] == 0, ok
+    assert (home / "Documents" / "who").read_text().strip() == str(os.getuid())
+    wrong = aio(ex("echo nope | sudo -S true", shell=True))
+    assert wrong["returncode"] == 1 and "incorrect password" in wrong["error"]
+    no_tty = aio(ex("sudo true < /dev/null", shell=True))
+    assert no_tty["returncode"] == 1 and "use the -S option" in no_tty["error"]
