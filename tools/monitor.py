@@ -17,11 +17,15 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import socket
 import sys
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+
+
+MIN_TOKEN_CHARS = 16  # beyond loopback: a token a network neighbour cannot guess
 
 
 class MonitorError(SystemExit):
@@ -96,11 +100,28 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.no_token and args.token:
         raise MonitorError("pass --token or --no-token, not both")
+    if not 1 <= args.port <= 65535:
+        raise MonitorError(f"--port {args.port} must be in [1, 65535]")
+    if args.poll_ms < 100:
+        raise MonitorError(f"--poll-ms {args.poll_ms} must be >= 100 (milliseconds)")
     if not is_loopback(args.host):
         if args.no_token or not args.token:
             raise MonitorError(
                 f"--host {args.host} serves beyond this machine: pass --token (or "
                 "$CUA_MONITOR_TOKEN); --no-token is for loopback only"
+            )
+        if len(args.token) < MIN_TOKEN_CHARS:
+            raise MonitorError(
+                f"--host {args.host} serves beyond this machine: the token must have at least "
+                f"{MIN_TOKEN_CHARS} characters (e.g. python -c 'import secrets; "
+                "print(secrets.token_hex(24))')"
+            )
+        if not args.allow_host:
+            print(
+                f"tools/monitor.py: note: clients beyond this machine must name it by an "
+                f"--allow-host (e.g. --allow-host {socket.gethostname()}); other Host names "
+                "are refused",
+                file=sys.stderr,
             )
     engine = open_database(args.db)
     token = None if args.no_token else (args.token or secrets.token_hex(24))

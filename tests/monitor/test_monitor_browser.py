@@ -82,8 +82,19 @@ def browser_page():
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
+        # a script, style or image the monitor's Content-Security-Policy refused is an error
+        page.on("console", lambda m: "Content Security Policy" in m.text and errors.append(m.text))
         yield page, errors
         browser.close()
+
+
+def _wait_until(page, expr: str, timeout_ms: int = 30_000) -> None:
+    """Polls `expr` in the page until it is true (Playwright's wait_for_function compiles its
+    predicate with eval, which the monitor's CSP forbids; evaluate does not)."""
+    deadline = time.monotonic() + timeout_ms / 1000
+    while not page.evaluate(expr):
+        assert time.monotonic() < deadline, f"timed out waiting for {expr}"
+        time.sleep(0.05)
 
 
 def test_finished_run_pages(filled, browser_page, artifacts):
@@ -98,7 +109,7 @@ def test_finished_run_pages(filled, browser_page, artifacts):
 
         page.goto(f"{srv.base}/runs/1")
         page.wait_for_selector(".chart[data-title='success'] canvas")
-        page.wait_for_function(f"document.body.dataset.loadedSteps === '{STEPS + 1}'")
+        _wait_until(page, f"document.body.dataset.loadedSteps === '{STEPS + 1}'")
         titles = page.eval_on_selector_all(".chart", "els => els.map(e => e.dataset.title)")
         assert {
             "success",
@@ -160,7 +171,7 @@ def test_open_page_shows_a_new_step_without_reload(tmp_path, browser_page, artif
     srv = Server(url, poll_ms=300)
     try:
         page.goto(f"{srv.base}/runs/1?token={srv.token}")
-        page.wait_for_function("document.body.dataset.loadedSteps === '4'")
+        _wait_until(page, "document.body.dataset.loadedSteps === '4'")
         assert page.inner_text("#run-status") == "running"
         page.evaluate("window.__marker = 'same page'")  # gone if the page reloads
         groups, screens = synth.step_groups(4, GROUPS, GROUP_SIZE, version=3)
@@ -172,11 +183,13 @@ def test_open_page_shows_a_new_step_without_reload(tmp_path, browser_page, artif
         assert db.flush(30)
         page.wait_for_selector("#steps tr[data-step='4']", timeout=15_000)
         page.wait_for_selector("#evals a[href='/runs/1/evals/4?tag=step4']", timeout=15_000)
-        page.wait_for_function("document.body.dataset.loadedSteps === '5'")
+        _wait_until(page, "document.body.dataset.loadedSteps === '5'")
         assert page.inner_text("#last-step") == "4"
         db.close("finished")
-        page.wait_for_function(
-            "document.getElementById('run-status').textContent === 'finished'", timeout=15_000
+        _wait_until(
+            page,
+            "document.getElementById('run-status').textContent === 'finished'",
+            timeout_ms=15_000,
         )
         assert page.evaluate("window.__marker") == "same page"
         page.screenshot(path=os.path.join(artifacts, "run_live.png"), full_page=True)

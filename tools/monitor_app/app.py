@@ -26,7 +26,7 @@ from starlette.templating import Jinja2Templates
 
 from cua_jax.redact import redact
 from tools.monitor_app import queries
-from tools.monitor_app.security import Guard
+from tools.monitor_app.security import CSP, Guard, SecurityHeaders, new_nonce
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 POLL_MS = 3000
@@ -55,7 +55,12 @@ def make_app(
     templates.env.globals["poll_ms"] = poll_ms
 
     def page(request: Request, name: str, status_code: int = 200, **ctx: Any) -> Response:
-        return templates.TemplateResponse(request, name, ctx, status_code=status_code)
+        nonce = new_nonce()  # the page's inline scripts carry it; no other inline script runs
+        resp = templates.TemplateResponse(
+            request, name, {**ctx, "csp_nonce": nonce}, status_code=status_code
+        )
+        resp.headers["Content-Security-Policy"] = CSP.format(nonce=f" 'nonce-{nonce}'")
+        return resp
 
     def db() -> Session:
         return Session(engine)
@@ -190,7 +195,7 @@ def make_app(
         Route("/screens/{run_id:int}/{name}", screenshot),
         Mount("/static", StaticFiles(directory=os.path.join(HERE, "static")), name="static"),
     ]
-    middleware = []
+    middleware = [Middleware(SecurityHeaders)]
     if hosts is not None or token is not None:
         middleware.append(Middleware(Guard, hosts=hosts, token=token))
     return Starlette(

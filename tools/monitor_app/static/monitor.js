@@ -77,7 +77,7 @@ const CuaMonitor = (() => {
         tr.dataset.step = s.step;
         const cells = [s.groups, m["rollout/reward"], m["rollout/success"], m["train/loss"],
           m["eval/success"], m["time/step"]];
-        tr.innerHTML = `<td><a href="/runs/${runId}/steps/${s.step}">${s.step}</a></td>` +
+        tr.innerHTML = `<td><a href="/runs/${runId}/steps/${esc(s.step)}">${esc(s.step)}</a></td>` +
           cells.map((v) => `<td>${fmt(v)}</td>`).join("");
         body.insertBefore(tr, body.firstChild);
       }
@@ -87,8 +87,10 @@ const CuaMonitor = (() => {
       if (evals.length === nEvals) return;
       nEvals = evals.length;
       document.querySelector("#evals tbody").innerHTML = evals.map((e) =>
-        `<tr><td><a href="/runs/${runId}/evals/${e.step}?tag=${encodeURIComponent(e.tag)}">${e.step}</a></td>` +
-        `<td>${esc(e.tag)}</td><td>${fmt(e.success)}</td><td>${e.num_tasks}</td></tr>`).join("");
+        // every value escaped: a row's fields are whatever the database holds
+        `<tr><td><a href="/runs/${runId}/evals/${esc(e.step)}?tag=${encodeURIComponent(e.tag)}">` +
+        `${esc(e.step)}</a></td><td>${esc(e.tag)}</td><td>${fmt(e.success)}</td>` +
+        `<td>${esc(e.num_tasks)}</td></tr>`).join("");
     }
     async function poll() {
       try {
