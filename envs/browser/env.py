@@ -161,6 +161,22 @@ _FIELD_JS = """(sel) => { const e = document.querySelector(sel); if (!e) return 
   return {kind: "other"}; }"""
 
 
+MAX_VIEWPORT_SIDE = 8192
+
+
+def check_viewport(viewport: Any) -> tuple[int, int]:
+    """`viewport` as (width, height), each an int in 64..MAX_VIEWPORT_SIDE; ValueError otherwise
+    (every page a host opens is bounded: a 100000 x 100000 page pins Chromium)."""
+    try:
+        w, h = viewport
+    except (TypeError, ValueError):
+        raise ValueError(f"viewport must be (width, height), got {viewport!r}") from None
+    side = MAX_VIEWPORT_SIDE
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 64 <= v <= side for v in (w, h)):
+        raise ValueError(f"viewport must be (width, height) ints in 64..{side}, got {viewport!r}")
+    return w, h
+
+
 class BrowserEnv:
     """A Playwright-driven browser environment implementing ``cua_jax.env_api.Env``.
 
@@ -199,9 +215,7 @@ class BrowserEnv:
         reuse_context: bool = True,
         decode_screenshots: bool = True,
     ):
-        w, h = viewport
-        if not (isinstance(w, int) and isinstance(h, int) and 64 <= w <= 8192 and 64 <= h <= 8192):
-            raise ValueError(f"viewport must be (width, height) ints in 64..8192, got {viewport!r}")
+        w, h = check_viewport(viewport)
         if screenshot_type not in ("png", "jpeg"):
             raise ValueError(f"screenshot_type must be 'png' or 'jpeg', got {screenshot_type!r}")
         self.viewport = (w, h)

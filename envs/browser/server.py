@@ -43,6 +43,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import secrets
 import signal
@@ -55,7 +56,7 @@ from aiohttp import web
 
 from cua_jax import actions as A
 from cua_jax.env_api import EnvError
-from envs.browser.env import BrowserEnv
+from envs.browser.env import BrowserEnv, check_viewport
 from envs.browser.host import BrowserHost
 from envs.browser.remote import (
     OBS_CONTENT_TYPE,
@@ -90,6 +91,7 @@ ROUTES = (
     Route("POST", "/bench/screenshots", "bench_screenshots", JSON),
 )
 MAX_BENCH_SECONDS = 60.0
+MIN_TOKEN_CHARS = 16  # beyond loopback: a token a network neighbour cannot guess
 
 
 @dataclasses.dataclass
@@ -272,7 +274,7 @@ class BrowserServer:
         data = await json_body(request)
         try:
             n = int(data.get("pages", 1))
-            vp = tuple(int(v) for v in data.get("viewport", [640, 480]))
+            vp = check_viewport(data.get("viewport", [640, 480]))  # bounded as /envs is
         except (TypeError, ValueError) as e:
             return error(f"bad bench arguments: {e}", 400)
         if not 1 <= n <= self.capacity:
@@ -353,6 +355,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     loopback = is_loopback(args.host)
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port {args.port} must be in [0, 65535] (0 picks a free one)")
+    if args.capacity < 1:
+        p.error(f"--capacity {args.capacity} must be >= 1")
+    for name in ("lease_s", "step_timeout_s"):
+        v = getattr(args, name)
+        if not (math.isfinite(v) and v > 0):
+            p.error(f"--{name.replace('_', '-')} {v} must be a finite number > 0 (seconds)")
+    if not loopback and args.token and len(args.token) < MIN_TOKEN_CHARS:
+        p.error(f"--token: a non-loopback address needs at least {MIN_TOKEN_CHARS} characters")
     if args.no_token and args.token is not None:
         p.error("--no-token and --token contradict each other: give one")
     if args.token is None and not args.no_token:

@@ -137,6 +137,8 @@ def test_bench_pages_then_screenshots_from_start_at(host, run):
 
     assert post("/bench/screenshots", {"seconds": 0.5})[0] == 409  # no pages opened
     assert post("/bench/pages", {"pages": 99})[0] == 400  # over capacity
+    status, text = post("/bench/pages", {"pages": 1, "viewport": [100000, 100000]})
+    assert status == 400 and "64..8192" in str(text)  # bounded as /envs is (it pinned a CPU)
     assert post("/bench/pages", {"pages": 1, "viewport": list(VIEWPORT)}) == (200, {"pages": 1})
     for bad in (time.time() - 5.0, time.time() + 3600.0, "soon"):
         assert post("/bench/screenshots", {"seconds": 0.5, "start_at": bad})[0] == 400
@@ -148,7 +150,7 @@ def test_bench_pages_then_screenshots_from_start_at(host, run):
     assert post("/bench/screenshots", {"seconds": 0.5})[0] == 409  # the pages were closed
 
 
-def test_cli_binds_loopback_and_needs_a_token_elsewhere():
+def test_cli_binds_loopback_and_needs_a_token_elsewhere(capsys):
     r = subprocess.run(
         [sys.executable, "-m", "envs.browser.server", "--host", "0.0.0.0", "--no-token"],
         capture_output=True,
@@ -160,7 +162,20 @@ def test_cli_binds_loopback_and_needs_a_token_elsewhere():
 
     a = parse_args([])
     assert a.host == "127.0.0.1" and a.token and a.token_generated
-    assert parse_args(["--host", "0.0.0.0", "--token", "T"]).token == "T"
+    t = "a-token-of-16+chars"
+    assert parse_args(["--host", "0.0.0.0", "--token", t]).token == t
+    bad = {
+        ("--host", "0.0.0.0", "--token", "T"): "at least 16 characters",
+        ("--port", "99999"): "--port 99999 must be in [0, 65535]",
+        ("--capacity", "0"): "--capacity 0 must be >= 1",
+        ("--lease-s", "-1"): "--lease-s -1.0 must be a finite number > 0",
+        ("--step-timeout-s", "nan"): "--step-timeout-s nan must be",
+    }
+    for args, message in bad.items():
+        with pytest.raises(SystemExit) as exc:
+            parse_args(list(args))
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and message in err, (args, err)
 
 
 def test_lease_expires_and_a_full_host_refuses(host, run):
