@@ -87,6 +87,12 @@ def main(argv: list[str]) -> None:
         token, generated = resolve_token(f.host, f.token, f.no_token)
     except ValueError as e:
         fail(str(e))
+    if not 1 <= f.port <= 65535:
+        fail(f"--port={f.port} must be in [1, 65535]")
+    if not 1 <= f.max_body_mb <= 1024:
+        fail(f"--max_body_mb={f.max_body_mb} must be in [1, 1024] (MiB)")
+    if f.max_tokens < 1:
+        fail(f"--max_tokens={f.max_tokens} must be >= 1")
     if (f.workdir is None) == (f.config is None):
         fail("pass exactly one of --workdir (a training run) or --config (a preset)")
     if f.workdir is not None:

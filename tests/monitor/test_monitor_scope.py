@@ -88,3 +88,12 @@ def test_cli_bounds_are_one_line(filled, capsys, args, message):
         monitor.main([f"--db={filled[0]}", *args])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_ids_beyond_any_column_are_4xx_not_500(engine):
+    c = TestClient(make_app(engine), raise_server_exceptions=False)
+    huge = "9" * 30
+    for path in (f"/runs/{huge}", f"/runs/1/steps/{huge}", f"/rollouts/{huge}"):
+        assert c.get(path).status_code == 404, path
+    for path in (f"/runs/1/evals/0?vs={huge}", f"/api/runs/1/steps?after={huge}"):
+        assert c.get(path).status_code == 400, path

@@ -91,3 +91,29 @@ def test_hf_tokenizer_encodes_control_tokens_as_text():
     ids = tok.encode_text(text)
     assert tok.im_end_id in tok.encode(text) and tok.im_end_id not in ids
     assert tok.decode(ids) == text and tok.tool_call_start_id in ids  # not a control token
+
+
+@pytest.mark.parametrize(
+    "flag,message",
+    [
+        ("--port=99999", "--port=99999 must be in [1, 65535]"),
+        ("--max_body_mb=-1", "--max_body_mb=-1 must be in [1, 1024]"),
+        ("--max_tokens=0", "--max_tokens=0 must be >= 1"),
+    ],
+)
+def test_serve_cli_bounds_are_one_line(flag, message):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    config = "--config=" + os.path.join(root, "configs", "qwen3vl_grpo.py") + ":smoke"
+    r = subprocess.run(
+        [sys.executable, os.path.join(root, "tools", "serve.py"), config, flag],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    err = r.stderr.strip()
+    assert r.returncode == 2 and err.startswith(f"tools/serve.py: error: {message}"), err
+    assert len(err.splitlines()) == 1, err

@@ -41,6 +41,22 @@ def _fmt(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
+def _int63(text: Any) -> int:
+    """A query integer; ValueError (a 400) for one no database column can hold."""
+    value = int(text)
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"{value} is out of range")
+    return value
+
+
+def _path_id(request: Request, name: str) -> int:
+    """An id or step from the URL; one no database column can hold is a 404, not a 500."""
+    value = int(request.path_params[name])
+    if not 0 <= value < 2**63:
+        raise HTTPException(404, f"no {name.removesuffix('_id')} {value}")
+    return value
+
+
 def make_app(
     engine: Engine,
     *,
@@ -67,7 +83,7 @@ def make_app(
 
     def run_or_404(s: Session, request: Request) -> Any:
         try:
-            return queries.get_run(s, int(request.path_params["run_id"]))
+            return queries.get_run(s, _path_id(request, "run_id"))
         except queries.NotFound as e:
             raise HTTPException(404, str(e)) from None
 
@@ -93,7 +109,7 @@ def make_app(
         with db() as s:
             run = run_or_404(s, request)
             try:
-                data = queries.step_page(s, run.id, int(request.path_params["step"]))
+                data = queries.step_page(s, run.id, _path_id(request, "step"))
             except queries.NotFound as e:
                 raise HTTPException(404, str(e)) from None
             return page(request, "step.html", run=queries.run_dict(run), **data)
@@ -101,7 +117,7 @@ def make_app(
     def rollout_page(request: Request) -> Response:
         with db() as s:
             try:
-                ro = queries.rollout(s, int(request.path_params["rollout_id"]))
+                ro = queries.rollout(s, _path_id(request, "rollout_id"))
             except queries.NotFound as e:
                 raise HTTPException(404, str(e)) from None
             run = queries.get_run(s, ro.run_id)
@@ -112,12 +128,12 @@ def make_app(
         with db() as s:
             run = run_or_404(s, request)
             try:
-                ev = queries.eval_at(s, run.id, int(request.path_params["step"]), q.get("tag"))
+                ev = queries.eval_at(s, run.id, _path_id(request, "step"), q.get("tag"))
                 cur = queries.eval_table(s, ev)
                 other = None
                 if q.get("vs_run") or q.get("vs"):
-                    vs_run = int(q.get("vs_run") or run.id)
-                    vs_step = int(q.get("vs_step") or q.get("vs"))
+                    vs_run = _int63(q.get("vs_run") or run.id)
+                    vs_step = _int63(q.get("vs_step") or q.get("vs"))
                     queries.get_run(s, vs_run)
                     other = queries.eval_table(
                         s, queries.eval_at(s, vs_run, vs_step, q.get("vs_tag"))
@@ -146,7 +162,7 @@ def make_app(
 
     def api_steps(request: Request) -> Response:
         try:
-            after = int(request.query_params.get("after", -1))
+            after = _int63(request.query_params.get("after", -1))
         except ValueError:
             raise HTTPException(400, "after must be an integer step") from None
         with db() as s:
