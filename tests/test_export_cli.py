@@ -71,7 +71,14 @@ def test_out_into_the_run_is_refused_and_nothing_changes(run_dir, tmp_path):
         (os.path.join(run_dir, "checkpoints", "hf"), "inside the run's checkpoints"),
         (os.path.join(run_dir, "checkpoints", "1"), "inside the run's checkpoints"),
         (other, "holds a training run's files (config.json)"),
+        (os.path.join(run_dir, "sft_demos"), "a folder of the run that holds files"),
+        (os.path.join(run_dir, "tb"), "a folder of the run that holds files"),
     ]
+    for sub in ("sft_demos", "tb"):  # the run's own folders, with their files
+        os.makedirs(os.path.join(run_dir, sub), exist_ok=True)
+        with open(os.path.join(run_dir, sub, "data.jsonl"), "w") as f:
+            f.write("{}\n")
+    before = _digest(run_dir)
     for out, needle in cases:
         _one_line_exit_2(_export(f"--workdir={run_dir}", f"--out={out}"), needle)
     only_metrics = tmp_path / "metrics_only"

@@ -94,6 +94,13 @@ def check_args(workdir: str, out: str, step: int | None) -> None:
     ckpts = os.path.join(real_wd, "checkpoints")
     if os.path.commonpath([real_out, ckpts]) == ckpts:
         raise UsageError(f"--out={out} is inside the run's checkpoints; pick another directory")
+    inside = os.path.commonpath([real_out, real_wd]) == real_wd
+    if inside and os.path.isdir(real_out) and os.listdir(real_out):
+        # the run's own folders (sft_demos, tb, screens, eval): a new folder in it is fine
+        raise UsageError(
+            f"--out={out} is a folder of the run that holds files; exporting there would mix "
+            "model files into them: pick a new directory"
+        )
     if os.path.isdir(real_out):
         found = holds_a_run(real_out)
         if found:
