@@ -168,6 +168,13 @@ def base_config(family: str) -> ConfigDict:
     # is an error (tests), else a logged, counted recompile (production)
     c.rl.learner_rows = 0
     c.rl.images_per_row = 0
+    # > 0: a token-budget shape set instead: the learner's rows hold this many tokens a chip a
+    # micro-batch (max(1, T // L) rows of each row length L), a batch is as many such chunks
+    # as its samples need, one gradient call each and one optimizer update (memory is one
+    # chunk's whatever env.max_turns and env.max_history_images are); screens a chip a
+    # micro-batch (0: all its tokens can hold). Replaces rl.learner_rows / rl.images_per_row
+    c.rl.tokens_per_chip = 0
+    c.rl.screens_per_chip = 0
     c.rl.strict_shapes = False
     # compiled ahead, before step 1: "none" | "learner" (its RL and SFT steps) | "all" (and the
     # sampler's bucket set: cua_jax.sampler.scheduler.BucketSet)

@@ -199,11 +199,12 @@ def begin(
     if sdpo_warm:  # every update is an SDPO step: the plain RL step never runs
         modes = tuple(m for m in modes if m != "rl")
     sampler = engine if rl.warmup == "all" else None
-    watched = tuple(f"{m}_step" for m in modes) + (SAMPLER_PROGRAMS if sampler else ())
+    names = dict.fromkeys(name for m in modes for name in learner.program_names(m))
+    watched = tuple(names) + (SAMPLER_PROGRAMS if sampler else ())
     if sdpo_warm:
         from cua_jax.rl import sdpo
 
-        watched += (f"{distiller.step_mode}_step", sdpo.TEACHER_PROGRAM)
+        watched += (*learner.program_names(distiller.step_mode), sdpo.TEACHER_PROGRAM)
     screens = config.env.max_history_images
 
     def run() -> dict[str, float]:

@@ -51,11 +51,15 @@ def policy_entropy(learner: Any, batch: Any, cache: dict | None = None) -> float
             temp = learner.loss_config.temperature
             ent = learner._token_stats(trainable, frozen, rest, emb, ds, vmask, xs, temp, True)[1]
             mask = xs["loss_mask"][:, 1:].astype(jnp.float32)
-            return jnp.sum(ent * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+            return jnp.sum(ent * mask), jnp.sum(mask)
 
         fn = cache["entropy"] = jax.jit(f)
-    xs, images = learner._device_batch(batch, substeps=1)
-    return float(fn(learner._trainable, learner._frozen, learner._rest, xs, images))
+    total = count = 0.0
+    for part, _ in learner.chunks(batch):  # a token-budget batch: one call a chunk
+        xs, images = learner._device_batch(part, substeps=1)
+        s, n = fn(learner._trainable, learner._frozen, learner._rest, xs, images)
+        total, count = total + float(s), count + float(n)
+    return total / max(count, 1.0)
 
 
 @dataclasses.dataclass

@@ -67,7 +67,14 @@ from cua_jax.rl import image_groups, losses, sdpo
 from cua_jax.rl import shapes as shapes_lib
 from cua_jax.rl.advantages import group_advantages
 from cua_jax.rl.image_groups import ImageGroups
-from cua_jax.rl.packing import DEFAULT_BUCKETS, PackedBatch, pack, pick_bucket
+from cua_jax.rl.packing import (
+    DEFAULT_BUCKETS,
+    PackedBatch,
+    pack,
+    pick_bucket,
+    row_patches,
+    split_chunks,
+)
 from cua_jax.rl.trajectory import (
     MIN_LIVE_EPISODES,
     PositionFn,
@@ -77,6 +84,9 @@ from cua_jax.rl.trajectory import (
     rope_position_fn,
     trajectory_to_samples,
 )
+
+# The optimizer update of a token-budget batch, after its chunks' gradient programs
+APPLY_PROGRAM = "apply_update"
 
 _TEXT_KEYS = (
     "input_ids",
@@ -288,6 +298,29 @@ def compile_each(
     return out
 
 
+def combine_micro_metrics(metrics: dict[str, Any], xp: Any = np) -> dict[str, Any]:
+    """A step's metrics from its micro-batches' (each metric stacked over them; `xp`: jnp
+    inside a program, np on the host for a token-budget batch's chunks): token means weighted
+    by the micro-batches' token counts; loss terms are already batch-normalised sums, so they
+    add up; maxima take the max."""
+    metrics = dict(metrics)
+    n = metrics["num_tokens"]
+    out = {}
+    if "_routing_recorded" in metrics:  # MoE: share over every recorded (token, layer)
+        differ = xp.sum(metrics.pop("_routing_differ"))
+        recorded = xp.sum(metrics.pop("_routing_recorded"))
+        out["routing_mismatch"] = differ / xp.maximum(recorded, 1.0)
+        out["routing_recorded"] = recorded
+    for k, v in metrics.items():
+        if k.endswith("_max"):
+            out[k] = xp.max(v)
+        elif k in ("loss", "pg_loss", "num_tokens") or k.startswith("sdpo_"):
+            out[k] = xp.sum(v)
+        else:
+            out[k] = xp.sum(v * n) / xp.maximum(xp.sum(n), 1.0)
+    return out
+
+
 class Learner:
     """Holds model params + optimizer state on a mesh and runs jitted GRPO / SFT steps.
 
@@ -403,6 +436,7 @@ class Learner:
         self._bucket_shapes = bucket_shapes
         self.logits_chunk = int(logits_chunk)
         self.compiled_shapes: set[tuple] = set()
+        self._warm: set[str] = set()  # shape-independent programs the warm-up compiled
         # The run's fixed shape set (#23, `cua_jax.rl.shapes`; single process): `pack` puts every
         # batch into one of its shapes and `warmup` compiles them ahead. None: rounded buckets.
         self.shapes: shapes_lib.ShapeSet | None = None
@@ -468,6 +502,8 @@ class Learner:
             loss_norm=self.loss_config.loss_norm,
             pad_id=int(self.config.text.pad_token_id or 0),
         )
+        if self.shapes is not None and num_rows is None and self.shapes.budgeted:
+            return self._pack_chunks(samples, mode, kw)
         if self.shapes is not None and num_rows is None:
             shape = self.shapes.pick(mode, samples)
             if shape is not None:
@@ -485,6 +521,37 @@ class Learner:
             target = shape_bucket(-(-rows // k)) * k
             if target != rows:
                 batch = pack(samples, num_rows=target, **kw)
+        return batch
+
+    def _pack_chunks(self, samples, mode: str, kw: dict) -> PackedBatch:
+        """A token-budget batch (`shapes.budgeted`): the samples first-fit into as many chunks
+        of the chosen shape's rows as they need, then the rows placed in the chunks' (micro-
+        batch, device) groups so no group holds more screens than the shape's
+        `group_screens` (one chunk more while they do not fit)."""
+        shape, k = self.shapes.chunks_for(mode, samples)
+        kw = {**kw, "seq_len_buckets": (shape.length,)}
+        v = self.config.vision
+        unit = int(np.prod(self.shapes.grid)) if self.shapes.grid else 1
+        budget = shape.group_screens * unit
+        while True:
+            batch = pack(samples, num_rows=k * shape.rows, **kw)
+            patches_R = row_patches(batch, self.config.image_token_id, v.spatial_merge_size)
+            if patches_R.max(initial=0) > budget:  # no chunk count helps
+                raise shapes_lib.ShapeError(
+                    f"a packed row of {shape.length} tokens holds {patches_R.max() // unit} "
+                    f"screens, more than a group's {shape.group_screens} (the shape {shape}); "
+                    "raise rl.screens_per_chip"
+                )
+            groups_R = image_groups.chunk_groups(
+                batch.shape[0], k, self.num_substeps, self._batch_parallel
+            )
+            perm = image_groups.fill_groups(groups_R, patches_R, budget)
+            if perm is not None:
+                break
+            k += 1
+        batch = image_groups.permute_rows(batch, perm, patches_R)
+        batch.patch_budget, batch.chunks = shape.patches, k
+        batch.group_screens = shape.group_screens
         return batch
 
     def prepare_batch(
@@ -538,6 +605,7 @@ class Learner:
             return None, info
         batch = self.pack(samples, num_rows, mode="rl")
         info["padding_share"] = batch.padding_share
+        info["chunks"] = float(batch.chunks)
         info["rows"], info["row_len"] = map(float, batch.shape)
         return batch, info
 
@@ -562,16 +630,32 @@ class Learner:
             fn = jax.jit(self._logprobs_fn, static_argnums=(5,))
             self._jit["logprobs"] = fn
         ref = self._reference_params(self._trainable) if reference else self._trainable
-        xs, images = self._device_batch(batch, substeps=1)
-        out = fn(ref, self._frozen, self._rest, xs, images, bool(batch.pixel_values is not None))
-        return np.asarray(out).reshape(batch.shape)
+        out = []
+        for part, _ in self.chunks(batch):  # a token-budget batch: one call a chunk
+            xs, images = self._device_batch(part, substeps=1)
+            lp = fn(ref, self._frozen, self._rest, xs, images, bool(part.pixel_values is not None))
+            out.append(np.asarray(lp).reshape(part.shape))
+        return np.concatenate(out)
 
     def lower_step(self, batch: PackedBatch, mode: str = "rl", extra=None) -> Any:
         """The jitted step of `mode` ("rl", "sft", or an SDPO mode with its target arrays in
         `extra`) for `batch`, lowered but not run (`jax.stages.Lowered`):
         `.compile().memory_analysis()` is its XLA buffer assignment (tools/bench_*)."""
+        if self._chunked(batch):  # a chunk's gradient program (`lower_apply`: the update)
+            part, ex = self.chunks(batch, extra)[0]
+            xs, images = self._device_batch(part, self.num_substeps, ex)
+            n_total = np.float32(1.0)
+            fn = self._get_grads(mode, isinstance(images, ImageGroups))
+            acc = self._trainable  # the accumulator has the trainable params' shapes
+            return fn.lower(
+                self._trainable, self._frozen, self._rest, self._ref, xs, images, n_total, acc
+            )
         args = self._step_args(batch, extra)
         return self._get_step(mode, isinstance(args[-1], ImageGroups)).lower(*args)
+
+    def lower_apply(self) -> Any:
+        """The optimizer update of a token-budget batch (`APPLY_PROGRAM`), lowered."""
+        return self._get_apply().lower(self._trainable, self._opt_state, self._trainable)
 
     def blank_batch(self, shape: shapes_lib.Shape) -> PackedBatch:
         """An all-padding batch of `shape` (rows x length + patch budget), packed as real ones
@@ -593,7 +677,7 @@ class Learner:
             loss_norm=self.loss_config.loss_norm,
             pad_id=int(self.config.text.pad_token_id or 0),
         )
-        batch.patch_budget = shape.patches
+        batch.patch_budget, batch.group_screens = shape.patches, shape.group_screens
         return batch
 
     def warmup(self, mode: Literal["rl", "sft"] = "rl") -> dict[str, float]:
@@ -602,16 +686,32 @@ class Learner:
         of that shape runs the compiled program. Returns {program and shape: seconds}."""
         if self.shapes is None:
             raise ValueError("warmup needs a shape set: learner.shapes = ShapeSet.from_config(...)")
-        return compile_each(
-            self.shapes.of(mode),
-            f"{mode}_step",
-            lambda s: self.lower_step(self.blank_batch(s), mode),
+        name = self.program_names(mode)[0]
+        times = compile_each(
+            self.shapes.of(mode), name, lambda s: self.lower_step(self.blank_batch(s), mode)
         )
+        if self.shapes.budgeted:
+            times.update(self.warmup_apply())
+        return times
+
+    def warmup_apply(self) -> dict[str, float]:
+        """Compiles the token-budget update (`APPLY_PROGRAM`) once; {name: seconds}."""
+        if APPLY_PROGRAM in self._warm:
+            return {}
+        t0 = time.perf_counter()
+        self.lower_apply().compile()
+        self._zero_grads_fn().lower(self._trainable).compile()
+        self._warm.add(APPLY_PROGRAM)
+        return {APPLY_PROGRAM: time.perf_counter() - t0}
 
     def loss_and_grads(
         self, batch: PackedBatch, mode: Literal["rl", "sft"] = "rl"
     ) -> tuple[dict[str, float], nnx.State]:
         """Metrics and gradients of one batch without updating anything (tests, debugging)."""
+        if self._chunked(batch):
+            grads, metrics = self._accumulate(mode, batch)
+            metrics["grad_norm"] = optax.tree.norm(grads)
+            return {k: float(v) for k, v in jax.device_get(metrics).items()}, grads
         key = f"grads_{mode}"
         if key not in self._jit:
             self._jit[key] = jax.jit(lambda *a: self._grads_fn(mode, *a))
@@ -874,16 +974,18 @@ class Learner:
         return batch.pixel_values is None or image_groups.uniform_screens(batch, self.shapes.grid)
 
     def _screen_layout(
-        self, length: int, budget: int, substeps: int, grid=None
+        self, length: int, budget: int, substeps: int, grid=None, per_group: int = 0
     ) -> tuple[int, int, Any]:
         """(screens a group holds, patches of a screen, the host `VisionMeta` of one group) of
         a shape-set shape of rows of `length` tokens and a patch `budget` of `grid` screens
-        (default: the shape set's), split into `substeps` x batch-parallel groups."""
+        (default: the shape set's), split into `substeps` x batch-parallel groups; a
+        token-budget shape's `per_group` (its `group_screens`) when given."""
         grid = grid or self.shapes.grid
         unit = int(np.prod(grid))
         per_row = length // self._screen_tokens(grid)
         groups = substeps * self._batch_parallel
-        per_group = image_groups.group_budget(budget // unit, groups, per_row)
+        if not per_group:
+            per_group = image_groups.group_budget(budget // unit, groups, per_row)
         meta = vision_metadata(self.config, np.tile(np.asarray(grid, np.int32), (per_group, 1)))
         return per_group, unit, meta
 
@@ -901,7 +1003,12 @@ class Learner:
         cannot be grouped or a group has more screens than its budget (logged)."""
         if not self._groupable(batch):
             return None
-        per_group, unit, meta = self._screen_layout(batch.shape[1], batch.patch_budget, substeps)
+        # a token-budget chunk's groups hold group_screens each at the step's micro-batching;
+        # fewer micro-batches (a log-prob pass: one) merge num_substeps / substeps of them
+        per_group = batch.group_screens * self.num_substeps // substeps
+        per_group, unit, meta = self._screen_layout(
+            batch.shape[1], batch.patch_budget, substeps, per_group=per_group
+        )
         v = self.config.vision
         dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
         groups_R = image_groups.row_groups(batch.shape[0], substeps, self._batch_parallel)
@@ -1081,18 +1188,22 @@ class Learner:
 
     def _grads_fn(self, mode, trainable, frozen, rest, ref_full, xs, images):
         """(grads of the batch loss w.r.t. the trainable params, metrics)."""
+        grads, metrics = self._grads_raw(mode, trainable, frozen, rest, ref_full, xs, images)
+        return grads, self._batch_metrics(grads, metrics)
+
+    def _grads_raw(self, mode, trainable, frozen, rest, ref_full, xs, images, n_total=None):
+        """(grads, each micro-batch's metrics stacked [S]) of one call: the whole batch, or one
+        chunk of a token-budget batch whose trained tokens in all are `n_total`."""
         s = self.num_substeps
         ids = xs["input_ids"]
-        n_total = jnp.sum(xs["loss_mask"]).astype(jnp.float32)
+        if n_total is None:
+            n_total = jnp.sum(xs["loss_mask"]).astype(jnp.float32)
         use_ref = mode != "sft" and self.loss_config.kl_coef > 0
         ref = None
         if use_ref:
             ref = ref_full if ref_full is not None else self._reference_params(trainable)
         if isinstance(images, ImageGroups):  # each micro-batch embeds its own screens
-            grads, metrics = self._grads_grouped(
-                mode, trainable, frozen, rest, ref, xs, images, n_total
-            )
-            return grads, self._batch_metrics(grads, metrics)
+            return self._grads_grouped(mode, trainable, frozen, rest, ref, xs, images, n_total)
         (emb, ds), embed_vjp, vmask = jax.vjp(
             lambda tr: self._embed(tr, frozen, rest, ids, images), trainable, has_aux=True
         )
@@ -1125,8 +1236,7 @@ class Learner:
         g_tr, (g_emb, g_ds, metrics) = jax.lax.scan(body, g0, scan_in)
 
         (g_embed,) = embed_vjp((unsplit_micro(g_emb), unsplit_micro(g_ds)))
-        grads = jax.tree.map(jnp.add, g_tr, g_embed)
-        return grads, self._batch_metrics(grads, metrics)
+        return jax.tree.map(jnp.add, g_tr, g_embed), metrics
 
     def _grads_grouped(self, mode, trainable, frozen, rest, ref, xs, images, n_total):
         """`_grads_fn` with grouped screens (`image_groups`): the scan over micro-batches embeds
@@ -1156,22 +1266,7 @@ class Learner:
 
     def _batch_metrics(self, grads, metrics):
         """The step's metrics from the scan's per-micro-batch ones."""
-        # Per-micro-batch token means -> batch token means (weighted by token counts); loss
-        # terms are already batch-normalised sums, so they add up.
-        n = metrics["num_tokens"]
-        out = {}
-        if "_routing_recorded" in metrics:  # MoE: share over every recorded (token, layer)
-            differ = jnp.sum(metrics.pop("_routing_differ"))
-            recorded = jnp.sum(metrics.pop("_routing_recorded"))
-            out["routing_mismatch"] = differ / jnp.maximum(recorded, 1.0)
-            out["routing_recorded"] = recorded
-        for k, v in metrics.items():
-            if k.endswith("_max"):
-                out[k] = jnp.max(v)
-            elif k in ("loss", "pg_loss", "num_tokens") or k.startswith("sdpo_"):
-                out[k] = jnp.sum(v)
-            else:
-                out[k] = jnp.sum(v * n) / jnp.maximum(jnp.sum(n), 1.0)
+        out = combine_micro_metrics(metrics, jnp)
         out["grad_norm"] = optax.tree.norm(grads)
         return out
 
@@ -1191,13 +1286,7 @@ class Learner:
             if grouped:
                 images_sh = ImageGroups(self._pixel_sharding(4), self._repl)
             ref_sh = None if self._ref is None else self._trainable_sh
-            xs_sh = {k: self._row_sh for k in _TEXT_KEYS}
-            xs_sh["position_ids"] = self._pos_sh
-            if sdpo.parse_mode(mode) is not None:
-                for k in sdpo.TARGET_KEYS:
-                    xs_sh[k] = self._rows_sharding(3 if k in sdpo.TOPK_KEYS else 2)
-            if self._moe:
-                xs_sh["routes"] = self._route_sh
+            xs_sh = self._xs_shardings(mode)
 
             def step(*a):
                 return self._step_fn(mode, *a)
@@ -1220,6 +1309,148 @@ class Learner:
             self._jit[key] = fn
         return fn
 
+    # ------------------------------------------------------------- token-budget chunks
+
+    def _chunked(self, batch: PackedBatch) -> bool:
+        """Whether `batch` takes the chunked step: a token-budget shape set's batch."""
+        return batch.chunks > 1 or (self.shapes is not None and self.shapes.budgeted)
+
+    def program_names(self, mode: str) -> tuple[str, ...]:
+        """The programs a step of `mode` compiles (compile_stats' names): the one-call step,
+        or with a token-budget shape set the chunk's gradient program and the update."""
+        if self.shapes is not None and self.shapes.budgeted:
+            return (f"{mode}_grads", APPLY_PROGRAM)
+        return (f"{mode}_step",)
+
+    def chunks(self, batch: PackedBatch, extra=None) -> list[tuple[PackedBatch, dict | None]]:
+        """`batch`'s chunks (`packing.split_chunks`) with their rows of `extra`."""
+        if batch.chunks == 1:
+            return [(batch, extra)]
+        merge = self.config.vision.spatial_merge_size
+        patches_R = row_patches(batch, self.config.image_token_id, merge)
+        parts = split_chunks(batch, patches_R)
+        return list(zip(parts, _split_extra(extra, batch.chunks), strict=True))
+
+    def _get_grads(self, mode: str, grouped: bool) -> Callable:
+        """The jitted gradient program of one chunk: (trainable, frozen, rest, ref, xs,
+        images, n_total, grads so far) -> (grads so far + the chunk's, its micro-batches'
+        metrics); the accumulator is donated."""
+        key = (mode, "grads", grouped)
+        fn = self._jit.get(key)
+        if fn is None:
+            images_sh = self._repl
+            if grouped:
+                images_sh = ImageGroups(self._pixel_sharding(4), self._repl)
+            ref_sh = None if self._ref is None else self._trainable_sh
+
+            def grads(trainable, frozen, rest, ref, xs, images, n_total, acc):
+                g, metrics = self._grads_raw(
+                    mode, trainable, frozen, rest, ref, xs, images, n_total
+                )
+                return jax.tree.map(jnp.add, acc, g), metrics
+
+            grads.__name__ = f"{mode}_grads"
+            fn = jax.jit(
+                grads,
+                in_shardings=(
+                    self._trainable_sh,
+                    self._frozen_sh,
+                    self._rest_sh,
+                    ref_sh,
+                    self._xs_shardings(mode),
+                    images_sh,
+                    self._repl,
+                    self._trainable_sh,
+                ),
+                out_shardings=(self._trainable_sh, self._repl),
+                donate_argnums=(7,),
+            )
+            self._jit[key] = fn
+        return fn
+
+    def _get_apply(self) -> Callable:
+        """The jitted optimizer update from accumulated gradients (`APPLY_PROGRAM`)."""
+        fn = self._jit.get(APPLY_PROGRAM)
+        if fn is None:
+
+            def apply_update(trainable, opt_state, grads):
+                updates, opt_state = self._tx.update(grads, opt_state, trainable)
+                out = {
+                    "grad_norm": optax.tree.norm(grads),
+                    "update_norm": optax.tree.norm(updates),
+                }
+                return optax.apply_updates(trainable, updates), opt_state, out
+
+            fn = jax.jit(
+                apply_update,
+                in_shardings=(self._trainable_sh, self._opt_sh, self._trainable_sh),
+                out_shardings=(self._trainable_sh, self._opt_sh, self._repl),
+                donate_argnums=(0, 1) if self._donate else (1,),
+            )
+            self._jit[APPLY_PROGRAM] = fn
+        return fn
+
+    def _zero_grads_fn(self) -> Callable:
+        """The jitted all-zero gradient accumulator (the trainable params' shapes)."""
+        fn = self._jit.get("zero_grads")
+        if fn is None:
+
+            def zero_grads(t):
+                return jax.tree.map(jnp.zeros_like, t)
+
+            fn = jax.jit(zero_grads, out_shardings=self._trainable_sh)
+            self._jit["zero_grads"] = fn
+        return fn
+
+    def _zero_grads(self) -> nnx.State:
+        return self._zero_grads_fn()(self._trainable)
+
+    def _accumulate(self, mode: str, batch: PackedBatch, extra=None):
+        """(the batch's summed gradients, its metrics without the norms): one gradient
+        program call per chunk."""
+        n_total = np.float32(batch.loss_mask.sum())
+        grads = self._zero_grads()
+        raw = []
+        for part, ex in self.chunks(batch, extra):
+            xs, images = self._device_batch(part, self.num_substeps, ex)
+            grouped = isinstance(images, ImageGroups)
+            pix = None if images is None else (images.pixel_values if grouped else images[0])
+            self.compiled_shapes.add((f"{mode}_grads", part.shape, getattr(pix, "shape", None)))
+            fn = self._get_grads(mode, grouped)
+            grads, metrics = fn(
+                self._trainable, self._frozen, self._rest, self._ref, xs, images, n_total, grads
+            )
+            raw.append(metrics)
+        host = jax.device_get(raw)
+        stacked = {k: np.concatenate([np.atleast_1d(m[k]) for m in host]) for k in host[0]}
+        return grads, combine_micro_metrics(stacked, np)
+
+    def _chunked_step(self, mode: str, batch: PackedBatch, extra=None) -> dict[str, float]:
+        """One optimizer update from a token-budget batch: its chunks' gradients summed (the
+        loss weights are the whole batch's, so the sum is the batch's gradient), then the
+        update; a chunk's activations and screens are all a chip holds at once."""
+        grads, metrics = self._accumulate(mode, batch, extra)
+        trainable, opt_state, norms = self._get_apply()(self._trainable, self._opt_state, grads)
+        self._trainable, self._opt_state = trainable, opt_state
+        nnx.update(self.model, trainable)
+        self.version += 1
+        out = {k: float(v) for k, v in metrics.items()}
+        out.update({k: float(v) for k, v in jax.device_get(norms).items()})
+        out["chunks"] = float(batch.chunks)
+        out["version"] = float(self.version)
+        return out
+
+    def _xs_shardings(self, mode: str) -> dict[str, NamedSharding]:
+        """The shardings of a step's token-aligned inputs (`_device_batch`'s xs) in `mode`."""
+        xs_sh = {k: self._row_sh for k in _TEXT_KEYS}
+        xs_sh["position_ids"] = self._pos_sh
+        if sdpo.parse_mode(mode) is not None:
+            for k in sdpo.TARGET_KEYS:
+                xs_sh[k] = self._rows_sharding(3 if k in sdpo.TOPK_KEYS else 2)
+        if self._moe:
+            xs_sh["routes"] = self._route_sh
+        return xs_sh
+
     def _rows_sharding(self, ndim: int) -> NamedSharding:
         """Arrays with a leading row axis shard their rows like the batch's."""
         return NamedSharding(self.mesh, P(*self._row_sh.spec[:1], *([None] * (ndim - 1))))
@@ -1229,6 +1460,8 @@ class Learner:
         return (self._trainable, self._opt_state, self._frozen, self._rest, self._ref, xs, images)
 
     def _step(self, mode: str, batch: PackedBatch, extra=None) -> dict[str, float]:
+        if self._chunked(batch):
+            return self._chunked_step(mode, batch, extra)
         args = self._step_args(batch, extra)
         images = args[-1]
         grouped = isinstance(images, ImageGroups)
@@ -1243,6 +1476,14 @@ class Learner:
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         out["version"] = float(self.version)
         return out
+
+
+def _split_extra(extra: dict[str, np.ndarray] | None, chunks: int) -> list[dict | None]:
+    """Per-row extra arrays (SDPO's targets [R, L, ...]) cut into `chunks` row blocks."""
+    if not extra:
+        return [None] * chunks
+    parts = {k: np.split(np.asarray(v), chunks) for k, v in extra.items()}
+    return [{k: parts[k][c] for k in parts} for c in range(chunks)]
 
 
 def _gather_images(

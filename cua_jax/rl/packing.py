@@ -44,6 +44,11 @@ class PackedBatch:
     # Multi-host: `pixel_values` are every process's patches in process order, and this batch's
     # own rows' patches start at this one (0 on one process)
     patch_offset: int = 0
+    # A token-budget shape set (`rl.tokens_per_chip`): the rows are this many chunks of the
+    # shape's rows, each one call of the gradient program; one optimizer update for all
+    # (`Learner._chunked_step`). `patch_budget` and `group_screens` are a chunk's.
+    chunks: int = 1
+    group_screens: int = 0  # > 0: screens of one (micro-batch, device) group of a chunk
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -71,6 +76,72 @@ class PackedBatch:
         if self.routes is not None:
             out["routes"] = self.routes
         return out
+
+
+def row_patches(batch: PackedBatch, image_token_id: int, merge: int) -> np.ndarray:
+    """i64[R]: the image patches each row of `batch` holds (its images follow the rows'
+    row-major token order, each image's merged tokens t x h x w / merge² of its grid)."""
+    R = batch.shape[0]
+    out = np.zeros(R, np.int64)
+    if batch.pixel_values is None:
+        return out
+    grid = np.asarray(batch.image_grid_thw, np.int64).reshape(-1, 3)
+    sizes = grid.prod(axis=1)
+    tokens = sizes // merge**2
+    per_row = np.sum(batch.input_ids == image_token_id, axis=1)
+    ends = np.cumsum(tokens)
+    i = 0
+    seen = 0
+    for r in range(R):
+        seen += int(per_row[r])
+        while i < len(ends) and ends[i] <= seen:
+            out[r] += sizes[i]
+            i += 1
+    if i < len(sizes) and ends[-1] <= seen:  # pragma: no cover - every image is consumed above
+        raise AssertionError("images left over")
+    return out
+
+
+def split_chunks(batch: PackedBatch, row_patches_R: np.ndarray) -> list[PackedBatch]:
+    """`batch`'s `chunks` consecutive row blocks as batches of their own, each with its rows'
+    image patches (`row_patches_R`, from `row_patches`); loss weights stay the whole batch's,
+    so the chunks' summed gradients are the batch's."""
+    k = batch.chunks
+    R = batch.shape[0]
+    if R % k:
+        raise ValueError(f"{R} rows do not split into {k} chunks")
+    n = R // k
+    start = np.concatenate([[0], np.cumsum(row_patches_R)])
+    if batch.image_grid_thw is not None:
+        grid = np.asarray(batch.image_grid_thw, np.int64).reshape(-1, 3)
+        img_start = np.concatenate([[0], np.cumsum(grid.prod(axis=1))])
+    out = []
+    for c in range(k):
+        rows = slice(c * n, (c + 1) * n)
+        pv = grid_c = None
+        if batch.pixel_values is not None:
+            a, b = int(start[c * n]), int(start[(c + 1) * n])
+            if b > a:
+                pv = batch.pixel_values[a:b]
+                i0, i1 = np.searchsorted(img_start, [a, b])
+                grid_c = np.asarray(batch.image_grid_thw)[i0:i1]
+        out.append(
+            dataclasses.replace(
+                batch,
+                input_ids=batch.input_ids[rows],
+                segment_ids=batch.segment_ids[rows],
+                position_ids=batch.position_ids[:, rows],
+                loss_mask=batch.loss_mask[rows],
+                behaviour_logprobs=batch.behaviour_logprobs[rows],
+                advantages=batch.advantages[rows],
+                loss_weights=batch.loss_weights[rows],
+                pixel_values=pv,
+                image_grid_thw=grid_c,
+                routes=None if batch.routes is None else batch.routes[rows],
+                chunks=1,
+            )
+        )
+    return out
 
 
 def pick_bucket(length: int, buckets: Sequence[int]) -> int:

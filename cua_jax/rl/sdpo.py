@@ -530,9 +530,13 @@ def teacher_topk(
     (`num_substeps`, as the step does) and makes logits `learner.logits_chunk` positions at a
     time; no gradient. One compile per batch shape (kept in `cache`)."""
     fn = _teacher_jit(learner, k, cache)
-    xs, images = learner._device_batch(batch, substeps=learner.num_substeps)
-    ids, logp = fn(params, learner._frozen, learner._rest, xs, images)
-    return multihost.local_rows(ids), multihost.local_rows(logp)  # multi-host: this one's rows
+    ids_parts, logp_parts = [], []
+    for part, _ in learner.chunks(batch):  # a token-budget batch: one call a chunk
+        xs, images = learner._device_batch(part, substeps=learner.num_substeps)
+        ids, logp = fn(params, learner._frozen, learner._rest, xs, images)
+        ids_parts.append(multihost.local_rows(ids))  # multi-host: this one's rows
+        logp_parts.append(multihost.local_rows(logp))
+    return np.concatenate(ids_parts), np.concatenate(logp_parts)
 
 
 def _teacher_jit(learner: Any, k: int, cache: dict | None) -> Any:
@@ -749,10 +753,14 @@ class SelfDistiller:
             return fn.lower(params, learner._frozen, learner._rest, xs, images)
 
         mode = zeros(1, 1).mode
-        return {
-            **compile_each(learner.shapes.of("rl"), f"{mode}_step", lower_step),
+        step_name = learner.program_names(mode)[0]
+        out = {
+            **compile_each(learner.shapes.of("rl"), step_name, lower_step),
             **compile_each(learner.shapes.of("teacher"), TEACHER_PROGRAM, lower_teacher),
         }
+        if learner.shapes.budgeted:
+            out.update(learner.warmup_apply())
+        return out
 
     def targets(
         self, learner: Any, batch: Any, groups: Sequence[Sequence[Trajectory]]

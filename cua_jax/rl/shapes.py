@@ -49,9 +49,14 @@ class Shape:
     rows: int
     length: int
     patches: int  # patch budget of the batch (0: text-only programs)
+    # A token-budget shape (`rl.tokens_per_chip`): rows and patches are one chunk's, a batch
+    # is any number of chunks; each (micro-batch, device) group of a chunk holds at most this
+    # many screens. 0: a shape of the row-count set (a batch is one call).
+    group_screens: int = 0
 
     def __str__(self) -> str:
-        return f"{self.rows}x{self.length}" + (f" +{self.patches} patches" if self.patches else "")
+        s = f"{self.rows}x{self.length}" + (f" +{self.patches} patches" if self.patches else "")
+        return s + (" per chunk" if self.group_screens else "")
 
 
 def screen_grid(width: int, height: int, image_config: Any) -> tuple[int, int, int]:
@@ -119,6 +124,8 @@ class ShapeSet:
     # their feedback, up to the RL rows, each with one screen more (the final screenshot);
     # empty: teacher batches take the SFT shapes
     teacher: tuple[Shape, ...] = ()
+    # > 0: a token-budget set (`_budget`): tokens of one (micro-batch, device) group
+    tokens_per_chip: int = 0
 
     @staticmethod
     def from_config(config: Any, image_config: Any, *, row_multiple: int = 1) -> ShapeSet:
@@ -146,6 +153,8 @@ class ShapeSet:
                 out.append(Shape(up(rows), length, screens * unit))
             return tuple(out)
 
+        if rl.get("tokens_per_chip", 0) > 0:
+            return ShapeSet._budget(config, grid, image_tokens, row_multiple)
         rl_shapes = shapes(rl_rows)
         # SDPO's teacher batches: the failed samples of a step with their feedback, i.e. the
         # RL rows with one more screen a sample (the screen after the last action)
@@ -172,6 +181,61 @@ class ShapeSet:
         sft_shapes = shapes(sft_rows, extra=sft_extra)
         return ShapeSet(rl_shapes, sft_shapes, grid, bool(rl.strict_shapes), teacher)
 
+    @staticmethod
+    def _budget(
+        config: Any, grid: tuple[int, int, int], image_tokens: int, row_multiple: int
+    ) -> ShapeSet:
+        """The token-budget set (`rl.tokens_per_chip` = T > 0): for each row length L of
+        `rl.row_lengths`, a chunk of max(1, T // L) rows per (micro-batch, device) group, i.e.
+        `row_multiple` (= micro-batches x batch-parallel devices) times that, each group
+        holding at most `rl.screens_per_chip` screens (0: T // a screen's tokens, all a
+        chip's tokens can hold; never fewer than one row of L holds). A batch is as many
+        chunks of its shape as its samples need (`chunks_for`): memory is one chunk's whatever
+        `env.max_turns` and `env.max_history_images` are. SFT and SDPO teacher batches take
+        the same shapes (the teacher's rows longer by its feedback message)."""
+        rl = config.rl
+        T = int(rl.tokens_per_chip)
+        unit = grid[0] * grid[1] * grid[2]
+
+        def shapes(lengths: Sequence[int]) -> tuple[Shape, ...]:
+            out = []
+            for length in sorted(set(lengths)):
+                per_group = max(int(rl.get("screens_per_chip", 0)) or T // image_tokens, 0)
+                per_group = max(per_group, length // image_tokens)
+                rows = max(1, T // length) * row_multiple
+                out.append(Shape(rows, length, per_group * row_multiple * unit, per_group))
+            return tuple(out)
+
+        rl_shapes = shapes(rl.row_lengths)
+        teacher: tuple[Shape, ...] = ()
+        if rl.get("algorithm", "grpo") == "sdpo":
+            teacher = shapes((*rl.row_lengths, teacher_row_length(config, image_tokens)))
+        return ShapeSet(rl_shapes, rl_shapes, grid, bool(rl.strict_shapes), teacher, T)
+
+    @property
+    def budgeted(self) -> bool:
+        """A token-budget set: batches are chunks of a shape (`chunks_for`)."""
+        return self.tokens_per_chip > 0
+
+    def chunks_for(self, mode: Mode, samples: Sequence[Sample]) -> tuple[Shape, int]:
+        """(shape, chunks) of a token-budget set for `samples`: of the shapes whose rows are
+        long enough for the longest sample, the one whose first-fit packing needs the fewest
+        padded tokens (chunks x rows x length; the shorter rows on a tie). The chunk count
+        covers the rows; `Learner.pack` adds chunks when the screens need them."""
+        for i, s in enumerate(samples):
+            self.check_sample(s, i)
+        lengths = [s.length for s in samples] or [1]
+        best = None
+        for sh in self.of(mode):
+            if sh.length < max(lengths):
+                continue
+            k = max(1, -(-first_fit_rows(lengths, sh.length) // sh.rows))
+            cost = (k * sh.rows * sh.length, sh.length)
+            if best is None or cost < best[0]:
+                best = (cost, sh, k)
+        assert best is not None  # check_sample: some shape is long enough
+        return best[1], best[2]
+
     def of(self, mode: Mode) -> tuple[Shape, ...]:
         if mode == "teacher":
             return self.teacher or self.sft
@@ -183,6 +247,7 @@ class ShapeSet:
             f"learner shapes (rows x row length + patch budget; screen grid {g}): "
             f"rl {', '.join(map(str, self.rl))}; sft {', '.join(map(str, self.sft))}"
             + (f"; teacher {', '.join(map(str, self.teacher))}" if self.teacher else "")
+            + (f"; {self.tokens_per_chip} tokens a chip a micro-batch" if self.budgeted else "")
             + ("; strict" if self.strict else "")
         )
 
