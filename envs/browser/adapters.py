@@ -104,9 +104,9 @@ class PageKind:
         spec = task.spec
         if "html" in spec:
             key = hashlib.sha1(spec["html"].encode()).hexdigest()[:16]
-            url = pages.register_inline(key, spec["html"])
+            url = env.hold_inline(key, spec["html"])
         else:
-            url = spec.get("url") or pages.register_inline("blank", _BLANK)
+            url = spec.get("url") or env.hold_inline("blank", _BLANK)
         await page.goto(url, wait_until="load", timeout=env.reset_timeout_s * 1000)
         return task.instruction
 

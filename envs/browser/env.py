@@ -255,6 +255,7 @@ class BrowserEnv:
         self._nav_loaded = asyncio.Event()
         self.signal_done = False  # set by the page through window.__cuaSignal
         self.signal_reward = 0.0
+        self._inline_key: str | None = None  # the inline page this env's task is served from
 
     # ---------------------------------------------------------------------------------------
     # lifecycle
@@ -270,9 +271,24 @@ class BrowserEnv:
     async def close(self) -> None:
         """Close this env's context (and its browser if it owns it). Safe to call twice."""
         self._active = False
+        self.release_inline()
         await self._drop_context()
         if self._own_host:
             await self.host.close()
+
+    def hold_inline(self, key: str, html: str) -> str:
+        """Serves ``html`` at ``/inline/<key>`` while this env's task shows it (until the next
+        reset or close); returns its URL."""
+        self.release_inline()
+        url = pages.register_inline(key, html)
+        self._inline_key = key
+        return url
+
+    def release_inline(self) -> None:
+        """Frees the inline page of this env's last task (unless another env holds it too)."""
+        key, self._inline_key = self._inline_key, None
+        if key is not None:
+            pages.release_inline(key)
 
     async def _drop_context(self) -> None:
         ctx, self._ctx, self._page = self._ctx, None, None
@@ -377,6 +393,7 @@ class BrowserEnv:
         for attempt in range(2):
             try:
                 page = await self._fresh_page(reuse=attempt == 0 and self.reuse_context)
+                self.release_inline()  # the last task's page (the next start holds its own)
                 self.signal_done, self.signal_reward = False, 0.0
                 self._instruction = await asyncio.wait_for(
                     adapter.start(self, page, task, self._seed), self.reset_timeout_s
@@ -432,6 +449,10 @@ class BrowserEnv:
             info[INFO_INVALID_ACTION] = (
                 f"scroll amounts must be finite numbers, got dx={action.dx!r} dy={action.dy!r}"
             )
+            return StepResult(self._last_obs, False, 0.0, info)
+        off = _off_screen(action, self.viewport)
+        if off is not None:
+            info[INFO_INVALID_ACTION] = off
             return StepResult(self._last_obs, False, 0.0, info)
         if isinstance(action, A.API_ACTION_TYPES):
             allowed = self._task.api_actions if self._task is not None else ()
@@ -960,6 +981,31 @@ def _pick_option(option: str, opts: list[list[str]]) -> str | None:
         for text, value in opts:
             if match(text) or match(value):
                 return value
+    return None
+
+
+def _off_screen(action: A.Action, viewport: tuple[int, int]) -> str | None:
+    """Why a pointer action's point is not on the screen, or None. Chromium is handed no
+    point it cannot place: a Click at (1e308, 1e308) hung the page for the whole step time-out,
+    and inf is not even JSON."""
+    match action:
+        case A.Drag(x, y, sx, sy):
+            points = [(x, y), (sx, sy)]
+        case A.Click(x, y) | A.Move(x, y) | A.Scroll(x, y) | A.MouseDown(x, y) | A.MouseUp(x, y):
+            points = [(x, y)]
+        case _:
+            return None
+    w, h = viewport
+    for x, y in points:
+        if x is None or y is None:
+            continue  # at the pointer, which is always on the screen
+        try:
+            on = 0 <= x <= w and 0 <= y <= h  # False for NaN
+        except TypeError:
+            on = False
+        if not on:
+            name = type(action).__name__
+            return f"{name} at ({x!r}, {y!r}) is off the {w}x{h} screen"
     return None
 
 

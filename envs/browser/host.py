@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import signal
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -68,6 +69,9 @@ DISABLE_FEATURES = "--disable-features="
 # Playwright versions, so the first launch in this process reads them off the browser's command
 # line (and relaunches it with them merged in).
 _playwright_disabled_features: tuple[str, ...] | None = None
+
+PROBE_EVERY_S = 1.0  # BrowserHost.check: the most often a page is opened to check the browser
+PROBE_WAIT_S = 1.0  # how long a check waits for its probe (a healthy browser takes ~50 ms)
 
 
 def merge_disable_features(args: Sequence[str], more: Sequence[str] = ()) -> list[str]:
@@ -145,6 +149,9 @@ class BrowserHost:
         self._browser: Browser | None = None
         self._marker = ""
         self._lock = asyncio.Lock()
+        self._probe: asyncio.Future | None = None  # the last health probe (one at a time)
+        self._probe_t = (0.0, 0.0)  # when it started, when it ended
+        self._verdict: str | None = None  # what the last finished probe found
         self.launches = 0  # how many times a browser was started (relaunches show here)
 
     async def __aenter__(self) -> BrowserHost:
@@ -203,6 +210,46 @@ class BrowserHost:
             handle_sighup=False,
         )
 
+    async def check(self, timeout_s: float = 20.0) -> str | None:
+        """None when the browser opens a page, else why not: it could not, or a page has been
+        opening for more than ``timeout_s`` (wedged).
+
+        ``connected`` only says the pipe to Chromium is open: a browser pinned at 100% CPU (a
+        100000 x 100000 page) or stopped stays connected while every reset hangs. Opening a
+        page needs the browser process and a renderer, as a reset does. One probe runs at a
+        time, at most every ``PROBE_EVERY_S``; a caller waits for it at most ``PROBE_WAIT_S``
+        (a busy browser is slow, not wedged, until ``timeout_s``) and otherwise gets the last
+        verdict. A dead browser is relaunched by the probe.
+        """
+        now = time.monotonic()
+        p = self._probe
+        if p is None or (p.done() and now - self._probe_t[1] >= PROBE_EVERY_S):
+            p = self._probe = asyncio.ensure_future(self._open_a_page())
+            self._probe_t = (now, now)
+            p.add_done_callback(self._probe_done)
+        if not p.done():
+            with contextlib.suppress(Exception):  # a time-out, or the probe's error (its verdict)
+                await asyncio.wait_for(asyncio.shield(p), min(PROBE_WAIT_S, timeout_s))
+        if not p.done() and time.monotonic() - self._probe_t[0] > timeout_s:
+            return f"the browser has not opened a page in {timeout_s:g}s (wedged?)"
+        return self._verdict
+
+    def _probe_done(self, f: asyncio.Future) -> None:
+        self._probe_t = (self._probe_t[0], time.monotonic())
+        e = None if f.cancelled() else f.exception()
+        if e is None:
+            self._verdict = None
+        else:
+            first = str(e).splitlines()[0] if str(e) else ""
+            self._verdict = f"the browser could not open a page: {type(e).__name__}: {first}"
+
+    async def _open_a_page(self) -> None:
+        ctx = await self.new_context(viewport={"width": 64, "height": 64})
+        try:
+            await (await ctx.new_page()).evaluate("1")
+        finally:
+            await ctx.close()
+
     async def new_context(self, **kwargs) -> BrowserContext:
         """A fresh isolated context (own cookies, storage, renderer processes)."""
         browser = await self.browser()
@@ -238,17 +285,21 @@ class BrowserHost:
             self.kill()
             await self._drop_browser()
 
-    async def _drop_browser(self) -> None:
+    async def _drop_browser(self, timeout_s: float = 10.0) -> None:
         b, self._browser = self._browser, None
         if b is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(b.close(), 10)
+                await asyncio.wait_for(b.close(), timeout_s)
         self.kill()  # whatever is left of it
 
-    async def close(self) -> None:
-        """Close the browser and Playwright. Safe to call twice."""
-        await self._drop_browser()
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """Close the browser and Playwright, each given ``timeout_s`` before the browser's
+        processes are killed (a wedged browser never answers a close). Safe to call twice."""
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            probe.cancel()
+        await self._drop_browser(timeout_s)
         pw, self._pw = self._pw, None
         if pw is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(pw.stop(), 10)
+                await asyncio.wait_for(pw.stop(), timeout_s)

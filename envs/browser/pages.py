@@ -8,7 +8,9 @@ is aborted: that is the network isolation.
 Paths:
   /builtin/<file>   the built-in task suite (envs/browser/static/)
   /miniwob/<path>   the `miniwob` package's html/ directory (core/, miniwob/, common/ ...)
-  /inline/<key>     HTML registered at run time with ``register_inline`` (custom tasks, tests)
+  /inline/<key>     HTML registered at run time with ``register_inline`` (custom tasks, tests),
+                    held while an env shows it and freed by ``release_inline`` (a host that
+                    resets envs onto new inline pages for days must not keep every page)
 """
 
 from __future__ import annotations
@@ -44,14 +46,33 @@ def miniwob_html_dir() -> pathlib.Path:
 
 _cache: dict[str, tuple[bytes, str] | None] = {}
 _inline: dict[str, str] = {}
+_inline_refs: dict[str, int] = {}  # how many holders each inline page has
 _lock = threading.Lock()
 
 
 def register_inline(key: str, html: str) -> str:
-    """Serve ``html`` at ``/inline/<key>``; returns the full URL."""
+    """Serve ``html`` at ``/inline/<key>`` until as many ``release_inline(key)`` calls as
+    ``register_inline(key, ...)`` calls were made; returns the full URL."""
     with _lock:
         _inline[key] = html
+        _inline_refs[key] = _inline_refs.get(key, 0) + 1
     return f"{ORIGIN}/inline/{urllib.parse.quote(key)}"
+
+
+def release_inline(key: str) -> None:
+    """One holder of ``/inline/<key>`` is done with it; the last one frees the page."""
+    with _lock:
+        n = _inline_refs.get(key, 0) - 1
+        if n > 0:
+            _inline_refs[key] = n
+        else:
+            _inline_refs.pop(key, None)
+            _inline.pop(key, None)
+
+
+def inline_pages() -> int:
+    """How many inline pages are held (tests: a host's memory does not grow over resets)."""
+    return len(_inline)
 
 
 def _resolve(path: str) -> pathlib.Path | None:

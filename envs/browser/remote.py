@@ -19,6 +19,7 @@ screenshot (PNG or JPEG, as the host's Chromium produced it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import struct
@@ -267,8 +268,11 @@ async def host_health(
             base + "/health", headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as r:
             body = await r.read()
-            if r.status != 200:
-                raise HostUnavailable(f"browser host {endpoint} /health: HTTP {r.status}")
+            if r.status != 200:  # 503 names why (a wedged browser)
+                why = body[:300].decode(errors="replace")
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    why = json.loads(body)["message"]
+                raise HostUnavailable(f"browser host {endpoint} /health: HTTP {r.status}: {why}")
             return json.loads(body)
     except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
         raise HostUnavailable(f"browser host {endpoint} /health: {type(e).__name__}: {e}") from e

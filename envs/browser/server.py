@@ -10,7 +10,10 @@ Playwright's browser server (``launch_server`` is Node-only; Python Playwright c
 or Chromium's CDP endpoint (which would give a client the whole browser, and run the network
 isolation on the client, with the pages served from its memory):
 
-    GET  /health                 {"capacity", "free", "leases", "browser_connected", "version"}
+    GET  /health                 {"capacity", "free", "leases", "browser_connected",
+                                 "browser_ok", "version"}: 503 (with "message") when the
+                                 browser cannot open a page, or one has been opening for
+                                 over --health-timeout-s (a wedged browser stays connected)
     POST /envs                   {"viewport": [w, h]} -> {"env": id, "lease_s"} (503: full)
     POST /envs/{id}/reset        {"task": Task.to_dict(), "seed"} -> observation
     POST /envs/{id}/step         {"action": actions.action_to_dict(a)} -> observation + result
@@ -91,6 +94,9 @@ ROUTES = (
     Route("POST", "/bench/screenshots", "bench_screenshots", JSON),
 )
 MAX_BENCH_SECONDS = 60.0
+# On SIGTERM: what an in-flight request, then the envs' contexts, then the browser get before
+# the browser is killed (a wedged Chromium answers nothing; the host still stops in seconds).
+SHUTDOWN_GRACE_S = 0.5
 MIN_TOKEN_CHARS = 16  # beyond loopback: a token a network neighbour cannot guess
 
 
@@ -122,6 +128,7 @@ class BrowserServer:
         lease_s: float = 120.0,
         executable_path: str | None = None,
         page_memory_mb: int | None = None,
+        health_timeout_s: float = 20.0,
         **env_kwargs: Any,
     ):
         if capacity < 1:
@@ -129,6 +136,7 @@ class BrowserServer:
         self.capacity = capacity
         self._bench_pages: list | None = None  # opened by /bench/pages for /bench/screenshots
         self.lease_s = lease_s
+        self.health_timeout_s = health_timeout_s
         self.host = BrowserHost(executable_path, page_memory_mb=page_memory_mb)
         self.env_kwargs = env_kwargs
         self.leases: dict[str, _Lease] = {}
@@ -159,8 +167,10 @@ class BrowserServer:
                 await self._sweeper
         leases, self.leases = list(self.leases.values()), {}
         envs, self.idle = [le.env for le in leases] + self.idle, []
-        await asyncio.gather(*(e.close() for e in envs), return_exceptions=True)
-        await self.host.close()
+        closing = asyncio.gather(*(e.close() for e in envs), return_exceptions=True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(closing, SHUTDOWN_GRACE_S)
+        await self.host.close(SHUTDOWN_GRACE_S)
 
     async def _sweep(self) -> None:
         """Reclaims leases whose client stopped renewing them."""
@@ -176,15 +186,20 @@ class BrowserServer:
     # ---------------------------------------------------------------------------- handlers
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "capacity": self.capacity,
-                "free": self.capacity - len(self.leases),
-                "leases": len(self.leases),
-                "browser_connected": self.host.connected,
-                "version": PROTOCOL_VERSION,
-            }
-        )
+        """200 when the browser opens pages (``BrowserHost.check``); else 503 naming why (a
+        fleet then takes this host out until it answers again). Answers within ~1 s."""
+        why = await self.host.check(self.health_timeout_s)
+        body = {
+            "capacity": self.capacity,
+            "free": self.capacity - len(self.leases),
+            "leases": len(self.leases),
+            "browser_connected": self.host.connected,
+            "browser_ok": why is None,
+            "version": PROTOCOL_VERSION,
+        }
+        if why is not None:
+            return web.json_response({**body, "status": "error", "message": why}, status=503)
+        return web.json_response(body)
 
     async def lease(self, request: web.Request) -> web.Response:
         data = await json_body(request)
@@ -346,6 +361,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--capacity", type=int, default=16, help="envs leased at once (default 16)")
     p.add_argument("--lease-s", type=float, default=120.0, help="lease time-out in seconds")
     p.add_argument("--step-timeout-s", type=float, default=20.0, help="BrowserEnv step timeout")
+    p.add_argument(
+        "--health-timeout-s",
+        type=float,
+        default=20.0,
+        help="/health is 503 once a page has been opening for this long (default 20, as a "
+        "reset's time-out)",
+    )
     p.add_argument("--executable-path", default=None, help="Chromium (autodetected)")
     p.add_argument(
         "--page-memory-mb",
@@ -359,7 +381,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--port {args.port} must be in [0, 65535] (0 picks a free one)")
     if args.capacity < 1:
         p.error(f"--capacity {args.capacity} must be >= 1")
-    for name in ("lease_s", "step_timeout_s"):
+    for name in ("lease_s", "step_timeout_s", "health_timeout_s"):
         v = getattr(args, name)
         if not (math.isfinite(v) and v > 0):
             p.error(f"--{name.replace('_', '-')} {v} must be a finite number > 0 (seconds)")
@@ -397,9 +419,12 @@ async def serve(args: argparse.Namespace) -> None:
         lease_s=args.lease_s,
         executable_path=args.executable_path,
         page_memory_mb=args.page_memory_mb,
+        health_timeout_s=args.health_timeout_s,
         step_timeout_s=args.step_timeout_s,
     )
-    runner = web.AppRunner(server.app(), access_log=None)
+    # A request still running at SIGTERM (a reset on a wedged browser) is cancelled after the
+    # grace, not waited for (aiohttp's default: 60 s).
+    runner = web.AppRunner(server.app(), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
@@ -419,7 +444,11 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await runner.cleanup()
+    try:
+        await asyncio.wait_for(runner.cleanup(), 10 * SHUTDOWN_GRACE_S)
+    except TimeoutError:  # each step is bounded; this is the backstop
+        log.warning("shutdown overran %gs: killing the browser", 10 * SHUTDOWN_GRACE_S)
+        server.host.kill()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

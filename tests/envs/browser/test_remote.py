@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -176,6 +177,78 @@ def test_cli_binds_loopback_and_needs_a_token_elsewhere(capsys):
             parse_args(list(args))
         err = capsys.readouterr().err
         assert exc.value.code == 2 and message in err, (args, err)
+
+
+def _browser_process(host_pid: int) -> int:
+    """The Chromium browser process (not a renderer) started under the host process."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            kids.setdefault(ppid, []).append(int(d))
+    todo, seen = [host_pid], []
+    while todo:
+        new = kids.get(todo.pop(), [])
+        seen += new
+        todo += new
+    for pid in seen:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().split(b"\0")
+        if any(c.startswith(b"--cua-host=") for c in cmd) and not any(
+            c.startswith(b"--type=") for c in cmd
+        ):
+            return pid
+    raise AssertionError(f"no Chromium under {host_pid}")
+
+
+def test_health_names_a_wedged_browser_and_sigterm_still_stops_the_host(run):
+    """A stopped Chromium stays `connected` (its pipe is open) while every reset hangs: /health
+    turns 503 naming it once a page has been opening for --health-timeout-s (it was 200
+    `browser_connected: true`), and SIGTERM with a reset hung in flight stops the host in
+    seconds (10 s before; up to 60 s more with aiohttp's grace for in-flight requests)."""
+    proc, ep = start_host_process(token=TOKEN, capacity=1, extra=["--health-timeout-s", "1"])
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    chromium = _browser_process(proc.pid)
+    try:
+        status, text = run(_raw(ep, "GET", "/health", headers=auth))
+        assert status == 200 and json.loads(text)["browser_ok"], text
+        status, text = run(
+            _raw(ep, "POST", "/envs", headers=auth, json_body={"viewport": [64, 64]})
+        )
+        lease = json.loads(text)["env"]
+        os.kill(chromium, signal.SIGSTOP)
+        t0 = time.monotonic()
+        while status == 200 and time.monotonic() - t0 < 10:  # a probe a second, 1 s to fail
+            status, text = run(_raw(ep, "GET", "/health", headers=auth))
+        took = time.monotonic() - t0
+        body = json.loads(text)
+        assert status == 503 and not body["browser_ok"] and "wedged" in body["message"], text
+        assert body["browser_connected"] and took < 4.0, took  # connected, yet not working
+
+        async def hung_reset_then_sigterm():
+            task = {"id": "t", "instruction": "x", "source": "custom", "spec": {"html": "<p>"}}
+            reset = asyncio.ensure_future(
+                _raw(ep, "POST", f"/envs/{lease}/reset", headers=auth, json_body={"task": task})
+            )
+            await asyncio.sleep(0.5)
+            assert not reset.done()
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            while proc.poll() is None and time.monotonic() - t0 < 20:
+                await asyncio.sleep(0.05)
+            with contextlib.suppress(Exception):
+                await reset
+            return time.monotonic() - t0
+
+        stopped_in = run(hung_reset_then_sigterm())
+        assert proc.poll() is not None and stopped_in < 8.0, stopped_in
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(chromium, signal.SIGCONT)
+            os.kill(chromium, signal.SIGKILL)
+        proc.kill()
+        proc.wait(10)
 
 
 def test_lease_expires_and_a_full_host_refuses(host, run):
