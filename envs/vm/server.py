@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import platform
 import secrets
@@ -62,10 +63,12 @@ from envs.vm.server_exec import (
     RUN_BASH_DEFAULT_S,
     RUN_PYTHON_LIMIT_S,
     PyAutoGUIWorker,
+    Ran,
     clamp_limit,
     expand_home,
     is_pyautogui_command,
     kill_group,
+    run_capped,
     run_limited,
     spawn_detached,
 )
@@ -109,6 +112,10 @@ __all__ = [
     "run_limited",
     "serve",
 ]
+
+MAX_EXEC_LIMIT_S = 24 * 3600.0  # --exec-limit: a day
+MAX_UPLOAD_CAP = 64 * 1024**3  # --max-upload-bytes: the spool is on the VM's disk
+MIN_TOKEN_CHARS = 16  # beyond loopback: a token a network neighbour cannot guess
 
 # Every endpoint, what its body is and how big it may be (server_http.Route).
 ROUTES: tuple[Route, ...] = (
@@ -244,15 +251,21 @@ class VMServer:
         lim = self.limit(data.get("timeout"), self.exec_limit_s)
         try:
             if self.worker is not None and is_pyautogui_command(command, shell):
-                rc, out, err = await self.worker.run(command[2], lim)
+                ran = await self.worker.run_capped(command[2], lim)
             else:
-                rc, out, err = await run_limited(command, shell=shell, limit_s=lim)
+                ran = await run_capped(command, shell=shell, limit_s=lim)
         except (OSError, ValueError) as e:  # e.g. the program does not exist
             return error(str(e))
-        if rc is None:
+        if ran.returncode is None:
             return error(f"Command {command!r} timed out after {lim:g} seconds", timed_out=True)
         return web.json_response(
-            {"status": "success", "output": out, "error": err, "returncode": rc}
+            {
+                "status": "success",
+                "output": ran.stdout,
+                "error": ran.stderr,
+                "returncode": ran.returncode,
+                **_truncated(ran),
+            }
         )
 
     async def launch(self, request: web.Request) -> web.Response:
@@ -290,11 +303,12 @@ class VMServer:
             f.write(code)
             path = f.name
         try:
-            rc, out, err = await run_limited(
+            ran = await run_capped(
                 [sys.executable, path], shell=False, limit_s=self.limit(None, RUN_PYTHON_LIMIT_S)
             )
         finally:
             os.unlink(path)
+        rc, out, err = ran[:3]
         if rc is None:
             return web.json_response(
                 {
@@ -309,7 +323,14 @@ class VMServer:
         status = "success" if rc == 0 else "error"
         message = out if rc == 0 else (out + ("\n" if out and err else "") + err)
         return web.json_response(
-            {"status": status, "message": message, "output": out, "error": err, "return_code": rc}
+            {
+                "status": status,
+                "message": message,
+                "output": out,
+                "error": err,
+                "return_code": rc,
+                **_truncated(ran),
+            }
         )
 
     async def run_bash_script(self, request: web.Request) -> web.Response:
@@ -332,11 +353,12 @@ class VMServer:
             f.write(script if "#!/bin/bash" in script else "#!/bin/bash\n\n" + script)
             path = f.name
         try:
-            rc, out, _ = await run_limited(
+            ran = await run_capped(
                 ["/bin/bash", path], shell=False, limit_s=lim, cwd=wd, merge_stderr=True
             )
         finally:
             os.unlink(path)
+        rc, out = ran.returncode, ran.stdout
         if rc is None:
             return fail(f"Script execution timed out after {lim:g} seconds", 500, timed_out=True)
         return web.json_response(
@@ -345,6 +367,7 @@ class VMServer:
                 "output": out,
                 "error": "",
                 "returncode": rc,
+                **_truncated(ran),
             }
         )
 
@@ -491,6 +514,12 @@ class VMServer:
         return web.FileResponse(path)
 
 
+def _truncated(ran: Ran) -> dict[str, Any]:
+    """Added to a command's reply when an output was cut at ``server_exec.MAX_OUTPUT_BYTES``
+    (OSWorld's replies have no such key: it appears only then)."""
+    return {"truncated": True} if ran.truncated else {}
+
+
 def make_app(**kwargs: Any) -> web.Application:
     """``VMServer(**kwargs).app()``: the aiohttp application (see ``VMServer`` for the args)."""
     return VMServer(**kwargs).app()
@@ -558,10 +587,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     loopback = is_loopback(args.host)
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port {args.port} must be in [0, 65535] (0 picks a free one)")
+    if not (math.isfinite(args.exec_limit) and 0 < args.exec_limit <= MAX_EXEC_LIMIT_S):
+        p.error(f"--exec-limit {args.exec_limit} must be in (0, {MAX_EXEC_LIMIT_S:g}] seconds")
+    if not 1 <= args.max_upload_bytes <= MAX_UPLOAD_CAP:
+        p.error(f"--max-upload-bytes {args.max_upload_bytes} must be in [1, {MAX_UPLOAD_CAP}]")
     if args.no_token and args.token is not None:
         p.error("--no-token and --token contradict each other: give one")
     if args.token is None and not args.no_token:
         args.token = os.environ.get("CUA_VM_TOKEN")
+    if not loopback and args.token and len(args.token) < MIN_TOKEN_CHARS:
+        p.error(
+            f"--token: a non-loopback address needs a token of at least {MIN_TOKEN_CHARS} "
+            "characters (the server runs any command it is sent)"
+        )
     if args.no_token and not loopback:
         p.error(
             f"refusing to bind {args.host} with --no-token: the server runs any command it is "

@@ -12,11 +12,15 @@ import os
 import shlex
 import signal
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 DEFAULT_EXEC_LIMIT_S = 120.0  # OSWorld's /execute limit
 RUN_PYTHON_LIMIT_S = 30.0  # OSWorld's /run_python limit
 RUN_BASH_DEFAULT_S = 100.0  # OSWorld's /run_bash_script default timeout
+# The most bytes of a command's stdout (and, apart, of its stderr) a reply carries. The rest is
+# read and dropped, so the command runs as it would (a full pipe would stall it): `yes` for the
+# 120 s limit would otherwise be tens of GB in the server. Replies then say "truncated": true.
+MAX_OUTPUT_BYTES = 8 * 1024**2
 
 
 def expand_home(command: Any, shell: bool) -> Any:
@@ -65,6 +69,29 @@ async def spawn_detached(command: str | list[str], *, shell: bool) -> asyncio.su
     return await asyncio.create_subprocess_exec(*argv, **quiet)
 
 
+class Ran(NamedTuple):
+    """What ``run_capped`` saw: returncode None = past the limit (process group killed);
+    ``truncated``: stdout or stderr was longer than the cap and is cut there."""
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+    truncated: bool = False
+
+
+async def _read_capped(stream: asyncio.StreamReader | None, cap: int) -> tuple[bytes, bool]:
+    """The first ``cap`` bytes of ``stream`` and whether there were more (read to EOF)."""
+    buf, more = bytearray(), False
+    while stream is not None:
+        chunk = await stream.read(256 * 1024)
+        if not chunk:
+            break
+        room = cap - len(buf)
+        buf += chunk[: max(room, 0)]
+        more = more or len(chunk) > room
+    return bytes(buf), more
+
+
 async def run_limited(
     command: str | list[str],
     *,
@@ -73,7 +100,25 @@ async def run_limited(
     cwd: str | None = None,
     merge_stderr: bool = False,
 ) -> tuple[int | None, str, str]:
-    """Runs a command to completion or until ``limit_s``; returns (returncode, stdout, stderr).
+    """Runs a command to completion or until ``limit_s``; returns (returncode, stdout, stderr),
+    each output capped at ``MAX_OUTPUT_BYTES`` (``run_capped`` also says whether it was)."""
+    ran = await run_capped(
+        command, shell=shell, limit_s=limit_s, cwd=cwd, merge_stderr=merge_stderr
+    )
+    return ran.returncode, ran.stdout, ran.stderr
+
+
+async def run_capped(
+    command: str | list[str],
+    *,
+    shell: bool,
+    limit_s: float,
+    cwd: str | None = None,
+    merge_stderr: bool = False,
+    max_output_bytes: int = MAX_OUTPUT_BYTES,
+) -> Ran:
+    """Runs a command to completion or until ``limit_s``, keeping at most ``max_output_bytes``
+    of each output.
 
     returncode None means it ran past its limit: its whole process group was killed (commands
     like ``sh -c 'sleep 100 &'`` must not leave children behind).
@@ -91,16 +136,21 @@ async def run_limited(
     else:
         argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
         proc = await asyncio.create_subprocess_exec(*argv, **pipes)
+    reading = asyncio.gather(
+        _read_capped(proc.stdout, max_output_bytes),
+        _read_capped(proc.stderr, max_output_bytes),
+        proc.wait(),
+    )
     try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout=limit_s)
+        (out, more_out), (err, more_err), _ = await asyncio.wait_for(reading, timeout=limit_s)
     except TimeoutError:
         kill_group(proc)
         await proc.wait()
-        return None, "", ""
+        return Ran(None, "", "")
     except asyncio.CancelledError:
         kill_group(proc)
         raise
-    return proc.returncode, _decode(out), _decode(err)
+    return Ran(proc.returncode, _decode(out), _decode(err), more_out or more_err)
 
 
 def _decode(b: bytes | None) -> str:
@@ -119,6 +169,7 @@ def _decode(b: bytes | None) -> str:
 # fresh process). Each reply carries its request's id, so a reply out of step is caught.
 WORKER_SRC = r"""
 import contextlib, io, json, os, sys, tempfile, traceback
+CAP = {cap}  # characters per output: 2 x CAP x 12 bytes (an escaped surrogate pair) < limit
 requests, replies = os.fdopen(os.dup(0), "r"), os.fdopen(os.dup(1), "w")
 os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
 child_out = tempfile.TemporaryFile()
@@ -142,11 +193,12 @@ for line in requests:
             traceback.print_exc()
             rc = 1
     child_out.seek(0)
-    out = child_out.read().decode("utf-8", "replace") + o.getvalue()
-    replies.write(json.dumps({"id": req["id"], "output": out, "error": e.getvalue(),
-                              "returncode": rc}) + "\n")
+    out = child_out.read(CAP).decode("utf-8", "replace") + o.getvalue()
+    cut = child_out.seek(0, 2) > CAP or len(out) > CAP or len(e.getvalue()) > CAP
+    replies.write(json.dumps({"id": req["id"], "output": out[:CAP], "error": e.getvalue()[:CAP],
+                              "returncode": rc, "truncated": cut}) + "\n")
     replies.flush()
-"""
+""".replace("{cap}", str(MAX_OUTPUT_BYTES // 4))
 
 
 def is_pyautogui_command(command: Any, shell: bool) -> bool:
@@ -190,6 +242,10 @@ class PyAutoGUIWorker:
 
     async def run(self, code: str, limit_s: float) -> tuple[int | None, str, str]:
         """(returncode, stdout, stderr); returncode None = past the limit (worker killed)."""
+        return (await self.run_capped(code, limit_s))[:3]
+
+    async def run_capped(self, code: str, limit_s: float) -> Ran:
+        """``run``, and whether the worker cut an output at its cap."""
         async with self._lock:
             proc = await self._ensure()
             assert proc.stdin is not None and proc.stdout is not None
@@ -201,13 +257,13 @@ class PyAutoGUIWorker:
                 line = await asyncio.wait_for(proc.stdout.readline(), timeout=limit_s)
             except TimeoutError:
                 self.kill()
-                return None, "", ""
-            except (ConnectionError, OSError) as e:
+                return Ran(None, "", "")
+            except (ConnectionError, OSError, ValueError) as e:  # ValueError: a line over limit
                 self.kill()
-                return 1, "", f"pyautogui worker died: {e}"
+                return Ran(1, "", f"pyautogui worker died: {e}")
             if not line:  # the snippet killed the worker (os._exit, a crash)
                 self.kill()
-                return 1, "", "pyautogui worker exited while running the code"
+                return Ran(1, "", "pyautogui worker exited while running the code")
             try:
                 r = json.loads(line)
                 ok = r["id"] == rid
@@ -215,8 +271,8 @@ class PyAutoGUIWorker:
                 ok = False
             if not ok:  # never hand back another call's reply: start a fresh worker
                 self.kill()
-                return 1, "", f"pyautogui worker reply out of step (restarted): {line[:200]!r}"
-            return int(r["returncode"]), r["output"], r["error"]
+                return Ran(1, "", f"pyautogui worker reply out of step (restarted): {line[:200]!r}")
+            return Ran(int(r["returncode"]), r["output"], r["error"], bool(r.get("truncated")))
 
     def kill(self) -> None:
         if self._proc is not None and self._proc.returncode is None:

@@ -271,3 +271,23 @@ def test_cli_makes_up_a_token_on_loopback_and_needs_one_elsewhere(monkeypatch, c
         vm_server.parse_args(["--host", "10.0.0.7"])  # never a made-up token off loopback
     assert "needs --token" in capsys.readouterr().err
     assert os.environ.get("CUA_VM_TOKEN") is None
+
+
+def test_cli_bounds_are_one_line_and_exit_2(capsys):
+    # Each was accepted (or a traceback from the event loop, for the port) before.
+    long = "a-token-of-16+chars"
+    assert vm_server.parse_args(["--host", "0.0.0.0", "--token", long]).token == long
+    bad = {
+        ("--exec-limit", "-1"): "--exec-limit -1.0 must be in (0, 86400]",
+        ("--exec-limit", "nan"): "--exec-limit nan must be in",
+        ("--max-upload-bytes", "-1"): "--max-upload-bytes -1 must be in [1,",
+        ("--port", "99999"): "--port 99999 must be in [0, 65535]",
+        ("--port", "-2"): "--port -2 must be in",
+        ("--host", "0.0.0.0", "--token", "T"): "at least 16 characters",
+    }
+    for argv, message in bad.items():
+        with pytest.raises(SystemExit) as exc:
+            vm_server.parse_args(list(argv))
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and message in err and "Traceback" not in err, (argv, err)
+        assert err.strip().splitlines()[-1].startswith("python -m envs.vm.server: error:")

@@ -123,6 +123,37 @@ def test_execute_runs_the_command_and_reports_its_output(tmp_path):
     assert "timed out after 0.3 seconds" in _body(slow)["message"]
 
 
+def test_command_output_is_capped_and_the_reply_says_so(tmp_path):
+    # `head -c 200M /dev/zero | tr '\0' a` took the server from 60 to 675 MB (all of it was
+    # held, then put in the JSON reply); `yes` for the 120 s limit would need tens of GB.
+    srv = _server(tmp_path, exec_limit_s=20)
+    cap = server_exec.MAX_OUTPUT_BYTES
+    big = f"head -c {cap + 3 * 2**20} /dev/zero | tr '\\0' a; echo done >&2"
+
+    async def go():
+        out = await srv.execute(_json_request("/execute", {"command": big, "shell": True}))
+        bash = await srv.run_bash_script(_json_request("/run_bash_script", {"script": big}))
+        small = await srv.execute(_json_request("/execute", {"command": ["echo", "hi"]}))
+        worker = server_exec.PyAutoGUIWorker(  # the warm worker, minus the X display
+            server_exec.WORKER_SRC.replace("import pyautogui\n", "").replace(
+                "pyautogui.PAUSE, pyautogui.FAILSAFE = 0.1, True", "pass"
+            )
+        )
+        try:
+            snippet = await worker.run_capped(f"print('b' * {cap})", 20)
+        finally:
+            worker.kill()
+        return _body(out), _body(bash), _body(small), snippet
+
+    out, bash, small, snippet = asyncio.run(go())
+    assert out["output"] == "a" * cap and out["error"] == "done\n" and out["truncated"] is True
+    assert out["returncode"] == 0 and out["status"] == "success"
+    assert len(bash["output"]) == cap and bash["truncated"] is True
+    assert "truncated" not in small  # OSWorld's reply shape when nothing was cut
+    assert snippet.returncode == 0 and snippet.truncated
+    assert snippet.stdout == "b" * (cap // 4)
+
+
 def test_bad_json_is_a_400_naming_the_path(tmp_path):
     srv = _server(tmp_path)
 
