@@ -12,9 +12,11 @@ Every setup step type OSWorld's task files use runs (``envs.vm.osworld_setup``: 
 through OSWorld's file cache, Chrome tabs, ...; ``googledrive`` and ``login`` only when their
 credentials are configured). The getters and metrics here are the subset that needs no
 app-specific Python (see ``GETTERS``, ``METRICS``), with the same semantics as OSWorld's
-``desktop_env/evaluators``. A task that uses anything else fails at *load* time with an error
-naming the unsupported type and the supported ones (``TaskFormatError.reason`` in short), so a
-suite never dies halfway through a run.
+``desktop_env/evaluators``; every other one is OSWorld's own, from desktop-env
+(``envs.vm.osworld_evaluators``, the ``osworld`` extra). A task that names one neither has
+fails at *load* time with an error naming it and the fix (the extra's install command, or a
+newer desktop-env; ``TaskFormatError.reason`` in short), so a suite never dies halfway through
+a run.
 
 Built-in desktop tasks (``envs/vm/tasks/*.json``) use the same format plus an ``"oracle"`` list
 of pyautogui action strings (parsed into our typed actions) that solves the task with GUI
@@ -33,6 +35,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from envs.vm import osworld_evaluators as desktop_env
 from envs.vm.client import VMClient
 from envs.vm.osworld_setup import (
     CREDENTIAL_STEPS,
@@ -144,11 +147,14 @@ def _check_getters(cfg: Any, where: str, what: str) -> None:
     for i, g in enumerate(_as_list(cfg)):
         if g is None:
             continue
-        if not isinstance(g, dict) or g.get("type") not in GETTERS:
-            got = g.get("type") if isinstance(g, dict) else g
+        got = g.get("type") if isinstance(g, dict) else g
+        if not isinstance(got, str):
+            raise TaskFormatError(f"{where}: evaluator.{what}[{i}] must be a {{type, ...}} object")
+        if got not in GETTERS and not desktop_env.has("getter", got):
             raise TaskFormatError(
-                f"{where}: evaluator.{what}[{i}] has getter type {got!r}, which is not "
-                f"supported; supported getters: {', '.join(GETTERS)}",
+                f"{where}: evaluator.{what}[{i}] has getter type {got!r}, which is not supported "
+                f"here: the built-in getters are {', '.join(GETTERS)}; "
+                f"{desktop_env.missing_reason('getter', got)}",
                 f"getter {got}",
             )
 
@@ -175,10 +181,12 @@ def parse_task(
         raise TaskFormatError(f"{where}: 'evaluator' must be an object with a 'func'")
     funcs = _as_list(ev["func"])
     for f in funcs:
-        if f not in METRICS:
+        if not isinstance(f, str):
+            raise TaskFormatError(f"{where}: evaluator.func must name metrics, got {f!r}")
+        if f not in METRICS and not desktop_env.has("metric", f):
             raise TaskFormatError(
-                f"{where}: evaluator.func {f!r} is not supported; supported metrics: "
-                f"{', '.join(METRICS)}",
+                f"{where}: evaluator.func {f!r} is not supported here: the built-in metrics are "
+                f"{', '.join(METRICS)}; {desktop_env.missing_reason('metric', f)}",
                 f"metric {f}",
             )
     if ev.get("conj", "and") not in ("and", "or"):
@@ -280,18 +288,23 @@ async def get_value(
             return None
         return r.get("output") if t == "vm_command_line" else r.get("error")
     if t == "vm_file":
-        # OSWorld downloads into its cache dir and hands metrics the local path(s).
+        # OSWorld downloads into its cache dir and hands metrics the local path(s): with
+        # "multi", every file is fetched (a metric may read a neighbour by name) and those at
+        # "gives" (default [0]) are handed over, one as a str. A list without "multi" (ours)
+        # hands over all. A file that is not there is None.
         paths, dests = _as_list(cfg["path"]), _as_list(cfg.get("dest", cfg["path"]))
-        out = []
+        gives = cfg.get("gives", [0] if cfg.get("multi") else range(len(paths)))
+        got: list[str | None] = []
         for path, dest in zip(paths, dests, strict=True):
             local = cache_dir / Path(str(dest)).name
             try:
                 local.write_bytes(await client.download(path))
             except FileNotFoundError:
-                out.append(None)
+                got.append(None)
                 continue
-            out.append(str(local))
-        return out if isinstance(cfg["path"], list) else out[0]
+            got.append(str(local))
+        out = [got[i] for i in gives]
+        return out if isinstance(cfg["path"], list) and len(out) != 1 else out[0]
     if t == "vm_screen_size":
         w, h = await client.screen_size()
         return {"width": w, "height": h}
@@ -383,6 +396,20 @@ class EvalResult:
     details: list[dict[str, Any]]
 
 
+async def _fetch(
+    client: VMClient,
+    bridge: desktop_env.DesktopEnvBridge,
+    cfg: Mapping[str, Any] | None,
+    cache_dir: Path,
+    task_id: str,
+    opts: SetupOptions,
+) -> Any:
+    """A getter's value: the built-in one, else desktop-env's."""
+    if cfg is None or cfg.get("type") in GETTERS:
+        return await get_value(client, cfg, cache_dir, task_id=task_id, options=opts)
+    return await bridge.get(cfg, cache_dir)
+
+
 async def evaluate(
     client: VMClient,
     task: OSWorldTask,
@@ -397,8 +424,10 @@ async def evaluate(
     Infeasible tasks score 1 only when the last action was FAIL; a FAIL on a feasible task
     scores 0. ``postconfig`` runs first; each metric gets (result, expected, **options);
     ``conj`` "and" averages (0 as soon as one metric is 0), "or" takes the max. ``options``:
-    what the postconfig steps and the cache getters need (``SetupOptions``). A postconfig step
-    or an ``expected`` file that fails raises ``SetupError``: a fault, not a score.
+    what the postconfig steps and the cache getters need (``SetupOptions``). Getters and
+    metrics outside the built-in subset are desktop-env's (``envs.vm.osworld_evaluators``). A
+    postconfig step, an ``expected`` file or desktop-env's code that fails raises
+    ``SetupError``: a fault, not a score.
     """
     opts = options or SetupOptions()
     ev = fill_placeholders(dict(task.evaluator), screen_size, opts.client_password)
@@ -423,28 +452,34 @@ async def evaluate(
     options = ev.get("options", {})
     optlist = _as_list(options) if multi and isinstance(options, list) else [options] * len(funcs)
     conj = ev.get("conj", "and")
+    bridge = desktop_env.DesktopEnvBridge(client, chromium_port=opts.chrome_port)
     with tempfile.TemporaryDirectory(prefix="osworld-eval-", dir=cache_dir) as tmp:
         scores, details = [], []
-        for i, (fn, r_cfg, e_cfg, opt) in enumerate(
-            zip(funcs, results, expecteds, optlist, strict=True)
-        ):
-            sub = Path(tmp) / str(i)
-            sub.mkdir()
-            (sub / "r").mkdir()
-            (sub / "e").mkdir()
-            result = await get_value(client, r_cfg, sub / "r", task_id=task.id, options=opts)
-            expected = await get_value(client, e_cfg, sub / "e", task_id=task.id, options=opts)
-            metric = _METRIC_FNS[fn]
-            if e_cfg is None:
-                s = metric(result, **(opt or {}))
-            else:
-                s = metric(result, expected, **(opt or {}))
-            scores.append(float(s))
-            details.append({"func": fn, "score": float(s), "result": _short(result)})
-            if conj == "and" and s == 0:
-                break
-            if conj == "or" and s == 1:
-                break
+        async with bridge:
+            for i, (fn, r_cfg, e_cfg, opt) in enumerate(
+                zip(funcs, results, expecteds, optlist, strict=True)
+            ):
+                sub = Path(tmp) / str(i)
+                (sub / "r").mkdir(parents=True)
+                (sub / "e").mkdir()
+                result = await _fetch(client, bridge, r_cfg, sub / "r", task.id, opts)
+                if result is desktop_env.FILE_MISSING:  # OSWorld: the metric scores 0
+                    s = 0.0
+                else:
+                    expected = await _fetch(client, bridge, e_cfg, sub / "e", task.id, opts)
+                    if expected is desktop_env.FILE_MISSING:
+                        raise desktop_env.EvaluatorError(f"the expected file of {fn} is missing")
+                    args = (result,) if e_cfg is None else (result, expected)
+                    if fn in _METRIC_FNS:
+                        s = _METRIC_FNS[fn](*args, **(opt or {}))
+                    else:
+                        s = await bridge.metric(fn, *args, **(opt or {}))
+                scores.append(float(s))
+                details.append({"func": fn, "score": float(s), "result": _short(result)})
+                if conj == "and" and s == 0:
+                    break
+                if conj == "or" and s == 1:
+                    break
     if conj == "and":
         score = 0.0 if any(s == 0 for s in scores) else sum(scores) / len(scores)
     else:

@@ -29,7 +29,7 @@ from cua_jax.actions import (
     Wait,
 )
 from cua_jax.env_api import INFO_ERROR, INFO_INVALID_ACTION, Task
-from envs.vm import osworld
+from envs.vm import osworld, osworld_evaluators
 from envs.vm.client import VMClient
 from envs.vm.env import VMEnv, action_to_pyautogui, computer13_to_action, task_from_osworld
 
@@ -116,10 +116,13 @@ def test_builtin_tasks_load_and_convert():
     [
         ({"config": [{"type": "tidy_desktop", "parameters": {}}]}, "'tidy_desktop'"),
         (
-            {"evaluator": {"func": "compare_table", "result": {"type": "vm_file"}}},
-            "'compare_table'",
+            {"evaluator": {"func": "no_such_metric", "result": {"type": "vm_file"}}},
+            "'no_such_metric'",
         ),
-        ({"evaluator": {"func": "exact_match", "result": {"type": "vlc_config"}}}, "'vlc_config'"),
+        (
+            {"evaluator": {"func": "exact_match", "result": {"type": "no_such_getter"}}},
+            "'no_such_getter'",
+        ),
         (
             {
                 "evaluator": {
@@ -139,6 +142,40 @@ def test_unsupported_types_name_themselves_and_the_supported_ones(over, needle):
     assert needle in msg and "x.json" in msg and "supported" in msg
     supported = (osworld.SETUP_TYPES, osworld.METRICS, osworld.GETTERS)
     assert any(all(s in msg for s in group) for group in supported)
+
+
+def test_without_desktop_env_its_metrics_and_getters_name_the_extra(monkeypatch):
+    why = "desktop-env is not installed: " + osworld_evaluators.INSTALL_HINT
+    monkeypatch.setattr(osworld_evaluators, "unavailable", lambda: why)
+    monkeypatch.setattr(osworld_evaluators, "catalog", lambda: None)
+    for over, reason in (
+        ({"func": "compare_table", "result": {"type": "vm_file"}}, "metric compare_table"),
+        ({"func": "exact_match", "result": {"type": "vlc_config"}}, "getter vlc_config"),
+    ):
+        with pytest.raises(osworld.TaskFormatError) as e:
+            osworld.parse_task(_task(evaluator=over), where="x.json")
+        assert e.value.reason == reason
+        assert "pip install -e '.[osworld]' && pip install --no-deps desktop-env==" in str(e.value)
+    osworld.parse_task(_task(), where="x.json")  # the built-in subset needs no extra
+
+
+def test_with_desktop_env_its_names_load_and_a_name_it_lacks_says_so(monkeypatch):
+    cat = osworld_evaluators.Catalog("1.0.2", "/x", frozenset({"compare_table"}), frozenset())
+    monkeypatch.setattr(osworld_evaluators, "unavailable", lambda: None)
+    monkeypatch.setattr(osworld_evaluators, "catalog", lambda: cat)
+    osworld.parse_task(
+        _task(evaluator={"func": "compare_table", "result": {"type": "vm_file", "path": "~/a"}})
+    )
+    with pytest.raises(osworld.TaskFormatError, match="desktop-env 1.0.2 .* has no metric"):
+        osworld.parse_task(_task(evaluator={"func": "check_play_and_exit", "result": None}))
+
+
+def test_desktop_env_names_are_read_from_its_source_without_importing_it(tmp_path):
+    init = tmp_path / "__init__.py"
+    init.write_text(
+        "from .a import (\n    get_x,\n    get_y as get_z,\n)\ndef infeasible():\n    pass\n"
+    )
+    assert osworld_evaluators._exported(init) == {"get_x", "get_z", "infeasible"}
 
 
 def test_malformed_tasks_raise_errors_naming_the_field(tmp_path):
