@@ -18,6 +18,12 @@ from envs.vm.providers import XVFB_INSTALL_HINT, missing_programs
 NEEDED = ("Xvfb", "openbox", "xdotool", "wmctrl", "xterm", "nano", "xdpyinfo")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "osworld: needs the osworld extra (desktop-env); skipped without it"
+    )
+
+
 class Loop:
     """Runs coroutines on one event loop that lives as long as the module's desktops."""
 
