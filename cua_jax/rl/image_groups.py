@@ -25,13 +25,13 @@ shape set's one size, takes the flat replicated layout instead (`group_pixels` r
 from __future__ import annotations
 
 import dataclasses
-import heapq
 from typing import Any
 
 import jax
 import numpy as np
 from flax import struct
 
+from cua_jax.rl.batching import row_groups
 from cua_jax.rl.packing import PackedBatch
 
 
@@ -42,14 +42,6 @@ class ImageGroups:
 
     pixel_values: jax.Array
     meta: Any
-
-
-def row_groups(rows: int, substeps: int, devices: int) -> np.ndarray:
-    """i32[R]: the group j x B + d of each row (micro-batch j = r % S, device d = r // (R / B))."""
-    if rows % (substeps * devices):
-        raise ValueError(f"{rows} rows are not a multiple of {substeps} x {devices} groups")
-    r = np.arange(rows)
-    return (r % substeps) * devices + r // (rows // devices)
 
 
 def screens_per_row(batch: PackedBatch, image_token_id: int, tokens_per_screen: int) -> np.ndarray:
@@ -75,67 +67,6 @@ def group_budget(screens: int, groups: int, row_screens: int) -> int:
     more than `row_screens`, fits after `balance_rows`: its round-robin leaves groups at most
     one row's screens apart, so the fullest holds at most screens // groups + row_screens."""
     return min(screens, screens // groups + row_screens)
-
-
-def chunk_groups(rows: int, chunks: int, substeps: int, devices: int) -> np.ndarray:
-    """i32[R]: the group of each row of a batch of `chunks` consecutive row blocks, each laid out
-    as `row_groups`: chunk c's groups are c x S x B + (its `row_groups`)."""
-    n = rows // chunks
-    one = row_groups(n, substeps, devices)
-    return np.concatenate([one + c * substeps * devices for c in range(chunks)])
-
-
-def fill_groups(groups_R: np.ndarray, load_R: np.ndarray, budget: int) -> np.ndarray | None:
-    """A row permutation (position -> source row) that puts every row in a group of
-    `groups_R` (each group has as many positions as rows it takes) with no group's load above
-    `budget`, or None when this greedy finds none: rows by load, most first, each to the least
-    loaded group that still has a free position (longest-processing-time first: within one
-    row's load of the best balance)."""
-    G = int(groups_R.max()) + 1
-    slots = [list(np.flatnonzero(groups_R == g)) for g in range(G)]
-    heap = [(0, g) for g in range(G)]
-    perm = np.empty(len(groups_R), np.int64)
-    order = sorted(range(len(load_R)), key=lambda i: (-int(load_R[i]), i))
-    for r in order:
-        load, g = heapq.heappop(heap)
-        load += int(load_R[r])
-        if load > budget:
-            return None
-        perm[slots[g].pop(0)] = r
-        if slots[g]:
-            heapq.heappush(heap, (load, g))
-    return perm
-
-
-def permute_rows(batch: PackedBatch, perm: np.ndarray, patches_R: np.ndarray) -> PackedBatch:
-    """`batch` with row `perm[i]` at position i, each row's image patches (`patches_R`) and
-    grids moving with it. Rows are independent (their own segments; loss weights are per
-    token), so the loss and its gradient are those of the unpermuted batch."""
-    if np.array_equal(perm, np.arange(len(perm))):
-        return batch
-    out = dataclasses.replace(
-        batch,
-        input_ids=batch.input_ids[perm],
-        segment_ids=batch.segment_ids[perm],
-        position_ids=batch.position_ids[:, perm],
-        loss_mask=batch.loss_mask[perm],
-        behaviour_logprobs=batch.behaviour_logprobs[perm],
-        advantages=batch.advantages[perm],
-        loss_weights=batch.loss_weights[perm],
-        routes=None if batch.routes is None else batch.routes[perm],
-    )
-    if batch.pixel_values is not None:
-        start = np.concatenate([[0], np.cumsum(patches_R)])
-        grid = np.asarray(batch.image_grid_thw, np.int64).reshape(-1, 3)
-        img_start = np.concatenate([[0], np.cumsum(grid.prod(axis=1))])
-        first = np.searchsorted(img_start, start)  # each row's first image
-        out.pixel_values = np.concatenate(
-            [batch.pixel_values[start[r] : start[r + 1]] for r in perm]
-        )
-        out.image_grid_thw = np.concatenate(
-            [np.asarray(batch.image_grid_thw)[first[r] : first[r + 1]] for r in perm]
-        ).astype(np.asarray(batch.image_grid_thw).dtype)
-    return out
 
 
 def balance_rows(batch: PackedBatch, groups_R: np.ndarray, screens_R: np.ndarray) -> PackedBatch:
@@ -241,9 +172,6 @@ def embed_groups(model: Any, ids_RL: jax.Array, images: ImageGroups):
 __all__ = [
     "ImageGroups",
     "balance_rows",
-    "chunk_groups",
-    "fill_groups",
-    "permute_rows",
     "embed_groups",
     "group_budget",
     "group_pixels",

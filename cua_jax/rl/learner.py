@@ -63,7 +63,7 @@ from cua_jax.models import lora as lora_lib
 from cua_jax.models.qwen_vl.moe import load_balancing_loss
 from cua_jax.models.qwen_vl.text import jdtype
 from cua_jax.models.qwen_vl.vision import vision_metadata
-from cua_jax.rl import image_groups, losses, sdpo
+from cua_jax.rl import batching, image_groups, losses, sdpo
 from cua_jax.rl import shapes as shapes_lib
 from cua_jax.rl.advantages import group_advantages
 from cua_jax.rl.image_groups import ImageGroups
@@ -529,30 +529,20 @@ class Learner:
         batch, device) groups so no group holds more screens than the shape's
         `group_screens` (one chunk more while they do not fit)."""
         shape, k = self.shapes.chunks_for(mode, samples)
-        kw = {**kw, "seq_len_buckets": (shape.length,)}
-        v = self.config.vision
-        unit = int(np.prod(self.shapes.grid)) if self.shapes.grid else 1
-        budget = shape.group_screens * unit
-        while True:
-            batch = pack(samples, num_rows=k * shape.rows, **kw)
-            patches_R = row_patches(batch, self.config.image_token_id, v.spatial_merge_size)
-            if patches_R.max(initial=0) > budget:  # no chunk count helps
-                raise shapes_lib.ShapeError(
-                    f"a packed row of {shape.length} tokens holds {patches_R.max() // unit} "
-                    f"screens, more than a group's {shape.group_screens} (the shape {shape}); "
-                    "raise rl.screens_per_chip"
-                )
-            groups_R = image_groups.chunk_groups(
-                batch.shape[0], k, self.num_substeps, self._batch_parallel
+        try:
+            return batching.pack_chunks(
+                samples,
+                shape,
+                k,
+                image_token_id=self.config.image_token_id,
+                merge=self.config.vision.spatial_merge_size,
+                substeps=self.num_substeps,
+                devices=self._batch_parallel,
+                screen_patches=int(np.prod(self.shapes.grid)) if self.shapes.grid else 1,
+                **kw,
             )
-            perm = image_groups.fill_groups(groups_R, patches_R, budget)
-            if perm is not None:
-                break
-            k += 1
-        batch = image_groups.permute_rows(batch, perm, patches_R)
-        batch.patch_budget, batch.chunks = shape.patches, k
-        batch.group_screens = shape.group_screens
-        return batch
+        except batching.ChunkError as e:
+            raise shapes_lib.ShapeError(str(e)) from None
 
     def prepare_batch(
         self, groups: Sequence[Sequence[Trajectory]], num_rows: int | None = None

@@ -11,7 +11,7 @@ import pytest
 
 from cua_jax import compile_stats
 from cua_jax import sharding as shd
-from cua_jax.rl import image_groups, packing
+from cua_jax.rl import batching, image_groups, packing
 from cua_jax.rl.learner import APPLY_PROGRAM, Learner, LossConfig, OptimizerConfig
 from cua_jax.rl.shapes import Shape, ShapeSet
 from tests.rl.test_learner import _model, make_groups
@@ -138,7 +138,7 @@ def test_screens_add_chunks_so_no_group_overflows(mesh4):
     screens = patches_R.sum() // UNIT
     # 4 groups a chunk, at most `most` screens each: screens alone need that many chunks
     assert batch.chunks >= -(-screens // (4 * most)) and batch.chunks > roomy_chunks(roomy, groups)
-    groups_R = image_groups.chunk_groups(batch.shape[0], batch.chunks, 1, 4)
+    groups_R = batching.chunk_groups(batch.shape[0], batch.chunks, 1, 4)
     load = np.bincount(groups_R, weights=patches_R // UNIT)
     assert load.max() <= most
     # and every chunk's screens are grouped (never the replicated flat layout)
@@ -161,9 +161,9 @@ def test_a_row_no_group_can_hold_is_an_error_naming_the_budget(mesh4):
 
 
 def test_fill_groups_refuses_what_no_placement_holds():
-    groups_R = image_groups.chunk_groups(8, 2, 1, 2)  # 2 chunks x 2 groups x 2 rows
+    groups_R = batching.chunk_groups(8, 2, 1, 2)  # 2 chunks x 2 groups x 2 rows
     assert list(groups_R) == [0, 0, 1, 1, 2, 2, 3, 3]
-    perm = image_groups.fill_groups(groups_R, np.array([3, 3, 2, 2, 1, 1, 0, 0]), budget=4)
+    perm = batching.fill_groups(groups_R, np.array([3, 3, 2, 2, 1, 1, 0, 0]), budget=4)
     load = np.bincount(groups_R, weights=np.array([3, 3, 2, 2, 1, 1, 0, 0])[perm])
     assert sorted(perm) == list(range(8)) and load.max() <= 4
-    assert image_groups.fill_groups(groups_R, np.array([5, 0, 0, 0, 0, 0, 0, 0]), 4) is None
+    assert batching.fill_groups(groups_R, np.array([5, 0, 0, 0, 0, 0, 0, 0]), 4) is None

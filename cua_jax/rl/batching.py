@@ -1,0 +1,136 @@
+"""Host-side batching of a token-budget shape set (`rl.tokens_per_chip`), numpy only (no device
+arrays, no program): a batch's samples packed into as many chunks of a shape's rows as they
+need, and the rows placed in the chunks' (micro-batch, device) groups so no group holds more
+screens than its budget.
+
+    batch = pack_chunks(samples, shape, chunks, image_token_id=..., merge=2, substeps=1,
+                        devices=4, screen_patches=unit, **pack_kwargs)
+
+The learner (`Learner.pack`) and the plan (`cua_jax.plan`, padding share of a preset's batch)
+both pack this way. A chunk is one call of the learner's gradient program; its rows are laid out
+as `row_groups` says (micro-batch j = r % S, device d = r // (R / B)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from cua_jax.rl.packing import PackedBatch, pack, row_patches
+from cua_jax.rl.trajectory import Sample
+
+
+class ChunkError(ValueError):
+    """A packed row holds more screens than any group of its shape can."""
+
+
+def row_groups(rows: int, substeps: int, devices: int) -> np.ndarray:
+    """i32[R]: the group j x B + d of each row (micro-batch j = r % S, device d = r // (R / B))."""
+    if rows % (substeps * devices):
+        raise ValueError(f"{rows} rows are not a multiple of {substeps} x {devices} groups")
+    r = np.arange(rows)
+    return (r % substeps) * devices + r // (rows // devices)
+
+
+def chunk_groups(rows: int, chunks: int, substeps: int, devices: int) -> np.ndarray:
+    """i32[R]: the group of each row of a batch of `chunks` consecutive row blocks, each laid out
+    as `row_groups`: chunk c's groups are c x S x B + (its `row_groups`)."""
+    n = rows // chunks
+    one = row_groups(n, substeps, devices)
+    return np.concatenate([one + c * substeps * devices for c in range(chunks)])
+
+
+def fill_groups(groups_R: np.ndarray, load_R: np.ndarray, budget: int) -> np.ndarray | None:
+    """A row permutation (position -> source row) that puts every row in a group of
+    `groups_R` (each group has as many positions as rows it takes) with no group's load above
+    `budget`, or None when this greedy finds none: rows by load, most first, each to the least
+    loaded group that still has a free position (longest-processing-time first: within one
+    row's load of the best balance)."""
+    G = int(groups_R.max()) + 1
+    slots = [list(np.flatnonzero(groups_R == g)) for g in range(G)]
+    heap = [(0, g) for g in range(G)]
+    perm = np.empty(len(groups_R), np.int64)
+    order = sorted(range(len(load_R)), key=lambda i: (-int(load_R[i]), i))
+    for r in order:
+        load, g = heapq.heappop(heap)
+        load += int(load_R[r])
+        if load > budget:
+            return None
+        perm[slots[g].pop(0)] = r
+        if slots[g]:
+            heapq.heappush(heap, (load, g))
+    return perm
+
+
+def permute_rows(batch: PackedBatch, perm: np.ndarray, patches_R: np.ndarray) -> PackedBatch:
+    """`batch` with row `perm[i]` at position i, each row's image patches (`patches_R`) and
+    grids moving with it. Rows are independent (their own segments; loss weights are per
+    token), so the loss and its gradient are those of the unpermuted batch."""
+    if np.array_equal(perm, np.arange(len(perm))):
+        return batch
+    out = dataclasses.replace(
+        batch,
+        input_ids=batch.input_ids[perm],
+        segment_ids=batch.segment_ids[perm],
+        position_ids=batch.position_ids[:, perm],
+        loss_mask=batch.loss_mask[perm],
+        behaviour_logprobs=batch.behaviour_logprobs[perm],
+        advantages=batch.advantages[perm],
+        loss_weights=batch.loss_weights[perm],
+        routes=None if batch.routes is None else batch.routes[perm],
+    )
+    if batch.pixel_values is not None:
+        start = np.concatenate([[0], np.cumsum(patches_R)])
+        grid = np.asarray(batch.image_grid_thw, np.int64).reshape(-1, 3)
+        img_start = np.concatenate([[0], np.cumsum(grid.prod(axis=1))])
+        first = np.searchsorted(img_start, start)  # each row's first image
+        out.pixel_values = np.concatenate(
+            [batch.pixel_values[start[r] : start[r + 1]] for r in perm]
+        )
+        out.image_grid_thw = np.concatenate(
+            [np.asarray(batch.image_grid_thw)[first[r] : first[r + 1]] for r in perm]
+        ).astype(np.asarray(batch.image_grid_thw).dtype)
+    return out
+
+
+def pack_chunks(
+    samples: Sequence[Sample],
+    shape: Any,
+    chunks: int,
+    *,
+    image_token_id: int,
+    merge: int,
+    substeps: int,
+    devices: int,
+    screen_patches: int,
+    **pack_kwargs: Any,
+) -> PackedBatch:
+    """`samples` first-fit into `chunks` (or, while their screens do not fit, more) chunks of
+    `shape`'s rows (`shape.rows` rows of `shape.length`, `shape.group_screens` screens of
+    `screen_patches` patches a group), rows placed by `fill_groups`; the batch says its
+    `chunks`, and its `patch_budget` and `group_screens` are a chunk's."""
+    budget = shape.group_screens * screen_patches
+    k = chunks
+    kw = {**pack_kwargs, "seq_len_buckets": (shape.length,)}
+    while True:
+        batch = pack(samples, num_rows=k * shape.rows, **kw)
+        patches_R = row_patches(batch, image_token_id, merge)
+        if patches_R.max(initial=0) > budget:  # no chunk count helps
+            raise ChunkError(
+                f"a packed row of {shape.length} tokens holds {patches_R.max() // screen_patches} "
+                f"screens, more than a group's {shape.group_screens} (the shape {shape}); "
+                "raise rl.screens_per_chip"
+            )
+        groups_R = chunk_groups(batch.shape[0], k, substeps, devices)
+        perm = fill_groups(groups_R, patches_R, budget)
+        if perm is not None:
+            break
+        k += 1
+    batch = permute_rows(batch, perm, patches_R)
+    batch.patch_budget, batch.chunks = shape.patches, k
+    batch.group_screens = shape.group_screens
+    return batch
