@@ -60,25 +60,52 @@ def source_types() -> tuple[str, ...]:
     return tuple(_SOURCES)
 
 
-def load_tasks(source: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> list[Task]:
-    """Tasks from one source config dict or a list of them (concatenated in order)."""
+def source_dicts(source: Any, name: str = "a task source") -> list[dict[str, Any]]:
+    """``source`` (one source dict or a list of them; ml_collections ConfigDicts too) as a list
+    of plain dicts; ``TaskSourceError`` naming ``name`` (e.g. "config.tasks") for anything else,
+    such as the string ``--config.tasks=junk`` leaves."""
     if hasattr(source, "to_dict") and not isinstance(source, Mapping):
         source = source.to_dict()  # an ml_collections ConfigDict (not a Mapping)
     if isinstance(source, Mapping):
-        return _load_one(source)
-    if isinstance(source, str | bytes):
+        return [dict(source)]
+    if isinstance(source, str | bytes) or not isinstance(source, Iterable):
         raise TaskSourceError(
-            f"a task source must be a dict like {{'source_type': 'builtin'}} or a list of them, "
-            f"got the string {source!r}"
+            f"{name} must be a dict like {{'source_type': 'builtin'}} or a list of them, "
+            f"got {type(source).__name__} {source!r:.200}"
         )
-    out: list[Task] = []
+    out = []
     for i, s in enumerate(source):
         if hasattr(s, "to_dict") and not isinstance(s, Mapping):
             s = s.to_dict()
         if not isinstance(s, Mapping):
-            raise TaskSourceError(f"task source #{i} must be a dict, got {type(s).__name__}")
+            raise TaskSourceError(
+                f"{name}: source #{i} must be a dict like {{'source_type': 'builtin'}}, "
+                f"got {type(s).__name__} {s!r:.200}"
+            )
+        out.append(dict(s))
+    return out
+
+
+def load_tasks(source: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> list[Task]:
+    """Tasks from one source config dict or a list of them (concatenated in order)."""
+    out: list[Task] = []
+    for s in source_dicts(source):
         out.extend(_load_one(s))
     return out
+
+
+def _int(cfg: Mapping[str, Any], key: str, default: int | None, minimum: int = 0) -> int | None:
+    """``cfg[key]`` as an int >= ``minimum`` (``default`` when absent or None); a string such as
+    ``limit: 'x'`` is a ``TaskSourceError`` naming the key, not a TypeError deep in a source."""
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise TaskSourceError(
+            f"{key} must be an integer >= {minimum} (source_type {cfg.get('source_type')!r}), "
+            f"got {v!r:.100}"
+        )
+    return v
 
 
 def _load_one(cfg: Mapping[str, Any]) -> list[Task]:
@@ -131,10 +158,10 @@ def _builtin(cfg: dict[str, Any]) -> list[Task]:
             split=split,
             category=cat,
             difficulty=diff,
-            limit=cfg.get("limit"),
-            seed=int(cfg.get("seed", 0)),
+            limit=_int(cfg, "limit", None),
+            seed=_int(cfg, "seed", 0),
             names=names,
-            per_template=cfg.get("per_template"),
+            per_template=_int(cfg, "per_template", None, minimum=1),
             api_actions=cfg.get("api_actions") or (),
         )
     except ValueError as e:
@@ -154,14 +181,14 @@ def _miniwob(cfg: dict[str, Any]) -> list[Task]:
     split = cfg.get("split", "train")
     if split not in SPLITS:
         raise TaskSourceError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
-    k = int(cfg.get("seeds_per_task", 1))
-    rng = random.Random(f"miniwob|{split}|{cfg.get('seed', 0)}")
+    k = _int(cfg, "seeds_per_task", 1, minimum=1)
+    rng = random.Random(f"miniwob|{split}|{_int(cfg, 'seed', 0)}")
     tasks = []
     for _ in range(k):
         for n in names:
             t = miniwob.make_task(n, rng.randrange(2**31), split)
             tasks.append(dataclasses.replace(t, id=f"{t.id}/{t.seed}"))
-    limit = cfg.get("limit")
+    limit = _int(cfg, "limit", None)
     return tasks[:limit] if limit is not None else tasks
 
 
@@ -226,7 +253,7 @@ def _custom(cfg: dict[str, Any]) -> list[Task]:
             split=cfg.get("split", "train"),
             seed=i,
             spec=spec,
-            max_steps=int(cfg.get("max_steps", 15)),
+            max_steps=_int(cfg, "max_steps", 15, minimum=1),
             has_checker=False,
         )
         for i, text in enumerate(ins)
@@ -234,46 +261,94 @@ def _custom(cfg: dict[str, Any]) -> list[Task]:
 
 
 _TASK_FIELDS = {f.name for f in dataclasses.fields(Task)} - {"oracle"}
+# The JSON type each task-file field must have (a "spec" string crashed the loader).
+_STR, _INT = ((str,), "a string"), ((int,), "an integer")
+_FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "id": _STR,
+    "instruction": _STR,
+    "source": _STR,
+    "category": _STR,
+    "difficulty": _STR,
+    "split": _STR,
+    "seed": _INT,
+    "spec": ((dict,), "an object"),
+    "max_steps": _INT,
+    "has_checker": ((bool,), "true or false"),
+    "api_actions": ((list, str), "a list of names"),
+}
+_reading: list[str] = []  # the task files being read, outermost first (include cycles)
 
 
 def _file(cfg: dict[str, Any]) -> list[Task]:
     """JSONL, one task per line: a Task dict ({"id", "instruction", ...}, as Task.to_dict
-    writes) or a source dict ({"source_type": ...}); blank lines and # comments are skipped."""
+    writes) or a source dict ({"source_type": ...}, which may name another file, never one
+    being read); blank lines and # comments are skipped."""
     path = cfg.get("path")
-    if not path:
+    if not path or not isinstance(path, str):
         raise TaskSourceError("source_type 'file' needs path: a JSONL file of tasks")
     if not os.path.isfile(path):
         raise TaskSourceError(f"task file {path!r} does not exist (source_type 'file')")
+    real = os.path.realpath(path)
+    if real in _reading:
+        chain = " -> ".join([*_reading, real])
+        raise TaskSourceError(f"task file {path} includes itself ({chain})")
+    _reading.append(real)
+    try:
+        return _read_task_file(path)
+    finally:
+        _reading.pop()
+
+
+def _read_task_file(path: str) -> list[Task]:
     out: list[Task] = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        n = raw.count(b"\n", 0, e.start) + 1
+        raise TaskSourceError(f"{path}:{n}: not UTF-8 text (byte {e.start}: {e.reason})") from e
+    except OSError as e:
+        raise TaskSourceError(f"task file {path!r} cannot be read: {e.strerror}") from e
+    for n, line in enumerate(text.split("\n"), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TaskSourceError(f"{path}:{n}: not valid JSON ({e.msg})") from e
+        except RecursionError as e:
+            raise TaskSourceError(f"{path}:{n}: JSON nested too deep") from e
+        if not isinstance(d, dict):
+            raise TaskSourceError(f"{path}:{n}: each line must be a JSON object")
+        if "source_type" in d:
             try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TaskSourceError(f"{path}:{n}: not valid JSON ({e.msg})") from e
-            if not isinstance(d, dict):
-                raise TaskSourceError(f"{path}:{n}: each line must be a JSON object")
-            if "source_type" in d:
                 out.extend(_load_one(d))
-                continue
-            bad = sorted(set(d) - _TASK_FIELDS)
-            missing = [k for k in ("id", "instruction") if k not in d]
-            if bad or missing:
+            except TaskSourceError as e:
+                raise TaskSourceError(f"{path}:{n}: {e}") from None
+            continue
+        bad = sorted(set(d) - _TASK_FIELDS)
+        missing = [k for k in ("id", "instruction") if k not in d]
+        if bad or missing:
+            raise TaskSourceError(
+                f"{path}:{n}: "
+                + (f"unknown task field(s) {bad}; " if bad else "")
+                + (f"missing {missing}; " if missing else "")
+                + f"valid fields: {', '.join(sorted(_TASK_FIELDS))}"
+            )
+        for k, v in d.items():
+            types, what = _FIELD_TYPES.get(k, ((object,), ""))
+            if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
                 raise TaskSourceError(
-                    f"{path}:{n}: "
-                    + (f"unknown task field(s) {bad}; " if bad else "")
-                    + (f"missing {missing}; " if missing else "")
-                    + f"valid fields: {', '.join(sorted(_TASK_FIELDS))}"
+                    f"{path}:{n}: task field {k!r} must be {what}, got {v!r:.100}"
                 )
-            d.setdefault("source", "file")
-            if not d.get("spec"):
-                d["spec"] = {"kind": "page"}
-            if d["source"] == "custom" or d["spec"].get("kind") == "page":
-                d.setdefault("has_checker", False)
-            out.append(Task(**d))
+        d.setdefault("source", "file")
+        if not d.get("spec"):
+            d["spec"] = {"kind": "page"}
+        if d["source"] == "custom" or d["spec"].get("kind") == "page":
+            d.setdefault("has_checker", False)
+        out.append(Task(**d))
     return out
 
 

@@ -169,11 +169,13 @@ def main(argv: list[str]) -> None:
     from cua_jax.rl.learner import NonFiniteError
     from cua_jax.rl.sources import RolloutError
     from cua_jax.sharding import MeshError
-    from envs.tasks import TaskSourceError
+    from envs.tasks import TaskSourceError, source_dicts
 
     try:  # a bad value (not just a bad key or type) also fails before any work starts
         validate_config(config)
-    except ConfigError as e:
+        for key in ("tasks", "eval_tasks"):  # `--config.tasks=junk` leaves a string
+            source_dicts(config.get(key, ()), f"config.{key}")
+    except (ConfigError, TaskSourceError) as e:
         raise LaunchError(str(e)) from None
     if _DRY_RUN.value:  # the plan for the devices present (the whole job's), then exit
         from cua_jax import plan as plan_lib

@@ -142,3 +142,42 @@ def test_config_dict_sources():
         t.id for t in T.load_tasks({"source_type": "builtin", "limit": 3, "seed": 5})
     ]
     assert len(T.load_tasks((one, {"source_type": "custom", "instructions": ["x"]}))) == 4
+
+
+def test_bad_task_files_and_values_are_one_task_source_error(tmp_path):
+    """Each was a traceback (AttributeError, RecursionError, UnicodeDecodeError, TypeError) and
+    exit 1 from launch/tpu.py and tools/eval.py, which turn a TaskSourceError into one line."""
+    spec_str = tmp_path / "spec_str.jsonl"
+    spec_str.write_text('{"id": "a", "instruction": "x", "spec": "a string"}\n')
+    me = tmp_path / "me.jsonl"
+    me.write_text(json.dumps({"source_type": "file", "path": str(me)}) + "\n")
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"  # a -> b -> a
+    a.write_text(json.dumps({"source_type": "file", "path": str(b)}) + "\n")
+    b.write_text(
+        '{"id": "t", "instruction": "x"}\n' + json.dumps({"source_type": "file", "path": str(a)})
+    )
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"id": "t", "instruction": "x"}\n{"id": "caf\xe9", "instruction": "x"}\n')
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    cases = [
+        ({"source_type": "file", "path": str(spec_str)}, "1: task field 'spec' must be an object"),
+        ({"source_type": "file", "path": str(me)}, f"task file {me} includes itself"),
+        ({"source_type": "file", "path": str(a)}, f"({a} -> {b} -> {a})"),
+        ({"source_type": "file", "path": str(latin)}, "latin.jsonl:2: not UTF-8 text (byte 43"),
+        ({"source_type": "file", "path": str(deep)}, "deep.jsonl:1: JSON nested too deep"),
+        ({"source_type": "builtin", "limit": "x"}, "limit must be an integer >= 0"),
+        ({"source_type": "builtin", "seed": "abc"}, "seed must be an integer"),
+        ({"source_type": "miniwob", "names": ["click-test"], "limit": "x"}, "limit must be"),
+        ({"source_type": "custom", "instructions": ["x"], "max_steps": "9"}, "max_steps must be"),
+        ("junk", "got str 'junk'"),
+        (["junk"], "source #0 must be a dict"),
+        (7, "got int 7"),
+    ]
+    for src, msg in cases:
+        with pytest.raises(T.TaskSourceError) as e:
+            T.load_tasks(src)
+        assert msg in str(e.value) and "\n" not in str(e.value), (src, str(e.value))
+    with pytest.raises(T.TaskSourceError, match="config.tasks: source #0"):
+        T.source_dicts(("junk",), "config.tasks")
+    assert T._reading == []  # nothing left on the include stack after the errors

@@ -101,6 +101,10 @@ def _launch(*args):
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.model.attn_impl=flash"],
             "config.model.attn_impl='flash' is not one of xla, splash",
         ),
+        (  # a traceback from train.py's dict(t) before (the other bad task files: test_tasks.py)
+            ["--config=configs/qwen3vl_grpo.py:smoke", "--config.tasks=junk"],
+            "config.tasks: source #0 must be a dict like {'source_type': 'builtin'}, got str",
+        ),
         (
             [
                 "--config=configs/qwen3vl_grpo.py:smoke",
