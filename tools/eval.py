@@ -29,6 +29,17 @@ feedback) and OSWorld-style per-episode folders under --result_dir (default OUT/
 `tools/show_results.py OUT/results` summarizes them, `--compare=OTHER` puts two agents side by
 side). --samples=N plays every task N times with sampling (--temperature) and adds pass@k
 (unbiased, k = 1, 2, 4, ... N) to eval.json. OUT defaults to WORKDIR/eval/step_N.
+OSWorld's own task lists: --osworld_meta=evaluation_examples/test_all.json (`{domain: [ids]}`;
+the task files under `examples/` beside it, or --osworld_examples) with --domain=all|NAME[,NAME]
+and --config.env.kind=vm plays those tasks and writes OSWorld's result layout,
+`RESULT_DIR/<action_space>/<observation_type>/<model>/<domain>/<id>/result.txt` (--action_space,
+--observation_type; <model> is --model, else step_N), which `tools/show_results.py RESULT_DIR
+--model=M` reads as OSWorld's show_result.py does:
+
+    python tools/eval.py --config=configs/qwen3vl_grpo.py:8b --config.env.kind=vm \
+        --agent=openai --base_url=http://127.0.0.1:8000/v1 --model=cua --out=DIR \
+        --osworld_meta=OSWorld/evaluation_examples/test_all.json --domain=os,chrome
+
 An eval that measured nothing (most episodes infrastructure faults, e.g. an endpoint that does
 not serve --model; or a number that is NaN) exits 1 naming the cause: it writes
 OUT/eval.failed.json, and eval.json and the database keep the last good result.
@@ -88,6 +99,24 @@ _TEMPERATURE = flags.DEFINE_float(
 _RESULT_DIR = flags.DEFINE_string(
     "result_dir", None, "OSWorld-style per-episode folders (default OUT/results)."
 )
+_OSWORLD_META = flags.DEFINE_string(
+    "osworld_meta",
+    None,
+    "OSWorld's meta file ({domain: [ids]}, e.g. evaluation_examples/test_all.json): its tasks "
+    "instead of --tasks, results in OSWorld's layout under --result_dir.",
+)
+_OSWORLD_EXAMPLES = flags.DEFINE_string(
+    "osworld_examples", None, "With --osworld_meta: the task files (default: examples/ beside it)."
+)
+_DOMAIN = flags.DEFINE_string(
+    "domain", "all", "With --osworld_meta: the domain(s) to run, comma-separated, or 'all'."
+)
+_ACTION_SPACE = flags.DEFINE_string(
+    "action_space", "pyautogui", "With --osworld_meta: <action_space> of the result layout."
+)
+_OBSERVATION_TYPE = flags.DEFINE_string(
+    "observation_type", "screenshot", "With --osworld_meta: <observation_type> of the layout."
+)
 
 
 class EvalError(SystemExit):
@@ -124,7 +153,13 @@ def _load_config():
         config = _CONFIG.value
         if _OUT.value is None:
             raise EvalError("--out is required with --config")
-    if _TASKS.value is not None:
+    if _OSWORLD_META.value is not None:
+        if _TASKS.value is not None:
+            raise EvalError("--osworld_meta and --tasks both pick the tasks: pass one of them")
+        if config.env.kind != "vm":
+            raise EvalError("OSWorld's tasks run on desktops: add --config.env.kind=vm")
+        tasks = [osworld_meta_source()]
+    elif _TASKS.value is not None:
         try:
             tasks = json.loads(_TASKS.value)
         except json.JSONDecodeError as e:
@@ -133,6 +168,30 @@ def _load_config():
     else:
         tasks = [dict(t) for t in config.eval_tasks]
     return config, tasks
+
+
+def osworld_meta_source() -> dict:
+    """The task source of --osworld_meta, --osworld_examples and --domain."""
+    meta = os.path.abspath(_OSWORLD_META.value)
+    if not os.path.isfile(meta):
+        raise EvalError(f"--osworld_meta={_OSWORLD_META.value}: no such file")
+    examples = _OSWORLD_EXAMPLES.value or os.path.join(os.path.dirname(meta), "examples")
+    domains = [d.strip() for d in _DOMAIN.value.split(",") if d.strip()]
+    return {
+        "source_type": "osworld",
+        "path": examples,
+        "meta": meta,
+        "domains": domains or ["all"],
+        "skip_unsupported": True,  # one line names what was skipped and why
+    }
+
+
+def osworld_result_dir(root: str, model: str) -> str:
+    """OSWorld's `root/<action_space>/<observation_type>/<model>` (model made one path part)."""
+    import re
+
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", model).strip("._") or "model"
+    return os.path.join(root, _ACTION_SPACE.value, _OBSERVATION_TYPE.value, name)
 
 
 async def _sampled_episodes(agent, pool, played, seed, screens, on_episode):
@@ -311,8 +370,15 @@ def main(argv: list[str]) -> None:
     from cua_jax.evaluation import stats
 
     result_dir = _RESULT_DIR.value or os.path.join(out_dir, "results")
+    osworld_layout = _OSWORLD_META.value is not None
+    if osworld_layout:  # <domain>/<OSWorld's task id>/ under <action_space>/<obs>/<model>/
+        import dataclasses
+
+        result_dir = osworld_result_dir(result_dir, _MODEL.value or tag)
     for j, (traj, task, shots, tx) in enumerate(zip(trajs, played, screens, texts, strict=True)):
         sample = j % n_samples if n_samples else None
+        if osworld_layout:
+            task = dataclasses.replace(task, id=str(task.spec.get("id", task.id)))
         results_lib.write_episode(
             result_dir, task, traj, shots, tx, agent=agent_name, sample=sample
         )
@@ -385,10 +451,17 @@ def main(argv: list[str]) -> None:
         for k, v in result.items()
         if k.startswith("eval/success/")
     )
+    show = f"tools/show_results.py {result_dir}"
+    if osworld_layout:
+        root = _RESULT_DIR.value or os.path.join(out_dir, "results")
+        show = (
+            f"tools/show_results.py {root} --action_space={_ACTION_SPACE.value} "
+            f"--observation_type={_OBSERVATION_TYPE.value} --model={os.path.basename(result_dir)}"
+        )
     print(
         f"eval success {result['eval/success']:.3f} over {len(tasks)} tasks ({cats}); "
         f"wrote {out_dir}/eval.json and episodes.html; per-episode folders in {result_dir} "
-        f"(tools/show_results.py {result_dir})"
+        f"({show})"
     )
 
 

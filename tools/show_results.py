@@ -1,11 +1,15 @@
 r"""Success per domain and overall of an OSWorld-style result directory, and two agents compared.
 
     python tools/show_results.py RESULT_DIR
+    python tools/show_results.py RESULTS --action_space=pyautogui --observation_type=screenshot \
+        --model=MODEL        # OSWorld's layout: RESULTS/<action_space>/<observation_type>/<model>
     python tools/show_results.py RESULT_DIR --compare=OTHER_RESULT_DIR [--html=PAGE.html]
 
 RESULT_DIR is what tools/eval.py writes (OUT/results, `RESULT_DIR/<domain>/<task>/result.txt`)
-or an OSWorld run's `results/<action_space>/<observation_type>/<model>/`. The first lines are
-OSWorld's show_result.py output (episodes run, score sum and rate per domain, then overall);
+or an OSWorld run's `results/<action_space>/<observation_type>/<model>/` (or its `results/` with
+--model, as OSWorld's show_result.py takes it). The first lines are OSWorld's show_result.py
+output (episodes run, score sum and rate per domain; its Office / Daily / Professional rates
+where all their domains ran; then overall, with the score sum out of the episodes run);
 then a table of successes (score >= 1) per domain with 95% Wilson intervals. With --compare:
 the tasks both directories ran, each one's success, the tasks only one of them solved and
 McNemar's exact p-value, and (--html) a page with the two trajectories of every common task
@@ -25,11 +29,31 @@ if _ROOT not in sys.path:
 from cua_jax.evaluation import results as R  # noqa: E402
 from cua_jax.evaluation import stats as S  # noqa: E402
 
+# OSWorld's show_result.py: its domain groups (a group's rate: its scores' sum over its episodes).
+GROUPS = {
+    "Office": ("libreoffice_calc", "libreoffice_impress", "libreoffice_writer"),
+    "Daily": ("vlc", "thunderbird", "chrome"),
+    "Professional": ("gimp", "vs_code"),
+}
+
+
+def osworld_lines(s: R.Summary) -> list[str]:
+    """The group rates and the closing score OSWorld's show_result.py adds."""
+    lines = []
+    for name, members in GROUPS.items():
+        if all(m in s.domains for m in members):
+            ran = sum(s.domains[m].ran for m in members)
+            score = sum(s.domains[m].score for m in members)
+            lines.append(f"{name} Success Rate: {100.0 * score / ran:.2f} %")
+    if s.ran:
+        lines.append(f"Score: {round(s.score, 2):g} / {s.ran}")
+    return lines
+
 
 def report(result_dir: str) -> str:
     """OSWorld's lines, then the success table with intervals."""
     s = R.summarize(result_dir)
-    out = [R.format_summary(s)]
+    out = [R.format_summary(s), *osworld_lines(s)]
     if s.ran:
         rates = {d: S.rate(r.successes, r.ran) for d, r in s.domains.items()}
         rates["overall"] = S.rate(s.successes, s.ran)
@@ -66,7 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare", help="a second result directory (same tasks)")
     p.add_argument("--html", help="with --compare: write the side-by-side page here")
     p.add_argument("--tasks", nargs="*", help="task ids for the page (default: all common)")
+    p.add_argument("--model", help="OSWorld's layout: read RESULT_DIR/<as>/<obs>/<model>")
+    p.add_argument("--action_space", default="pyautogui", help="with --model (OSWorld's default)")
+    p.add_argument("--observation_type", default="screenshot", help="with --model")
     args = p.parse_args(argv)
+    if args.model:
+        args.result_dir = os.path.join(
+            args.result_dir, args.action_space, args.observation_type, args.model
+        )
     try:
         print(report(args.result_dir))
         if args.compare:

@@ -51,7 +51,7 @@ def _register_sources() -> None:
     register_source(
         "osworld",
         _osworld_tasks,
-        keys=("path", "domains", "ids", "skip_unsupported", "limit", "seed", "api_actions"),
+        keys=("path", "meta", "domains", "ids", "skip_unsupported", "limit", "seed", "api_actions"),
     )
     register_id_prefix("desktop", _desktop_task_from_id)
 

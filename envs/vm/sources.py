@@ -8,6 +8,8 @@ Importing ``envs.vm`` registers them (lazily: this module loads on first use)::
     load_tasks({"source_type": "desktop", "names": ["terminal-mkdir"]})
     load_tasks({"source_type": "osworld", "path": "OSWorld/evaluation_examples/examples",
                 "domains": ["os"], "skip_unsupported": True})
+    load_tasks({"source_type": "osworld", "path": "OSWorld/evaluation_examples/examples",
+                "meta": "OSWorld/evaluation_examples/test_all.json", "domains": ["os"]})
     load_tasks({"source_type": "ids", "task_ids": ["desktop/terminal-mkdir"]})
 
 Tasks come back with ``source`` "desktop" / "osworld" and ``spec`` = the OSWorld JSON, which is
@@ -62,14 +64,31 @@ def builtin_desktop_tasks(cfg: dict[str, Any]) -> list[Task]:
         raise TaskSourceError(str(e)) from e
 
 
+def read_meta(meta: str | dict[str, Any]) -> dict[str, list[str]]:
+    """OSWorld's meta file (``test_all.json``: ``{domain: [task ids]}``), a path or the dict."""
+    if isinstance(meta, str | Path):
+        try:
+            meta = json.loads(Path(meta).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise TaskSourceError(f"cannot read OSWorld meta file {meta}: {e}") from e
+    if not isinstance(meta, dict) or not all(
+        isinstance(ids, list) and all(isinstance(i, str) for i in ids) for ids in meta.values()
+    ):
+        raise TaskSourceError("an OSWorld meta file is {domain: [task ids]}, as test_all.json")
+    return {str(d): list(ids) for d, ids in meta.items()}
+
+
 def osworld_tasks(cfg: dict[str, Any]) -> list[Task]:
-    """``{"source_type": "osworld", "path": DIR, "domains": [...], "ids": [...],
+    """``{"source_type": "osworld", "path": DIR, "meta": FILE, "domains": [...], "ids": [...],
     "skip_unsupported": bool, "limit": N, "seed": S}``.
 
-    ``path`` is OSWorld's ``evaluation_examples/examples`` (``<domain>/<id>.json``). Tasks that
-    use getters or metrics this loader lacks, or steps that need credentials it was not given
-    (``googledrive``, ``login``), raise, unless ``skip_unsupported``, which skips them and prints
-    one line saying how many were skipped and why.
+    ``path`` is OSWorld's ``evaluation_examples/examples`` (``<domain>/<id>.json``). ``meta``:
+    OSWorld's meta file (``test_all.json``, ``{domain: [ids]}``, or the dict itself): its tasks,
+    in its order, each of which must exist under ``path``. ``domains``: only these (OSWorld's
+    ``--domain``; "all" or absent: every one). Tasks that use getters or metrics this loader
+    lacks, or steps that need credentials it was not given (``googledrive``, ``login``), raise,
+    unless ``skip_unsupported``, which skips them and prints one line saying how many were
+    skipped and why.
     """
     path = cfg.get("path")
     if not path or not Path(path).is_dir():
@@ -78,10 +97,28 @@ def osworld_tasks(cfg: dict[str, Any]) -> list[Task]:
             f"directory (got {path!r})"
         )
     domains = cfg.get("domains")
+    domains = [domains] if isinstance(domains, str) else domains
+    if domains and "all" in domains:
+        domains = None
     ids = set(cfg.get("ids") or [])
+    if cfg.get("meta") is not None:
+        meta = read_meta(cfg["meta"])
+        unknown = sorted(set(domains or ()) - set(meta))
+        if unknown:
+            raise TaskSourceError(
+                f"domain(s) {unknown} are not in the meta file; it has {', '.join(meta)}"
+            )
+        files = [Path(path, d, f"{i}.json") for d, ids_ in meta.items() for i in ids_]
+        absent = [f"{f.parent.name}/{f.stem}" for f in files if not f.is_file()]
+        if absent:
+            raise TaskSourceError(
+                f"{len(absent)} task(s) of the meta file are not under {path}: {absent[:5]}"
+            )
+    else:
+        files = sorted(Path(path).glob("*/*.json"))
     out: list[Task] = []
     skipped: dict[str, int] = {}
-    for f in sorted(Path(path).glob("*/*.json")):
+    for f in files:
         if domains and f.parent.name not in domains:
             continue
         if ids and f.stem not in ids:
