@@ -57,6 +57,7 @@ from jax.sharding import PartitionSpec as P
 from cua_jax import sharding as shd
 from cua_jax.models import qwen_vl
 from cua_jax.models.qwen_vl.text import splash_tile
+from cua_jax.rl.shapes import ShapeError
 
 GiB = 1 << 30
 
@@ -281,6 +282,11 @@ class ProgramPlan:
     compile_error: str | None = None  # the compiler's message when it refused (out of memory)
     compile_s: float = 0.0
     notes: list[str] = dataclasses.field(default_factory=list)
+    # what `--json` reports of the program: learner | sft | sampler | sdpo, and its batch
+    kind: str = ""
+    rows: int = 0
+    row_length: int = 0
+    screens: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -570,6 +576,7 @@ def plan_train_step(
     args = (ab.trainable, ab.opt_state, ab.frozen, ab.rest, ab.ref, xs, None)
     arguments = _step_arguments(ab, xs, "batch")
     prog = ProgramPlan("train_step", chip, arguments, {"KV pool (sampler, resident)": kv_bytes})
+    prog.kind, prog.rows, prog.row_length = "learner", rows, row_len
     # Model FLOPs per device: 6 N T for trained weights (forward, input and weight gradients),
     # 4 N T for frozen ones (no weight gradient), 2 N T more for the KL reference's forward;
     # causal attention 6 x layers x T x L x (heads x head_dim) (half of the 12 of full attention).
@@ -665,6 +672,8 @@ def plan_train_step_screens(ab: _Abstract, chip: Chip, kv_bytes: int, shapes: An
         "train_step_screens", chip, arguments, {"KV pool (sampler, resident)": kv_bytes}
     )
     screens = shape.patches // unit
+    prog.kind, prog.rows, prog.row_length = "learner", shape.rows, shape.length
+    prog.screens = screens
     prog.notes.append(
         f"the trainer's largest RL shape: {shape.rows} rows x {shape.length} tokens and "
         f"{screens} screens of {unit} patches ({shape.patches} patches) through the vision "
@@ -674,6 +683,184 @@ def plan_train_step_screens(ab: _Abstract, chip: Chip, kv_bytes: int, shapes: An
     args = (ab.trainable, ab.opt_state, ab.frozen, ab.rest, ab.ref, xs, images)
     _compile(learner._get_step("rl", grouped=True), args, prog)
     return prog
+
+
+def _model_flops(ab: _Abstract, tokens: float, row_len: int, useful: float = 1.0) -> float:
+    """Model FLOPs of a learner pass over `tokens` tokens in rows of `row_len` (all devices):
+    6 N T for trained weights, 4 N T for frozen ones, 2 N T more for the KL reference's
+    forward, causal attention 6 x layers x T x L x heads x head_dim; x `useful`, the share of
+    the tokens that are samples' (padding is not useful work)."""
+    t = ab.learner.config.text
+    moe = getattr(t, "num_experts", 0) or 0
+    active = (t.num_experts_per_tok / moe) if moe else 1.0
+    n_tr = _text_param_count(ab.trainable, active)
+    n_fr = _text_param_count(ab.frozen, active)
+    attn = 6 * t.num_hidden_layers * tokens * row_len * t.num_attention_heads * t.head_dim
+    flops = 6 * n_tr * tokens + 4 * n_fr * tokens + attn
+    if ab.ref is not None:
+        flops += 2 * (_text_param_count(ab.ref, active) + n_fr) * tokens + attn / 3
+    return flops * useful
+
+
+# What a drawn RL batch's episodes look like (`drawn_rl_batch`): the system prompt and task,
+# tokens an action call takes, the env's feedback text a turn, in tokens
+SYSTEM_TOKENS = 600
+ACTION_TOKENS = (24, 128)
+FEEDBACK_TOKENS = 16
+
+
+def drawn_rl_batch(config: Any, learner: Any, shapes: Any, seed: int = 0) -> Any:
+    """A step's RL batch as the preset's env settings make it, packed as the learner packs it
+    (`batching.pack_chunks`): `rl.group_size x rl.groups_per_batch` episodes of 1 to
+    `env.max_turns` turns (uniform), each turn showing the last `env.max_history_images`
+    screens of the preset's viewport, `SYSTEM_TOKENS` of prompt, an action of `ACTION_TOKENS`
+    tokens (at most `rl.max_tokens`) and `FEEDBACK_TOKENS` of feedback a turn; turns that
+    extend the previous one while the window keeps every screen, separate samples once it
+    drops one (as the chat renders a cut history). Pixels are stand-ins of one value a
+    patch. Returns the packed batch."""
+    from cua_jax.rl import batching
+    from cua_jax.rl.trajectory import Trajectory, Turn, trajectory_to_samples
+
+    cfg = learner.config
+    rl, env = config.rl, config.env
+    rng = np.random.default_rng(seed)
+    unit = int(np.prod(shapes.grid))
+    merge = cfg.vision.spatial_merge_size
+    screen = np.r_[cfg.vision_start_token_id, [cfg.image_token_id] * (unit // merge**2),
+                   cfg.vision_end_token_id].astype(np.int32)  # fmt: skip
+
+    def positions(ids, grid):
+        return np.broadcast_to(np.arange(len(ids), dtype=np.int32), (3, len(ids))).copy()
+
+    samples = []
+    for _ in range(rl.group_size * rl.groups_per_batch):
+        turns, actions = [], []
+        for t in range(int(rng.integers(1, env.max_turns + 1))):
+            shown = min(t + 1, env.max_history_images)
+            history = np.concatenate(
+                [np.full(len(a) + FEEDBACK_TOKENS, 7) for a in actions] or [[]]
+            )
+            prompt = np.concatenate([np.full(SYSTEM_TOKENS, 5), history] + [screen] * shown).astype(
+                np.int32
+            )
+            extends = 0 < t < env.max_history_images
+            if extends:  # the previous turn's sequence, then this turn's text and screen
+                prev = turns[-1].full_ids
+                prompt = np.r_[prev, np.full(FEEDBACK_TOKENS, 7), screen].astype(np.int32)
+            low, high = (min(n, rl.max_tokens) for n in ACTION_TOKENS)
+            gen = np.full(int(rng.integers(low, high + 1)), 9, np.int32)
+            new = 1 if extends or t == 0 else shown
+            turns.append(
+                Turn(
+                    prompt,
+                    gen,
+                    np.zeros(gen.size, np.float32),
+                    pixel_values=np.zeros((new * unit, 1), np.float32),
+                    image_grid_thw=np.tile(np.asarray(shapes.grid, np.int32), (new, 1)),
+                    extends_previous=extends,
+                )
+            )
+            actions.append(gen)
+        traj = Trajectory("drawn", "g", turns, reward=1.0)
+        samples += trajectory_to_samples(traj, 1.0, positions)
+    shape, k = shapes.chunks_for("rl", samples)
+    return batching.pack_chunks(
+        samples,
+        shape,
+        k,
+        image_token_id=cfg.image_token_id,
+        merge=merge,
+        substeps=learner.num_substeps,
+        devices=learner._batch_parallel,
+        screen_patches=unit,
+    )
+
+
+def plan_chunk_programs(
+    ab: _Abstract, chip: Chip, kv_bytes: int, shapes: Any, useful: float = 1.0
+) -> list[ProgramPlan]:
+    """A token-budget shape set's learner programs (`rl.tokens_per_chip`): the gradient program
+    of one chunk of each RL shape, its screens through the vision tower (grouped by
+    micro-batch and device, sharded, in the compute dtype, as `Learner._device_batch` lays
+    them out), with the optimizer state and the KV pool resident beside it; then the update
+    (`apply_update`). A step runs one gradient call a chunk, so these are its peaks whatever
+    a batch's size. `useful`: the share of a chunk's tokens that are samples' (MFU)."""
+    from cua_jax.rl.image_groups import ImageGroups
+    from cua_jax.rl.learner import APPLY_PROGRAM
+
+    learner = ab.learner
+    cfg = learner.config
+    v = cfg.vision
+    patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+    s, b = learner.num_substeps, learner._batch_parallel
+    repl = learner._repl
+
+    def spec(a):
+        a = np.asarray(a)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=repl)
+
+    out = []
+    for shape in shapes.rl:
+        xs = _step_inputs(learner, shape.rows, shape.length)
+        per_group, unit, meta = learner._screen_layout(
+            shape.length, shape.patches, s, shapes.grid, per_group=shape.group_screens
+        )
+        pixels = jax.ShapeDtypeStruct(
+            (s, b, per_group * unit, patch_dim), learner._pixel_dtype(),
+            sharding=learner._pixel_sharding(4),
+        )  # fmt: skip
+        images = ImageGroups(pixels, jax.tree.map(spec, meta))
+        arguments = {
+            "params (trainable)": tree_shard_bytes(ab.trainable),
+            "params (frozen)": tree_shard_bytes(ab.frozen) + tree_shard_bytes(ab.rest),
+            "gradient accumulator": tree_shard_bytes(ab.trainable),
+            "chunk (text)": tree_shard_bytes(xs),
+            "chunk screens (by micro-batch and device)": tree_shard_bytes(images),
+        }
+        if ab.ref is not None:
+            arguments["KL reference"] = tree_shard_bytes(ab.ref)
+        resident = {
+            "optimizer state (resident)": tree_shard_bytes(ab.opt_state),
+            "KV pool (sampler, resident)": kv_bytes,
+        }
+        prog = ProgramPlan(f"rl_grads {shape.rows}x{shape.length}", chip, arguments, resident)
+        prog.kind, prog.rows, prog.row_length = "learner", shape.rows, shape.length
+        prog.screens = per_group * s * b
+        tokens = shape.rows * shape.length
+        prog.model_flops = _model_flops(ab, tokens, shape.length, useful) / learner.mesh.size
+        prog.notes.append(
+            f"one chunk: {shape.rows} rows x {shape.length} tokens ({shapes.tokens_per_chip} "
+            f"tokens a chip a micro-batch), {per_group} screens a (micro-batch, device) group "
+            f"of {s} x {b}; remat={cfg.remat}, logits_chunk={learner.logits_chunk}"
+        )
+        if cfg.attn_impl == "splash":
+            prog.pallas_flops, prog.pallas_bytes = _splash_cost(
+                cfg, shape.rows, shape.length, learner.mesh
+            )
+        n_total = jax.ShapeDtypeStruct((), jnp.float32, sharding=repl)
+        grouped = learner._get_grads("rl", grouped=True)
+        args = (ab.trainable, ab.frozen, ab.rest, ab.ref, xs, images, n_total, ab.trainable)
+        _compile(grouped, args, prog)
+        if s > 1 and prog.compile_error is None:
+            prog.flops *= s  # XLA counts the micro-batch scan's body once
+            prog.bytes_accessed *= s
+        out.append(prog)
+    arguments = {
+        "params (trainable)": tree_shard_bytes(ab.trainable),
+        "optimizer state": tree_shard_bytes(ab.opt_state),
+        "gradients": tree_shard_bytes(ab.trainable),
+    }
+    resident = {
+        "params (frozen, resident)": tree_shard_bytes(ab.frozen) + tree_shard_bytes(ab.rest),
+        "KV pool (sampler, resident)": kv_bytes,
+    }
+    if ab.ref is not None:
+        resident["KL reference (resident)"] = tree_shard_bytes(ab.ref)
+    prog = ProgramPlan(APPLY_PROGRAM, chip, arguments, resident)
+    prog.kind = "learner"
+    _compile(learner._get_apply(), (ab.trainable, ab.opt_state, ab.trainable), prog)
+    out.append(prog)
+    return out
 
 
 def _step_inputs(learner: Any, rows: int, row_len: int) -> dict[str, Any]:
@@ -713,6 +900,16 @@ def _step_arguments(ab: _Abstract, xs: dict[str, Any], batch: str) -> dict[str, 
 PROGRAMS = ("train_step", "train_step_screens", "sdpo_step", "sdpo_teacher", "decode_step")
 
 
+def default_programs(config: Any) -> tuple[str, ...]:
+    """What a run of `config` compiles: with a token-budget shape set (`rl.tokens_per_chip`)
+    the learner's chunk programs with their screens and the update, else the text-only
+    `train_step`; SDPO's teacher pass and step when `rl.algorithm` asks; the sampler's
+    decode."""
+    learner = "train_step_screens" if config.rl.get("tokens_per_chip", 0) > 0 else "train_step"
+    sdpo = ("sdpo_step", "sdpo_teacher") if config.rl.get("algorithm", "grpo") == "sdpo" else ()
+    return (learner, *sdpo, "decode_step")
+
+
 def plan_sdpo(
     config: Any,
     ab: _Abstract,
@@ -750,6 +947,7 @@ def plan_sdpo(
     step.notes.append(
         f"{rows} rows x {row_len} tokens, text only; teacher top-{k} targets; mode {mode}"
     )
+    step.kind, step.rows, step.row_length = "sdpo", rows, row_len
     args = (ab.trainable, ab.opt_state, ab.frozen, ab.rest, ab.ref, xs, None)
     out = []
     if "sdpo_step" in programs:
@@ -781,6 +979,7 @@ def plan_sdpo(
         f"{screen}-token screen) in {learner.num_substeps} micro-batches, text only; "
         f"top-{k} ids and log-probs out"
     )
+    teacher.kind, teacher.rows, teacher.row_length = "sdpo", rows, t_len
     fn = sdpo._teacher_jit(learner, rl.sdpo_topk, {})
     _compile(fn, (ab.trainable, ab.frozen, ab.rest, t_xs, None), teacher)
     return [*out, teacher]
@@ -844,6 +1043,7 @@ def plan_decode_step(
     if ab.ref is not None:
         resident["KL reference (learner, resident)"] = tree_shard_bytes(ab.ref)
     prog = ProgramPlan("decode_step", chip, arguments, resident)
+    prog.kind = "sampler"
     # As the engine decides: the TPU kernel, or the jnp reference where it cannot take the shapes.
     platform = mesh.devices.flat[0].platform
     backend = select_backend(backend, head_dim=t.head_dim, page_size=L, platform=platform)
@@ -903,7 +1103,7 @@ def make_plan(
     headroom: float = 0.1,
     rows: int | None = None,
     row_len: int | None = None,
-    programs: tuple[str, ...] = ("train_step", "decode_step"),
+    programs: tuple[str, ...] | None = None,
     attn_backend: str = "auto",
 ) -> Plan:
     """Compiles `programs` of the run `config` describes for the slice `topology` (a name in
@@ -912,6 +1112,8 @@ def make_plan(
     Raises PlanInputError for bad input (unknown topology, hf_path not a directory, a mesh that
     does not divide the slice or the model).
     """
+    if not programs:
+        programs = default_programs(config)
     unknown = set(programs) - set(PROGRAMS)
     if unknown:
         raise PlanInputError(f"unknown programs {sorted(unknown)}; use {', '.join(PROGRAMS)}")
@@ -954,7 +1156,17 @@ def make_plan(
         shapes = trainer_rl_shapes(config, ab.learner)
     if "train_step" in programs:
         out.append(plan_train_step(config, ab, mesh, topo.chip, rows, row_len, kv_bytes, shapes))
-    if "train_step_screens" in programs:
+    drawn = None
+    if "train_step_screens" in programs and shapes.budgeted:
+        try:
+            drawn = drawn_rl_batch(config, ab.learner, shapes)
+        except ShapeError as e:
+            raise PlanInputError(
+                f"the preset's own env settings make a batch no shape holds: {e}"
+            ) from None
+        useful = 1.0 - drawn.padding_share
+        out += plan_chunk_programs(ab, topo.chip, kv_bytes, shapes, useful)
+    elif "train_step_screens" in programs:
         out.append(plan_train_step_screens(ab, topo.chip, kv_bytes, shapes))
     if sdpo_programs:
         out += plan_sdpo(config, ab, mesh, topo.chip, rows, row_len, kv_bytes, sdpo_programs)
@@ -973,6 +1185,15 @@ def make_plan(
         "remat": ab.learner.config.remat,
         "num_substeps": ab.learner.num_substeps,
     }
+    if drawn is not None:
+        summary["drawn_batch"] = (
+            f"{drawn.num_samples} samples in {drawn.chunks} chunks of "
+            f"{drawn.shape[0] // drawn.chunks} x {drawn.shape[1]}, "
+            f"padding share {drawn.padding_share:.3f}"
+        )
+        summary["padding_share"] = drawn.padding_share
+        summary["chunks"] = drawn.chunks
+        summary["drawn_length"] = drawn.shape[1]
     train = next((p for p in out if p.name == "train_step" and p.compile_error is None), None)
     if train is not None:
         spare = budget - (train.total_bytes - kv_bytes)
@@ -1042,6 +1263,24 @@ def format_plan(plan: Plan) -> str:
                     else "no roofline (no published peak figures for this device)"
                 ),
             ]
+    lines += [
+        "",
+        "| program | kind | rows x length | screens | peak per device | fits | est. MFU |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    limit = plan.budget_bytes or float("inf")
+    for p in plan.programs:
+        batch = f"{p.rows} x {p.row_length}" if p.rows else "-"
+        mfu = f"{p.mfu:.1%}" if p.compile_error is None and p.model_flops and p.roofline_s else "-"
+        lines.append(
+            f"| {p.name} | {p.kind or '-'} | {batch} | {p.screens or '-'} | "
+            f"{fmt_bytes(p.total_bytes)} | {'yes' if p.total_bytes <= limit else 'NO'} | {mfu} |"
+        )
+    if "drawn_batch" in s:
+        lines.append(f"\nthe RL batch drawn from the preset's env settings: {s['drawn_batch']}")
+        est = step_seconds(plan)
+        if est:
+            lines.append(f"estimated RL step (roofline): {est:.2f} s")
     lines.append("")
     if plan.fits and not chip.hbm_bytes:
         lines.append("compiled; the devices report no memory limit to check against")
@@ -1054,6 +1293,45 @@ def format_plan(plan: Plan) -> str:
     else:
         lines.append("does not fit: " + plan.reason())
     return "\n".join(lines)
+
+
+def step_seconds(plan: Plan) -> float:
+    """A token-budget RL step's roofline time: the drawn batch's chunks through its shape's
+    gradient program, then the update (0 when not known)."""
+    s = plan.summary
+    grads = [p for p in plan.programs if p.name.startswith("rl_grads") and p.roofline_s]
+    apply = [p for p in plan.programs if p.name == "apply_update" and p.roofline_s]
+    if not grads or "chunks" not in s:
+        return 0.0
+    drawn = [p for p in grads if p.row_length == s.get("drawn_length")]
+    used = drawn[0] if drawn else max(grads, key=lambda p: p.roofline_s)
+    return s["chunks"] * used.roofline_s + sum(p.roofline_s for p in apply)
+
+
+def plan_json(plan: Plan, preset: str) -> dict[str, Any]:
+    """`tools/plan.py --json`'s record of a plan."""
+    limit = plan.budget_bytes or float("inf")
+    return {
+        "preset": preset,
+        "topology": plan.topology.name,
+        "processes": plan.topology.num_hosts,
+        "hbm_bytes": plan.topology.chip.hbm_bytes,
+        "fits": plan.fits,
+        "padding_share": plan.summary.get("padding_share"),
+        "programs": [
+            {
+                "name": p.name,
+                "kind": p.kind,
+                "rows": p.rows,
+                "row_length": p.row_length,
+                "screens": p.screens,
+                "bytes": p.total_bytes,
+                "fits": p.total_bytes <= limit,
+                "est_mfu": p.mfu if p.compile_error is None and p.model_flops else None,
+            }
+            for p in plan.programs
+        ],
+    }
 
 
 def dry_run(config: Any, devices: list[Any] | None = None, prog: str = "launch/tpu.py") -> int:

@@ -38,10 +38,14 @@ _ROWS = flags.DEFINE_integer("rows", None, "Train-step rows (default: config.rl.
 _ROW_LEN = flags.DEFINE_integer("row_len", None, "Row length (default: longest rl.row_lengths).")
 _PROGRAMS = flags.DEFINE_list(
     "programs",
-    "train_step,decode_step",
-    "Programs to compile: train_step (with rl.algorithm=sdpo also sdpo_step and sdpo_teacher), "
-    "train_step_screens (the trainer's largest RL shape with its screens), sdpo_step, "
-    "sdpo_teacher, decode_step.",
+    [],
+    "Programs to compile (default: what the run compiles; cua_jax.plan.default_programs): "
+    "train_step (8 text-only rows; with rl.algorithm=sdpo also sdpo_step and sdpo_teacher), "
+    "train_step_screens (the trainer's RL shapes with their screens: with rl.tokens_per_chip "
+    "each chunk's gradient program and the update), sdpo_step, sdpo_teacher, decode_step.",
+)
+_JSON = flags.DEFINE_string(
+    "json", None, "Also write the plan as JSON here (preset, topology, programs, fits, bytes)."
 )
 _LIST = flags.DEFINE_bool("list_topologies", False, "Print the table of known slices and exit.")
 
@@ -91,6 +95,12 @@ def main() -> None:
     except plan_lib.PlanInputError as e:
         _fail(f"error: {e}", 2)
     print(plan_lib.format_plan(plan), flush=True)
+    if _JSON.value:
+        import json
+        import pathlib
+
+        record = plan_lib.plan_json(plan, str(_CONFIG.value.get("preset", "")))
+        pathlib.Path(_JSON.value).write_text(json.dumps(record, indent=2) + "\n")
     if not plan.fits:
         _fail(plan.reason(), 1)
 

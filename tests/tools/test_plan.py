@@ -270,3 +270,37 @@ def test_plan_for_the_devices_present(hf_dir):
     assert p.fits, plan_lib.format_plan(p)
     assert all(prog.compile_error is None and prog.temp_bytes > 0 for prog in p.programs)
     assert "reference kernel" in plan_lib.format_plan(p)  # CPU: the jnp attention
+
+
+def test_token_budget_plan_writes_json_with_every_chunk_program(hf_dir, tmp_path):
+    """With rl.tokens_per_chip the default programs are the run's: each RL shape's chunk
+    gradient program with its screens, the update, and the decode step; `--json` lists them
+    and the tool exits 0 when all fit. The chunk's screens argument is its (micro-batch,
+    device) groups' budget in bf16, by hand: a 64 x 64 screen is 4 x 4 patches, a 1024-token
+    row holds 256 screens of 4 tokens, so a group holds 256 (tokens_per_chip // 4 too)."""
+    out = tmp_path / "plan.json"
+    r = _tool(
+        "--config=configs/qwen3vl_grpo.py:smoke", f"--config.model.hf_path={hf_dir}",
+        "--config.model.dtype=bfloat16", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
+        f"--config.sampler.num_pages={PAGES}", f"--config.sampler.page_size={PAGE}",
+        f"--config.sampler.max_slots={SLOTS}", f"--config.sampler.max_seq_len={SEQ}",
+        "--config.rl.tokens_per_chip=1024", "--config.rl.row_lengths=(1024,)",
+        "--config.env.viewport_width=64", "--config.env.viewport_height=64",
+        "--topology=v5e-4", f"--json={out}",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert record["preset"] == "smoke" and record["topology"] == "v5e-4" and record["fits"]
+    assert record["processes"] == 1 and record["hbm_bytes"] == 16 * 2**30
+    assert 0 <= record["padding_share"] < 1
+    names = [p["name"] for p in record["programs"]]
+    assert names == ["rl_grads 2x1024", "apply_update", "decode_step"], names
+    grads = record["programs"][0]
+    assert grads["kind"] == "learner" and (grads["rows"], grads["row_length"]) == (2, 1024)
+    assert grads["screens"] == 256 * 2 and grads["fits"] and grads["bytes"] > 0
+    assert record["programs"][2]["kind"] == "sampler"
+    pixels = 256 * 16 * 3 * 2 * 16 * 16 * 2  # a group's screens x patches x patch dim x bf16
+    row = next(ln for ln in r.stdout.splitlines() if "argument: chunk screens" in ln)
+    mib = float(row.split("|")[2].split()[0])
+    assert pixels / 2**20 <= mib < (pixels + 2**19) / 2**20  # + the tower's index arrays
+    assert "the RL batch drawn from the preset's env settings" in r.stdout
