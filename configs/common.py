@@ -325,6 +325,8 @@ def load_run_config(workdir: str) -> ConfigDict:
                 v = tuple(dict(x) if isinstance(x, dict) else x for x in v)
             elif isinstance(old, int | float) and isinstance(v, int | float):
                 v = type(old)(v)  # JSON 1e-05 vs 1.0e-5, ints saved for floats
+            if v == "<redacted>":  # cua_jax.redact.REDACTED: a secret the run did not save
+                continue  # keeps this version's default (tokens then come from the environment)
             if k in dst:
                 del dst[k]  # replace the field, typed None defaults (FieldReference) included
             setattr(dst, k, v)

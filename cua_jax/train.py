@@ -30,7 +30,7 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from cua_jax import builders, compile_stats, multihost, warmup
+from cua_jax import builders, compile_stats, multihost, redact, warmup
 from cua_jax import db as db_lib
 from cua_jax import metrics as metrics_lib
 from cua_jax.builders import init_model_weights
@@ -79,7 +79,7 @@ async def run(
     model, processor = builders.build_model_and_processor(config, mesh, rules)
     decode = processor.tokenizer.decode
     if is_main:
-        (epath.Path(workdir) / "config.json").write_text(config.to_json_best_effort(indent=2))
+        redact.write_run_config(workdir, config)  # tokens and passwords redacted, 0600
     # A run may start from another run's weights (not its optimizer or step); applied on resume
     # too, since parameters this run keeps frozen are not in its own checkpoints.
     init_model_weights(model, config)

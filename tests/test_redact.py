@@ -72,6 +72,22 @@ def test_run_config_file_is_redacted_and_owner_only(tmp_path):
     assert json.loads(text)["rl"]["group_size"] == 4
 
 
+def test_a_run_config_read_back_leaves_redacted_secrets_unset(tmp_path):
+    """`load_run_config` (tools/eval.py --workdir, tools/serve.py) reads a redacted token as
+    unset, this version's default, so it comes from the environment rather than being sent as
+    the literal "<redacted>"."""
+    from configs import common, qwen3vl_grpo
+
+    c = qwen3vl_grpo.get_config("smoke")
+    c.serve.token = "s3cret-token-value"
+    c.rl.group_size = 3
+    write_run_config(str(tmp_path), c)
+    back = common.load_run_config(str(tmp_path))
+    assert back.serve.token == common.base_config("qwen3_vl").serve.token
+    assert back.rl.group_size == 3
+    assert "s3cret" not in (tmp_path / "config.json").read_text()
+
+
 def test_database_and_monitor_never_show_a_secret(tmp_path):
     from tools import monitor
     from tools.monitor_app.app import make_app
