@@ -776,6 +776,26 @@ def drawn_rl_batch(config: Any, learner: Any, shapes: Any, seed: int = 0) -> Any
     )
 
 
+def size_kv_pool(
+    cfg: qwen_vl.QwenVLConfig, sc: Any, tensor: int, hbm: int, frac: float, programs: list
+) -> tuple[int, int, str]:
+    """(pages, bytes a device, a note) of the KV pool sized from memory: `frac` of the chip's
+    HBM less the largest planned program's peak (planned with no pool), in whole pages of
+    `kv_pool_bytes_per_device`; each program's resident pool is set to it."""
+    peak = max((p.total_bytes for p in programs), default=0)
+    pages = kv_pages_for_budget(cfg, max(0, int(hbm * frac) - peak), sc.page_size, cfg.dtype,
+                                tensor)  # fmt: skip
+    kv = kv_pool_bytes_per_device(cfg, pages, sc.page_size, cfg.dtype, tensor)
+    for p in programs:
+        if "KV pool (sampler, resident)" in p.resident:
+            p.resident["KV pool (sampler, resident)"] = kv
+    note = (
+        f"{pages} pages: {frac:.0%} of {hbm / GiB:.0f} GiB less the largest learner program's "
+        f"{peak / GiB:.2f} GiB (sampler.kv_memory_fraction)"
+    )
+    return pages, kv, note
+
+
 def plan_chunk_programs(
     ab: _Abstract, chip: Chip, kv_bytes: int, shapes: Any, useful: float = 1.0
 ) -> list[ProgramPlan]:
@@ -1139,10 +1159,10 @@ def make_plan(
     budget = int(topo.chip.hbm_bytes * (1.0 - headroom))
     num_pages = sc.num_pages
     frac = float(config.sampler.get("kv_memory_fraction", 0.0) or 0.0)
-    if frac > 0:  # the pool sized from a share of HBM
-        num_pages = kv_pages_for_budget(cfg, int(topo.chip.hbm_bytes * frac), sc.page_size,
-                                        cfg.dtype, tensor)  # fmt: skip
-    kv_bytes = kv_pool_bytes_per_device(cfg, num_pages, sc.page_size, cfg.dtype, tensor)
+    # kv_memory_fraction > 0: the pool takes what the learner's programs leave of that share
+    # of HBM (`size_kv_pool`, after they are planned with no pool); else sampler.num_pages
+    kv_bytes = 0 if frac > 0 else kv_pool_bytes_per_device(cfg, num_pages, sc.page_size,
+                                                           cfg.dtype, tensor)  # fmt: skip
     rows = rows or config.rl.rows_per_step
     mult = ab.learner.row_multiple
     rows = -(-rows // mult) * mult
@@ -1170,8 +1190,24 @@ def make_plan(
         out.append(plan_train_step_screens(ab, topo.chip, kv_bytes, shapes))
     if sdpo_programs:
         out += plan_sdpo(config, ab, mesh, topo.chip, rows, row_len, kv_bytes, sdpo_programs)
+    pool_note = ""
+    if frac > 0:
+        hbm = topo.chip.hbm_bytes
+        num_pages, kv_bytes, pool_note = size_kv_pool(cfg, sc, tensor, hbm, frac, out)
     if "decode_step" in programs:
-        out.append(plan_decode_step(config, ab, mesh, topo.chip, num_pages, attn_backend))
+        decode = plan_decode_step(config, ab, mesh, topo.chip, num_pages, attn_backend)
+        if frac > 0 and decode.compile_error is None and decode.total_bytes > hbm * frac:
+            # the sampler's own scratch is above the learner's: the pool gives up the rest
+            over = decode.total_bytes - int(hbm * frac)
+            per_page = kv_pool_bytes_per_device(cfg, 1, sc.page_size, cfg.dtype, tensor)
+            num_pages = max(0, num_pages - -(-over // per_page))
+            decode = plan_decode_step(config, ab, mesh, topo.chip, num_pages, attn_backend)
+            kv_bytes = kv_pool_bytes_per_device(cfg, num_pages, sc.page_size, cfg.dtype, tensor)
+            for p in out:
+                if "KV pool (sampler, resident)" in p.resident:
+                    p.resident["KV pool (sampler, resident)"] = kv_bytes
+            pool_note += f"; cut to {num_pages} pages for the decode step's own scratch"
+        out.append(decode)
 
     # The pool that would fit next to the train step (its other consumers as compiled).
     summary: dict[str, Any] = {
@@ -1180,6 +1216,7 @@ def make_plan(
         "lora_rank": int(config.model.lora_rank),
         "num_pages": num_pages,
         "kv_pool_bytes": kv_bytes,
+        "kv_pool": pool_note or f"sampler.num_pages = {num_pages}",
         "rows": rows,
         "row_len": row_len,
         "remat": ab.learner.config.remat,
@@ -1223,7 +1260,7 @@ def format_plan(plan: Plan) -> str:
     )
     lines = [
         f"plan for {topo.name} ({hw}{mem}{peak} per device); mesh {plan.mesh_shape}; "
-        f"{s['model']}, {s['trainable_params']:,} trainable",
+        f"{s['model']}, {s['trainable_params']:,} trainable; KV pool {s['kv_pool']}",
     ]
     for p in plan.programs:
         took = f"; compiled in {p.compile_s:.0f} s" if p.compile_error is None else ""

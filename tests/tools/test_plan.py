@@ -286,7 +286,7 @@ def test_token_budget_plan_writes_json_with_every_chunk_program(hf_dir, tmp_path
         f"--config.sampler.max_slots={SLOTS}", f"--config.sampler.max_seq_len={SEQ}",
         "--config.rl.tokens_per_chip=1024", "--config.rl.row_lengths=(1024,)",
         "--config.env.viewport_width=64", "--config.env.viewport_height=64",
-        "--topology=v5e-4", f"--json={out}",
+        "--config.sampler.kv_memory_fraction=0.5", "--topology=v5e-4", f"--json={out}",
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     record = json.loads(out.read_text())
@@ -304,3 +304,35 @@ def test_token_budget_plan_writes_json_with_every_chunk_program(hf_dir, tmp_path
     mib = float(row.split("|")[2].split()[0])
     assert pixels / 2**20 <= mib < (pixels + 2**19) / 2**20  # + the tower's index arrays
     assert "the RL batch drawn from the preset's env settings" in r.stdout
+    # the KV pool: half the chip's 16 GiB less the largest learner program (no pool in it)
+    assert "of 16 GiB less the largest learner program's" in r.stdout
+
+
+def test_kv_pool_from_memory_is_what_the_learner_leaves_by_hand():
+    """`size_kv_pool`: pages = (fraction x HBM - the largest program's peak) // a page's bytes
+    (K and V of every layer, kv heads over tensor), and every program's resident pool is it."""
+    cfg = _tiny_128()
+    t = cfg.text
+    sc = qwen3vl_grpo.get_config("smoke").sampler
+    chip = plan_lib.CHIPS["v5e"]
+    big = plan_lib.ProgramPlan(
+        "rl_grads", chip, {"params": 3 << 30}, {"KV pool (sampler, resident)": 0}
+    )
+    small = plan_lib.ProgramPlan(
+        "apply_update", chip, {"params": 1 << 30}, {"KV pool (sampler, resident)": 0}
+    )
+    pages, kv, note = plan_lib.size_kv_pool(cfg, sc, 2, 16 << 30, 0.5, [big, small])
+    # f32 K and V of 2 layers, 1 kv head on each of tensor=2, 128 wide, 16-token pages
+    page = 16 * 1 * 128 * 2 * 2 * 4
+    assert sc.page_size == 16 and (t.num_key_value_heads, t.head_dim, t.num_hidden_layers) == (
+        2,
+        128,
+        2,
+    )
+    assert pages == ((8 << 30) - (3 << 30)) // page and kv == pages * page
+    assert (
+        big.resident["KV pool (sampler, resident)"]
+        == kv
+        == small.resident["KV pool (sampler, resident)"]
+    )
+    assert f"{pages} pages" in note and "3.00 GiB" in note
