@@ -9,6 +9,7 @@ format, errors and security rules are in tools/serve.py's docstring.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import json
@@ -24,7 +25,7 @@ from urllib.parse import urlsplit
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -147,6 +148,12 @@ async def _read_json(request: Request, max_bytes: int) -> Any:
         ) from None
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns when the client of `request` (whose body was read) disconnects."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 class ChatServer:
     """The request handlers over one `Engine` and `QwenVLProcessor`.
 
@@ -179,15 +186,35 @@ class ChatServer:
         self.stop_ids = tuple(self.tokenizer.stop_ids)
         self.max_body_bytes = max_body_bytes
         self.requests = 0
+        self.abandoned = 0  # requests whose client left before the reply (generation stopped)
 
-    async def chat_completions(self, request: Request) -> JSONResponse:
+    async def chat_completions(self, request: Request) -> Response:
         try:
             body = await _read_json(request, self.max_body_bytes)
-            return await self._complete(body)
+            return await self._until_the_client_leaves(request, self._complete(body))
         except _HTTPError as e:
             return error_response(e.status, e.message, e.type, None, e.code)
         except RequestError as e:
             return JSONResponse(e.body(), status_code=400)
+
+    async def _until_the_client_leaves(self, request: Request, work: Any) -> Response:
+        """`work`'s response, or, when the client disconnects first, `work` cancelled (its
+        `Engine.generate` calls free their slots: a client that left kept the engine busy
+        generating for nobody) and a 499 nobody reads."""
+        job = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not job.done():
+                job.cancel()
+        if job.cancelled() or not job.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await job
+            self.abandoned += 1
+            return Response(status_code=499)
+        return job.result()
 
     async def _complete(self, body: Any) -> JSONResponse:
         from cua_jax.sampler import SamplingParams

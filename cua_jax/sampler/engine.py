@@ -227,6 +227,7 @@ class Engine:
         # and update_params() never wait for a running decode chunk (the event loop stays free).
         self._inbox = threading.Condition()
         self._incoming: list[Request] = []
+        self._cancelled: set[int] = set()  # ids whose callers left (applied by step)
         self._pending_params: tuple[Any, int] | None = None
         self._ids = itertools.count()
         self._driver: asyncio.Task | None = None
@@ -273,10 +274,21 @@ class Engine:
         def on_done(out: GenerateOutput) -> None:
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(out))
 
-        self.submit(prompt_ids, pixel_values, image_grid_thw, params, session_id, on_done)
+        rid = self.submit(prompt_ids, pixel_values, image_grid_thw, params, session_id, on_done)
         if self._driver is None or self._driver.done():
             self._driver = loop.create_task(self._drive())
-        return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:  # nobody waits for the tokens: stop making them
+            if rid is not None:
+                self.cancel(rid)
+            raise
+
+    def cancel(self, rid: int) -> None:
+        """Stops request `rid` (from `submit`) at the next scheduler iteration; its `on_done`
+        gets finish_reason "cancelled". A request already finished is left alone."""
+        with self._inbox:
+            self._cancelled.add(rid)
 
     def generate_batch(
         self, requests: Sequence[dict[str, Any]] | Sequence[Sequence[int]]
@@ -339,17 +351,19 @@ class Engine:
         params: SamplingParams | None = None,
         session_id: Any = None,
         on_done: Callable[[GenerateOutput], None] = lambda o: None,
-    ) -> None:
-        """Queues a request; `on_done` gets its GenerateOutput (from the thread running step)."""
+    ) -> int | None:
+        """Queues a request; `on_done` gets its GenerateOutput (from the thread running step).
+        Returns its id for `cancel` (None: refused at once, `on_done` already called)."""
         req = self._make_request(prompt_ids, pixel_values, image_grid_thw, params, session_id)
         if isinstance(req, str):
             empty = np.zeros((0,), np.float32)
             n = len(np.asarray(prompt_ids).reshape(-1))
             on_done(GenerateOutput([], empty, empty, "error", self.version, n, 0, 0, req))
-            return
+            return None
         req.on_done = on_done
         with self._inbox:
             self._incoming.append(req)
+        return req.rid
 
     def _make_request(
         self, prompt_ids, pixel_values, image_grid_thw, params, session_id
@@ -474,6 +488,9 @@ class Engine:
                 self.sched.waiting.extend(self._incoming)
                 self._incoming.clear()
                 self._take_pending_params()
+                cancelled, self._cancelled = self._cancelled, set()
+            if cancelled:
+                self.sched.cancel(cancelled, self.version)
             if self.sched.has_work():
                 self._wait_for_live_params()
             for batch in self.sched.admit(self.version):

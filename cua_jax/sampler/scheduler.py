@@ -143,8 +143,9 @@ class GenerateOutput:
     tokens: generated token ids (a stop token that ended generation is included).
     logprobs: f32 log-prob of each token under the distribution it was sampled from (see
       `sampling.py`); model_logprobs: f32 log_softmax of the raw logits (temperature 1).
-    finish_reason: "stop" (stop token / string), "length" (max_new_tokens or max_seq_len) or
-      "error" (see `error`). version: the oldest weights version that produced any token.
+    finish_reason: "stop" (stop token / string), "length" (max_new_tokens or max_seq_len),
+      "cancelled" (`Engine.generate`'s caller was cancelled) or "error" (see `error`).
+      version: the oldest weights version that produced any token.
     num_prompt_tokens / num_cached_tokens: prompt length and how many of its tokens were served
       from the cache (session reuse or group prefix sharing) instead of being prefilled.
     routes: MoE models only (None for dense ones): i32[len(tokens), L, K], the experts each of
@@ -331,6 +332,16 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def cancel(self, rids: set[int], version: int) -> None:
+        """Finishes the waiting or running requests in `rids` now, with finish_reason
+        "cancelled" (their callers left: a served client that disconnected). A running one
+        frees its slot as a finished one does (its K/V kept as its session's cache)."""
+        for req in [r for r in self.waiting if r.rid in rids]:
+            self.waiting.remove(req)
+            self.finish(req, "cancelled", version)
+        for req in [r for r in self.running.values() if r.rid in rids]:
+            self.finish(req, "cancelled", version)
 
     def budget(self, req: Request) -> int:
         return min(

@@ -7,6 +7,7 @@ as sequential ones, and malformed or foreign requests get OpenAI-style errors.
 """
 
 import asyncio
+import json
 
 import httpx
 import numpy as np
@@ -389,6 +390,49 @@ def test_embedded_server_reports_the_live_weights_version(engine, proc, model):
     assert before["policy_version"] == 0 and after["policy_version"] == 7
     assert after["system_fingerprint"] == "cua_jax-v7"
     assert after["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]  # same weights
+
+
+def test_a_client_that_leaves_stops_its_generation(engine, proc):
+    """A client that disconnects mid-generation cancels it: the engine stops decoding for it
+    (it went on to max_tokens, ~1000 tokens here, and the next request waited 1.9 s for it)."""
+    import time
+
+    from tools.serve import EmbeddedServer
+
+    async def run():
+        srv = await EmbeddedServer.start(engine, proc, token=None, max_tokens=8)
+        chat = srv.server.config.app.state.chat
+        host, port = srv.url.removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
+        body = json.dumps(
+            {
+                "messages": [{"role": "user", "content": "hello"}],
+                "temperature": 0,
+                "max_tokens": 1000,
+            }
+        ).encode()
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        try:
+            before = engine.stats["useful_tokens"]
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(head.encode() + body)
+            await writer.drain()
+            t0 = time.monotonic()
+            while engine.stats["useful_tokens"] == before and time.monotonic() - t0 < 60:
+                await asyncio.sleep(0.01)  # generating (after compiling, on a cold engine)
+            writer.close()  # the client leaves
+            t0 = time.monotonic()
+            while engine.has_work() and time.monotonic() - t0 < 60:
+                await asyncio.sleep(0.01)
+            return engine.stats["useful_tokens"] - before, chat.abandoned, reader
+        finally:
+            await srv.stop()
+
+    made, abandoned, _ = asyncio.run(run())
+    assert abandoned == 1 and not engine.has_work()
+    assert 0 < made < 200, made  # this greedy reply runs to the 1000-token cap if not stopped
 
 
 def _serve_config(**kw):
