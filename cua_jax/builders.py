@@ -165,14 +165,78 @@ def build_learner(model: Any, config: Any, mesh: Any, rules: Any, *, sft: bool):
     )
 
 
-def build_engine(model: Any, config: Any, tokenizer: Any, *, mesh: Any, rules: Any):
+def kv_pages(
+    config: Any, learner: Any, image_config: Any, stats: dict[str, int] | None = None
+) -> int:
+    """The sampler's KV pages: `sampler.num_pages`, or with `sampler.kv_memory_fraction` > 0 on
+    devices that report their memory, what that share of a device's memory leaves after what
+    is already on it (the learner's params and optimizer state) and the learner's largest
+    program (its scratch and its batch: the shape set's largest RL shape, compiled now; the
+    warm-up later finds it compiled), in whole pages. A device that reports no memory (the
+    CPU) keeps `sampler.num_pages`, logged. `stats`: the device's `memory_stats()` (tests)."""
+    import jax
+    import numpy as np
+
+    from cua_jax import warmup
+    from cua_jax.sampler.kv_cache import kv_pages_for_budget
+
+    sc = config.sampler
+    frac = float(sc.get("kv_memory_fraction", 0.0) or 0.0)
+    if frac <= 0:
+        return int(sc.num_pages)
+    if stats is None:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        logging.info(
+            "sampler.kv_memory_fraction: the devices report no memory limit; "
+            "sampler.num_pages=%d KV pages",
+            sc.num_pages,
+        )
+        return int(sc.num_pages)
+    if learner.shapes is None:
+        learner.shapes = warmup.shape_set(config, learner, image_config)
+    shape = max(learner.shapes.rl, key=lambda sh: (sh.rows * sh.length, sh.patches))
+    batch = learner.blank_batch(shape)
+    compiled = learner.lower_step(batch).compile()
+    m = compiled.memory_analysis()
+    scratch = int(m.temp_size_in_bytes) + int(m.output_size_in_bytes) - int(m.alias_size_in_bytes)
+    arrays = [batch.input_ids, batch.position_ids, batch.loss_mask, batch.loss_weights]
+    scratch += sum(int(np.asarray(a).nbytes) * 3 for a in arrays)  # the batch, generously
+    scratch += shape.patches * np.dtype(np.float32).itemsize * _patch_dim(learner.config)
+    budget = int(stats["bytes_limit"] * frac) - int(stats.get("bytes_in_use", 0)) - scratch
+    cfg, tensor = learner.config, learner.mesh.shape["tensor"]
+    pages = kv_pages_for_budget(cfg, budget, sc.page_size, cfg.dtype, tensor)
+    limit, in_use = stats["bytes_limit"] / 2**30, stats.get("bytes_in_use", 0) / 2**30
+    logging.info(
+        "KV pool: %d pages from %.0f%% of %.1f GiB less %.1f GiB in use and %.1f GiB for the "
+        "learner's largest program",
+        *(pages, 100 * frac, limit, in_use, scratch / 2**30),
+    )
+    if pages * sc.page_size < sc.max_seq_len:
+        raise ValueError(
+            f"sampler.kv_memory_fraction={frac} leaves {pages} KV pages ({pages * sc.page_size} "
+            f"tokens), fewer than one sequence of sampler.max_seq_len={sc.max_seq_len}; raise "
+            "the fraction or shrink the learner's batch (rl.tokens_per_chip)"
+        )
+    return pages
+
+
+def _patch_dim(cfg: Any) -> int:
+    v = cfg.vision
+    return v.in_channels * v.temporal_patch_size * v.patch_size**2
+
+
+def build_engine(
+    model: Any, config: Any, tokenizer: Any, *, mesh: Any, rules: Any, num_pages: int = 0
+):
     """The paged sampler over `model` (a learner's `learner.model` when one trains it) on the
     run's `mesh`: parameters already sharded there (the learner's) are decoded in place, K/V
     pages are sharded over `tensor`.
 
     Multi-host: each process rolls out its own episodes, so its sampler runs on its own devices
     only (`sampler_mesh`) with a local copy of the parameters (`sampler_params`); give it
-    `sampler_params(learner)` at every `update_params`."""
+    `sampler_params(learner)` at every `update_params`. `num_pages`: the KV pages (`kv_pages`;
+    0: `sampler.num_pages`)."""
     from cua_jax.sampler import Engine
 
     sc = config.sampler
@@ -183,7 +247,7 @@ def build_engine(model: Any, config: Any, tokenizer: Any, *, mesh: Any, rules: A
         rules=rules,
         max_slots=sc.max_slots,
         page_size=sc.page_size,
-        num_pages=sc.num_pages,
+        num_pages=num_pages or sc.num_pages,
         max_seq_len=sc.max_seq_len,
         decode_chunk=sc.decode_chunk,
         attn_backend=sc.backend,

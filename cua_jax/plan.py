@@ -58,6 +58,7 @@ from cua_jax import sharding as shd
 from cua_jax.models import qwen_vl
 from cua_jax.models.qwen_vl.text import splash_tile
 from cua_jax.rl.shapes import ShapeError
+from cua_jax.sampler.kv_cache import kv_pages_for_budget, kv_pool_bytes_per_device
 
 GiB = 1 << 30
 
@@ -238,25 +239,6 @@ def with_shardings(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(
         one, shardings, tree, is_leaf=lambda n: isinstance(n, jax.sharding.Sharding)
     )
-
-
-def kv_pool_bytes_per_device(
-    cfg: qwen_vl.QwenVLConfig, num_pages: int, page_size: int, dtype: Any, tensor: int
-) -> int:
-    """pages x page_size x kv_heads x head_dim x 2 (K and V) x layers x dtype size / tensor."""
-    t = cfg.text
-    return (
-        num_pages * page_size * (t.num_key_value_heads // tensor) * t.head_dim * 2
-        * t.num_hidden_layers * jnp.dtype(dtype).itemsize
-    )  # fmt: skip
-
-
-def kv_pages_for_budget(
-    cfg: qwen_vl.QwenVLConfig, budget_bytes: int, page_size: int, dtype: Any, tensor: int
-) -> int:
-    """The most KV pages whose pool fits `budget_bytes` per device (K/V sharded over `tensor`)."""
-    per_page = kv_pool_bytes_per_device(cfg, 1, page_size, dtype, tensor)
-    return max(0, int(budget_bytes // per_page))
 
 
 # ------------------------------------------------------------------------------- results

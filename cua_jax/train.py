@@ -126,8 +126,9 @@ async def run(
     else:  # a rerun of a run that died before its first checkpoint starts its metrics afresh
         writer.truncate_after(-1)
         db.truncate_after(-1)
+    num_pages = builders.kv_pages(config, learner, processor.image_config)
     engine = builders.build_engine(
-        learner.model, config, processor.tokenizer, mesh=mesh, rules=rules
+        learner.model, config, processor.tokenizer, mesh=mesh, rules=rules, num_pages=num_pages
     )
     engine.update_params(builders.sampler_params(learner), learner.version)
     agent = AgentLoop(engine, processor, builders.build_rollout_settings(config, learner.model))

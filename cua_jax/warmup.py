@@ -167,6 +167,14 @@ class Warmup:
         return times
 
 
+def shape_set(config: Any, learner: Any, image_config: Any) -> ShapeSet:
+    """The learner's shape set for `config` (`cua_jax.rl.shapes`): multi-process jobs use the
+    same global shapes, rows rounded to a multiple of the process count."""
+    n = jax.process_count()
+    multiple = learner.row_multiple * n // math.gcd(learner.row_multiple, n)
+    return ShapeSet.from_config(config, image_config, row_multiple=multiple)
+
+
 def begin(
     config: Any,
     learner: Any,
@@ -187,8 +195,7 @@ def begin(
     if rl.warmup not in WARMUP_CHOICES:
         raise ValueError(f"config.rl.warmup={rl.warmup!r} is not one of {WARMUP_CHOICES}")
     n = jax.process_count()
-    multiple = learner.row_multiple * n // math.gcd(learner.row_multiple, n)
-    learner.shapes = ShapeSet.from_config(config, image_config, row_multiple=multiple)
+    learner.shapes = shape_set(config, learner, image_config)
     logging.info("%s", learner.shapes.describe())
     if engine is not None:
         logging.info("%s", sampler_buckets(engine))

@@ -10,6 +10,7 @@ Letters: B batch, T new tokens, K kv-heads, H head-dim, L page size, P pages per
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -112,3 +113,22 @@ def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     k = tuple(kp.at[:, dst].set(kp[:, src]) for kp in cache.k)
     v = tuple(vp.at[:, dst].set(vp[:, src]) for vp in cache.v)
     return KVCache(k, v)
+
+
+def kv_pool_bytes_per_device(
+    cfg: Any, num_pages: int, page_size: int, dtype: Any, tensor: int
+) -> int:
+    """pages x page_size x kv_heads x head_dim x 2 (K and V) x layers x dtype size / tensor."""
+    t = cfg.text
+    return (
+        num_pages * page_size * (t.num_key_value_heads // tensor) * t.head_dim * 2
+        * t.num_hidden_layers * jnp.dtype(dtype).itemsize
+    )  # fmt: skip
+
+
+def kv_pages_for_budget(
+    cfg: Any, budget_bytes: int, page_size: int, dtype: Any, tensor: int
+) -> int:
+    """The most KV pages whose pool fits `budget_bytes` per device (K/V sharded over `tensor`)."""
+    per_page = kv_pool_bytes_per_device(cfg, 1, page_size, dtype, tensor)
+    return max(0, int(budget_bytes // per_page))

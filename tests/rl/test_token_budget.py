@@ -167,3 +167,28 @@ def test_fill_groups_refuses_what_no_placement_holds():
     load = np.bincount(groups_R, weights=np.array([3, 3, 2, 2, 1, 1, 0, 0])[perm])
     assert sorted(perm) == list(range(8)) and load.max() <= 4
     assert batching.fill_groups(groups_R, np.array([5, 0, 0, 0, 0, 0, 0, 0]), 4) is None
+
+
+def test_kv_pages_from_memory_are_what_the_learner_leaves(mesh4):
+    """`builders.kv_pages`: with sampler.kv_memory_fraction, N more pages' bytes of device memory
+    give exactly N more pages (K and V of every layer, by hand); a budget below one sequence is
+    an error naming the fraction; no memory report (the CPU) or fraction 0 keep num_pages."""
+    from configs import qwen3vl_grpo
+    from cua_jax import builders
+
+    learner = _budget_learner(mesh4)
+    c = qwen3vl_grpo.get_config("smoke")
+    c.sampler.kv_memory_fraction = 0.5
+    t = learner.config.text
+    page = c.sampler.page_size * t.num_key_value_heads * t.head_dim * 2 * t.num_hidden_layers * 4
+    base = {"bytes_limit": 8 << 30, "bytes_in_use": 1 << 30}
+    pages = builders.kv_pages(c, learner, None, stats=base)
+    more = builders.kv_pages(
+        c, learner, None, stats={**base, "bytes_limit": (8 << 30) + 2 * 7 * page}
+    )
+    assert pages * page < 3 << 30 and more - pages == 7  # half of 14 pages' bytes
+    with pytest.raises(ValueError, match="kv_memory_fraction=0.5 leaves"):
+        builders.kv_pages(c, learner, None, stats={"bytes_limit": 3 << 30, "bytes_in_use": 3 << 29})
+    assert builders.kv_pages(c, learner, None, stats={}) == c.sampler.num_pages
+    c.sampler.kv_memory_fraction = 0.0
+    assert builders.kv_pages(c, learner, None, stats=base) == c.sampler.num_pages
