@@ -77,8 +77,10 @@ def base_config(family: str) -> ConfigDict:
     c.sampler.max_slots = 16
     c.sampler.page_size = 16
     c.sampler.num_pages = 512
-    # > 0: the KV pool takes this share of each device's HBM (pages of K/V sharded over
-    # mesh.tensor; cua_jax.plan.kv_pages_for_budget) instead of a fixed num_pages
+    # > 0: the KV pool takes what the learner leaves of this share of each device's memory
+    # (its params, optimizer state and largest program; cua_jax.builders.kv_pages, planned by
+    # cua_jax.plan.size_kv_pool) instead of num_pages, which stays for devices that report no
+    # memory (the CPU)
     c.sampler.kv_memory_fraction = 0.0
     c.sampler.max_seq_len = 4096
     c.sampler.decode_chunk = 8
@@ -359,7 +361,7 @@ def apply_real(c: ConfigDict, size: str) -> None:
     c.model.preset = size
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "bfloat16" if lora_rank else "float32"
-    c.model.remat = "dots"
+    c.model.remat = "full"
     c.model.lora_rank = lora_rank
     c.mesh.tensor = tensor
     if c.model.family == "qwen2_5_vl" and 3420 % tensor:
@@ -375,6 +377,14 @@ def apply_real(c: ConfigDict, size: str) -> None:
     c.rl.learning_rate = 1e-6
     c.rl.max_tokens = 256
     c.rl.row_lengths = (4096, 8192, 16384)
+    # The learner's batch by token budget: 16384 tokens a batch-parallel device a chunk, as many
+    # chunks as a step's samples need (memory is one chunk's whatever the turns and screens);
+    # splash attention (no [L, L] scores); the KV pool takes what the learner leaves of 85% of
+    # a device's memory
+    c.rl.tokens_per_chip = 16384
+    c.rl.num_substeps = 1
+    c.model.attn_impl = "splash"
+    c.sampler.kv_memory_fraction = 0.85
     c.rl.max_steps_off_policy = 2
     c.rl.mode = "sync"  # on-policy; --config.rl.mode=async overlaps rollouts with training
     c.env.concurrency = groups * 8

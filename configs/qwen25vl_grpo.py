@@ -30,17 +30,7 @@ PRESETS = ("smoke", "3b", "7b", "32b", "72b")
 
 TOPOLOGY = {"3b": "v5p-8", "7b": "v5p-8", "32b": "v5p-8", "72b": "v5p-16"}
 # Overrides of configs/common.py's apply_real that make each preset fit TOPOLOGY (tools/plan.py)
-FIT = {
-    "3b": {"model.remat": "full", "rl.num_substeps": 2, "sampler.num_pages": 4096},
-    "7b": {"model.remat": "full", "rl.num_substeps": 4, "sampler.num_pages": 4096},
-    "32b": {"model.remat": "full", "rl.num_substeps": 8, "sampler.num_pages": 4096},
-    "72b": {
-        "model.remat": "full",
-        "rl.num_substeps": 8,
-        "sampler.num_pages": 4096,
-        "model.attn_impl": "splash",
-    },
-}
+FIT: dict[str, dict] = {}
 
 
 def get_config(arg=None):

@@ -40,25 +40,20 @@ PRESETS = ("smoke", "2b", "4b", "8b", "32b", "30b-a3b")
 TOPOLOGY = {"2b": "v5p-8", "4b": "v5p-8", "8b": "v5p-8", "32b": "v5p-8", "30b-a3b": "v5p-8"}
 # Overrides of configs/common.py's apply_real that make each preset fit TOPOLOGY (tools/plan.py)
 FIT = {
-    "2b": {"model.remat": "full", "rl.num_substeps": 2, "sampler.num_pages": 4096},
-    # 32 heads: the learner's dense attention holds f32 [heads, L, L] scores per row (34 GB at
-    # L=16384 on one device), so the heads are split over tensor=2
-    "4b": {"model.remat": "full", "rl.num_substeps": 4, "sampler.num_pages": 4096,
-           "mesh.tensor": 2},
-    "8b": {"model.remat": "full", "rl.num_substeps": 4, "sampler.num_pages": 3072},
-    "32b": {"model.remat": "full", "rl.num_substeps": 8, "sampler.num_pages": 4096},
     # MoE: the experts split over expert=4 (32 on each device), attention and embeddings
     # replicated (with FSDP over 2, 66-72 GiB of temporaries whatever the micro-batching);
-    # the learner's attention as the splash kernel; LoRA on the expert stacks too
-    # (cua_jax.models.lora.MOE_TARGETS), routing replay on
-    "30b-a3b": {"model.remat": "full", "rl.num_substeps": 4, "sampler.num_pages": 2048,
-                "mesh.expert": 4, "mesh.fsdp": 1, "model.attn_impl": "splash",
-                "rl.routing_replay": True,
-                "model.lora_targets": (
-                    r"language_model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj$",
-                    r"language_model\.layers\.\d+\.mlp\.(gate|up|down)_proj$",
-                    r"language_model\.layers\.\d+\.mlp\.experts$")},
-}  # fmt: skip
+    # LoRA on the expert stacks too (cua_jax.models.lora.MOE_TARGETS), routing replay on
+    "30b-a3b": {
+        "mesh.expert": 4,
+        "mesh.fsdp": 1,
+        "rl.routing_replay": True,
+        "model.lora_targets": (
+            r"language_model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj$",
+            r"language_model\.layers\.\d+\.mlp\.(gate|up|down)_proj$",
+            r"language_model\.layers\.\d+\.mlp\.experts$",
+        ),
+    },
+}
 
 
 def get_config(arg=None):

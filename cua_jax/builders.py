@@ -212,10 +212,10 @@ def kv_pages(
         "learner's largest program",
         *(pages, 100 * frac, limit, in_use, scratch / 2**30),
     )
-    if pages * sc.page_size < sc.max_seq_len:
+    if (pages - 1) * sc.page_size < sc.max_seq_len:  # page 0 is scratch
         raise ValueError(
             f"sampler.kv_memory_fraction={frac} leaves {pages} KV pages ({pages * sc.page_size} "
-            f"tokens), fewer than one sequence of sampler.max_seq_len={sc.max_seq_len}; raise "
+            f"tokens), not one sequence of sampler.max_seq_len={sc.max_seq_len}; raise "
             "the fraction or shrink the learner's batch (rl.tokens_per_chip)"
         )
     return pages
