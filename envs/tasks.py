@@ -279,6 +279,26 @@ _FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
 _reading: list[str] = []  # the task files being read, outermost first (include cycles)
 
 
+def check_task_fields(
+    d: Mapping[str, Any], required: Iterable[str] = ("id", "instruction", "source")
+) -> None:
+    """Raises ``TaskSourceError`` unless ``d`` is a Task's JSON form (``Task.to_dict``): no
+    unknown field, the ``required`` ones present, each of its JSON type (a task file's or a
+    browser host's client's ``"spec": "a string"`` crashed whoever read it later)."""
+    bad = sorted(set(d) - _TASK_FIELDS)
+    missing = [k for k in required if k not in d]
+    if bad or missing:
+        raise TaskSourceError(
+            (f"unknown task field(s) {bad}; " if bad else "")
+            + (f"missing {missing}; " if missing else "")
+            + f"valid fields: {', '.join(sorted(_TASK_FIELDS))}"
+        )
+    for k, v in d.items():
+        types, what = _FIELD_TYPES.get(k, ((object,), ""))
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            raise TaskSourceError(f"task field {k!r} must be {what}, got {v!r:.100}")
+
+
 def _file(cfg: dict[str, Any]) -> list[Task]:
     """JSONL, one task per line: a Task dict ({"id", "instruction", ...}, as Task.to_dict
     writes) or a source dict ({"source_type": ...}, which may name another file, never one
@@ -328,21 +348,10 @@ def _read_task_file(path: str) -> list[Task]:
             except TaskSourceError as e:
                 raise TaskSourceError(f"{path}:{n}: {e}") from None
             continue
-        bad = sorted(set(d) - _TASK_FIELDS)
-        missing = [k for k in ("id", "instruction") if k not in d]
-        if bad or missing:
-            raise TaskSourceError(
-                f"{path}:{n}: "
-                + (f"unknown task field(s) {bad}; " if bad else "")
-                + (f"missing {missing}; " if missing else "")
-                + f"valid fields: {', '.join(sorted(_TASK_FIELDS))}"
-            )
-        for k, v in d.items():
-            types, what = _FIELD_TYPES.get(k, ((object,), ""))
-            if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
-                raise TaskSourceError(
-                    f"{path}:{n}: task field {k!r} must be {what}, got {v!r:.100}"
-                )
+        try:
+            check_task_fields(d, required=("id", "instruction"))
+        except TaskSourceError as e:
+            raise TaskSourceError(f"{path}:{n}: {e}") from None
         d.setdefault("source", "file")
         if not d.get("spec"):
             d["spec"] = {"kind": "page"}

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -133,18 +133,25 @@ async def _read_json(request: Request, max_bytes: int) -> Any:
             "invalid_request_error",
         )
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise _HTTPError(
-                413, f"the body is over the {max_bytes}-byte limit", "invalid_request_error"
-            )
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise _HTTPError(
+                    413, f"the body is over the {max_bytes}-byte limit", "invalid_request_error"
+                )
+            chunks.append(chunk)
+    except ClientDisconnect:  # nobody reads the answer; not a server error (no traceback)
+        raise _HTTPError(400, "the client left mid-body", "invalid_request_error") from None
     try:  # off the event loop: a body with screenshots is megabytes of JSON
         return await asyncio.to_thread(json.loads, b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise _HTTPError(
             400, f"the body is not JSON: {e}", "invalid_request_error", "invalid_json"
+        ) from None
+    except RecursionError:
+        raise _HTTPError(
+            400, "the body's JSON is nested too deep", "invalid_request_error", "invalid_json"
         ) from None
 
 

@@ -39,6 +39,7 @@ from cua_jax.env_api import (
     Task,
 )
 from envs.screenshots import decode_screenshot
+from envs.tasks import check_task_fields
 
 OBS_CONTENT_TYPE = "application/x-cua-obs"
 PROTOCOL_VERSION = 1
@@ -80,7 +81,9 @@ def _jsonable(v: Any) -> Any:
 
 
 def task_from_dict(d: dict[str, Any]) -> Task:
-    """A Task from ``Task.to_dict()`` (unknown fields: TypeError naming them)."""
+    """A Task from ``Task.to_dict()``; ``TaskSourceError`` (a ValueError) naming an unknown or
+    missing field, or one of the wrong JSON type."""
+    check_task_fields(d)
     return Task(**d)
 
 

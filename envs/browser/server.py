@@ -244,9 +244,11 @@ class BrowserServer:
         except (KeyError, TypeError, ValueError) as e:
             return error(f"reset needs {{'task': Task.to_dict()}}: {e}", 400)
         seed = data.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            return error(f"reset's seed must be an integer or null, got {seed!r:.100}", 400)
         async with le.lock:
             try:
-                obs = await le.env.reset(task, None if seed is None else int(seed))
+                obs = await le.env.reset(task, seed)
             except EnvError as e:
                 return error(str(e), 422)
             return self._obs_response(le.env, obs, {})

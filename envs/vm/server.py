@@ -242,8 +242,11 @@ class VMServer:
     async def execute(self, request: web.Request) -> web.Response:
         data = await json_body(request)
         shell = bool(data.get("shell", False))
+        command = data.get("command", "" if shell else [])
+        if not _is_command(command):
+            return error(_COMMAND_SHAPE.format(command), 400)
         try:
-            command = expand_home(data.get("command", "" if shell else []), shell)
+            command = expand_home(command, shell)
         except ValueError as e:  # an unbalanced quote
             return error(str(e))
         if not command:
@@ -271,6 +274,8 @@ class VMServer:
     async def launch(self, request: web.Request) -> web.Response:
         data = await json_body(request)
         shell = bool(data.get("shell", False))
+        if not _is_command(data.get("command", "")):
+            return error(_COMMAND_SHAPE.format(data.get("command")), 400)
         try:
             command = expand_home(data.get("command", ""), shell)
         except ValueError as e:
@@ -288,11 +293,11 @@ class VMServer:
     async def run_python(self, request: web.Request) -> web.Response:
         data = await json_body(request)
         code = data.get("code")
-        if not code:
+        if not code or not isinstance(code, str):
             return web.json_response(
                 {
                     "status": "error",
-                    "message": "Code not supplied!",
+                    "message": "code must be a string" if code else "Code not supplied!",
                     "output": "",
                     "error": "",
                     "return_code": -1,
@@ -341,9 +346,11 @@ class VMServer:
             body = {"status": "error", "output": msg, "error": "", "returncode": -1, **extra}
             return web.json_response(body, status=code)
 
-        if not script:
-            return fail("Script not supplied!", 400)
+        if not script or not isinstance(script, str):
+            return fail("Script not supplied!" if not script else "script must be a string", 400)
         wd = data.get("working_dir")
+        if wd is not None and not isinstance(wd, str):
+            return fail(f"working_dir must be a string, got {wd!r:.100}", 400)
         if wd:
             wd = os.path.expanduser(wd)
             if not os.path.isdir(wd):
@@ -413,7 +420,10 @@ class VMServer:
             return error("xdg-open is not installed in the VM (apt-get install xdg-utils)")
         self._track(await spawn_detached([opener, str(path)], shell=False))
         # Like OSWorld: wait (bounded) for a window whose title names the file.
-        deadline = time.monotonic() + float(data.get("timeout", 10))
+        wait = data.get("timeout", 10)
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait < math.inf:
+            return error(f"timeout must be a number of seconds >= 0, got {wait!r:.100}", 400)
+        deadline = time.monotonic() + min(wait, self.exec_limit_s)
         while time.monotonic() < deadline:
             if any(path.name in w["name"] for w in await wmctrl_windows()):
                 return web.Response(text="File opened successfully")
@@ -512,6 +522,17 @@ class VMServer:
         if not path.exists():
             return error("recording failed: no file was written")
         return web.FileResponse(path)
+
+
+_COMMAND_SHAPE = "command must be a string or a list of strings, got {!r:.100}"
+
+
+def _is_command(command: Any) -> bool:
+    """A command is a string (shlex-split without a shell) or a list of strings; `123` or
+    `[[1]]` are a 400, not a 500 from deep inside the process start."""
+    if isinstance(command, list):
+        return all(isinstance(a, str) for a in command)
+    return isinstance(command, str)
 
 
 def _truncated(ran: Ran) -> dict[str, Any]:
@@ -640,7 +661,9 @@ async def serve(args: argparse.Namespace) -> None:
         allowed_hosts=allowed_hosts_for(args.host, args.allow_host),
         max_upload_bytes=args.max_upload_bytes,
     )
-    runner = web.AppRunner(server.app(), access_log=None)
+    # At SIGTERM a request still running (a 120 s command, a wait for a window) is cancelled
+    # after 2 s, its process group killed, instead of holding the server for aiohttp's 60 s.
+    runner = web.AppRunner(server.app(), access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()

@@ -166,8 +166,9 @@ class RequestGuard:
         if why is not None:
             return error(f"{why}: the VM server takes no requests from web pages", 403)
         if self.token is not None:
-            got = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode()):
+            # a header's non-UTF-8 bytes arrive as surrogates: compared as the bytes they were
+            got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(got, f"Bearer {self.token}".encode()):
                 return error("missing or wrong bearer token", 401)
         route = self.route_of(request.match_info.route)
         cap = self.max_bytes(route)

@@ -97,3 +97,13 @@ def test_ids_beyond_any_column_are_4xx_not_500(engine):
         assert c.get(path).status_code == 404, path
     for path in (f"/runs/1/evals/0?vs={huge}", f"/api/runs/1/steps?after={huge}"):
         assert c.get(path).status_code == 400, path
+
+
+def test_non_ascii_tokens_are_401_not_500(engine):
+    # hmac.compare_digest raised TypeError on a str with non-ASCII characters: a 500.
+    c = _client(engine, 8080)
+    assert c.get("/api/runs?token=%C3%A9").status_code == 401
+    assert c.get("/api/runs", headers={"Authorization": "token é".encode()}).status_code == 401
+    assert (
+        c.get("/api/runs", headers={"Cookie": f"{cookie_name(8080)}=é".encode()}).status_code == 401
+    )

@@ -392,9 +392,11 @@ def test_embedded_server_reports_the_live_weights_version(engine, proc, model):
     assert after["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]  # same weights
 
 
-def test_a_client_that_leaves_stops_its_generation(engine, proc):
+def test_a_client_that_leaves_stops_its_generation(engine, proc, caplog):
     """A client that disconnects mid-generation cancels it: the engine stops decoding for it
-    (it went on to max_tokens, ~1000 tokens here, and the next request waited 1.9 s for it)."""
+    (it went on to max_tokens, ~1000 tokens here, and the next request waited 1.9 s for it).
+    A client that leaves mid-body, or sends JSON nested 100k deep, is a 400, not a 500 with a
+    traceback in the log."""
     import time
 
     from tools.serve import EmbeddedServer
@@ -403,6 +405,19 @@ def test_a_client_that_leaves_stops_its_generation(engine, proc):
         srv = await EmbeddedServer.start(engine, proc, token=None, max_tokens=8)
         chat = srv.server.config.app.state.chat
         host, port = srv.url.removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
+        for body in (b"[" * 100_000 + b"]" * 100_000, b'{"messages": [{"role": "us'):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 200000\r\n"
+                "Connection: close\r\n\r\n".encode()
+                + body
+            )
+            await writer.drain()
+            if len(body) == 200_000:
+                deep = (await reader.read()).split(b"\r\n")[0]
+            writer.close()  # the second leaves mid-body
+        await asyncio.sleep(0.2)
         body = json.dumps(
             {
                 "messages": [{"role": "user", "content": "hello"}],
@@ -426,11 +441,13 @@ def test_a_client_that_leaves_stops_its_generation(engine, proc):
             t0 = time.monotonic()
             while engine.has_work() and time.monotonic() - t0 < 60:
                 await asyncio.sleep(0.01)
-            return engine.stats["useful_tokens"] - before, chat.abandoned, reader
+            return engine.stats["useful_tokens"] - before, chat.abandoned, deep
         finally:
             await srv.stop()
 
-    made, abandoned, _ = asyncio.run(run())
+    made, abandoned, deep = asyncio.run(run())
+    assert deep == b"HTTP/1.1 400 Bad Request"
+    assert not [r for r in caplog.records if r.exc_info], caplog.text
     assert abandoned == 1 and not engine.has_work()
     assert 0 < made < 200, made  # this greedy reply runs to the 1000-token cap if not stopped
 

@@ -93,9 +93,9 @@ class Guard:
             await _deny(403, f"refused: {site} request", scope, receive, send)
             return
         if self.token is not None:
-            query = dict(parse_qsl(scope.get("query_string", b"").decode()))
+            query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
             given = query.get("token")
-            if given is not None and hmac.compare_digest(given, self.token):
+            if given is not None and _same(given, self.token):
                 rest = {k: v for k, v in query.items() if k != "token"}
                 url = scope["path"] + ("?" + urlencode(rest) if rest else "")
                 resp = RedirectResponse(url, status_code=303)
@@ -111,7 +111,7 @@ class Guard:
             port = _port(scope)
             cookie = _cookies(headers.get("cookie", "")).get(cookie_name(port), "")
             auth = headers.get("authorization", "")
-            ok = hmac.compare_digest(cookie, cookie_value(self.token, port)) or hmac.compare_digest(
+            ok = _same(cookie, cookie_value(self.token, port)) or _same(
                 auth.removeprefix("token ").strip(), self.token
             )
             if not ok:
@@ -124,6 +124,14 @@ class Guard:
                 )
                 return
         await self.app(scope, receive, send)
+
+
+def _same(given: str, secret: str) -> bool:
+    """Constant-time equality of two strings as UTF-8 (`hmac.compare_digest` raises TypeError,
+    a 500, for a str holding non-ASCII characters: a token `é` in a URL or header)."""
+    return hmac.compare_digest(
+        given.encode("utf-8", "surrogateescape"), secret.encode("utf-8", "surrogateescape")
+    )
 
 
 class SecurityHeaders:

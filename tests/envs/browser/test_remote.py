@@ -126,6 +126,41 @@ def test_guard_refuses_web_pages_missing_tokens_and_big_bodies(host, run):
         assert status == want, (method, path, headers.keys(), status, text[:200])
 
 
+def test_bad_reset_arguments_and_non_ascii_tokens_are_4xx(host, run):
+    # Each was a 500 with a traceback in the host's log (ValueError, OverflowError on int(inf),
+    # AttributeError later on a string spec, UnicodeEncodeError comparing the token).
+    auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    status, text = run(_raw(host, "POST", "/envs", headers=auth, data=b"{}"))
+    lease = json.loads(text)["env"]
+    task = json.dumps(suite.make_task("click-button", 1).to_dict())
+    bad = {
+        '"seed": "abc"': "seed must be an integer or null, got 'abc'",
+        '"seed": 1e400': "seed must be an integer or null, got inf",
+        '"seed": true': "seed must be an integer",
+    }
+    for extra, message in bad.items():
+        body = f'{{"task": {task}, {extra}}}'.encode()
+        status, text = run(_raw(host, "POST", f"/envs/{lease}/reset", headers=auth, data=body))
+        assert status == 400 and message in text, (extra, status, text)
+    spec = json.dumps({"task": {**json.loads(task), "spec": "a string"}}).encode()
+    status, text = run(_raw(host, "POST", f"/envs/{lease}/reset", headers=auth, data=spec))
+    assert status == 400 and "task field 'spec' must be an object" in text, text
+    run(
+        _raw(host, "POST", f"/envs/{lease}/close", headers={"Authorization": auth["Authorization"]})
+    )
+
+    async def raw_token(token: bytes) -> bytes:
+        name, port = host.rsplit(":", 1)
+        r, w = await asyncio.open_connection(name, int(port))
+        w.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + token)
+        w.write(b"\r\nConnection: close\r\n\r\n")
+        line = (await r.read()).split(b"\r\n")[0]
+        w.close()
+        return line
+
+    assert run(raw_token(b"\xe9")) == b"HTTP/1.1 401 Unauthorized"
+
+
 def test_bench_pages_then_screenshots_from_start_at(host, run):
     """The fleet ceiling's barrier: a host opens its pages (`/bench/pages`), then loops from
     `start_at` (`/bench/screenshots`), not before; without opened pages, or with a `start_at`

@@ -181,6 +181,32 @@ def test_bound_host_and_allow_host_names_are_accepted_others_not(tmp_path):
     assert vm_server.allowed_hosts_for("::", ["a"]) == ["a"]
 
 
+def test_a_non_ascii_token_is_a_401_and_a_client_leaving_mid_body_no_traceback(tmp_path, caplog):
+    # A token byte \xe9 reached hmac.compare_digest as a surrogate: UnicodeEncodeError, a 500
+    # (with a traceback in the log); the browser host shares this guard.
+    async def body(url):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        out = []
+        for auth in (b"Bearer \xe9", "Bearer é".encode()):
+            r, w = await asyncio.open_connection(host, int(port))
+            w.write(b"GET /platform HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: " + auth)
+            w.write(b"\r\nConnection: close\r\n\r\n")
+            out.append((await r.read()).split(b"\r\n")[0])
+            w.close()
+        r, w = await asyncio.open_connection(host, int(port))  # leaves after 5 of 1000 bytes
+        w.write(
+            f"POST /execute HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+            'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"com'.encode()
+        )
+        await w.drain()
+        w.close()
+        await asyncio.sleep(0.2)
+        return out
+
+    assert _run(tmp_path, body) == [b"HTTP/1.1 401 Unauthorized"] * 2
+    assert not [r for r in caplog.records if r.exc_info], caplog.text
+
+
 def test_oversized_body_is_refused_with_413_before_it_is_read(tmp_path):
     marker = tmp_path / "ran"
 

@@ -154,6 +154,42 @@ def test_command_output_is_capped_and_the_reply_says_so(tmp_path):
     assert snippet.stdout == "b" * (cap // 4)
 
 
+def test_arguments_of_the_wrong_type_are_400s_not_500s(tmp_path):
+    # Each was a 500 from deep inside a handler (TypeError, ValueError), and a 1e308 s
+    # open_file timeout waited for a window forever (it is capped at the exec limit now).
+    srv = _server(tmp_path, exec_limit_s=1)
+    (tmp_path / "f.txt").write_text("x")
+    cases = [
+        (srv.execute, "/execute", {"command": 123}, "command must be a string or a list"),
+        (srv.execute, "/execute", {"command": 123, "shell": True}, "command must be"),
+        (srv.execute, "/execute", {"command": [["ls"]]}, "command must be"),
+        (srv.launch, "/setup/launch", {"command": {"a": 1}}, "command must be"),
+        (srv.run_python, "/run_python", {"code": 123}, "code must be a string"),
+        (srv.run_bash_script, "/run_bash_script", {"script": ["ls"]}, "script must be"),
+        (
+            srv.run_bash_script,
+            "/run_bash_script",
+            {"script": "ls", "working_dir": 1},
+            "working_dir",
+        ),
+    ]
+    path = str(tmp_path / "f.txt")
+    for bad in ("x", -1, None, True, [1]):
+        cases.append((srv.open_file, "/setup/open_file", {"path": path, "timeout": bad}, "timeout"))
+
+    async def go():
+        out = []
+        for handler, route, body, _ in cases:
+            out.append(await handler(_json_request(route, body)))
+        return out
+
+    with mock.patch("shutil.which", return_value="/bin/true"):  # xdg-open: a no-op here
+        replies = asyncio.run(go())
+    for (_, route, body, message), r in zip(cases, replies, strict=True):
+        text = json.dumps(_body(r))
+        assert r.status == 400 and message in text, (route, body, r.status, text)
+
+
 def test_bad_json_is_a_400_naming_the_path(tmp_path):
     srv = _server(tmp_path)
 
