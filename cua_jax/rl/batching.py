@@ -115,7 +115,7 @@ def pack_chunks(
     `chunks`, and its `patch_budget` and `group_screens` are a chunk's."""
     budget = shape.group_screens * screen_patches
     k = chunks
-    kw = {**pack_kwargs, "seq_len_buckets": (shape.length,)}
+    kw = {**pack_kwargs, "seq_len_buckets": (shape.length,), "row_multiple": 1}
     while True:
         batch = pack(samples, num_rows=k * shape.rows, **kw)
         patches_R = row_patches(batch, image_token_id, merge)

@@ -493,7 +493,8 @@ class Learner:
 
         Multi-host (more than one process): `samples` are this process's, and the batch is its
         share of the global one (`_pack_share`); every process must call `pack` together."""
-        if self._processes > 1:
+        budgeted = self.shapes is not None and num_rows is None and self.shapes.budgeted
+        if self._processes > 1 and not budgeted:
             return self._pack_share(samples, num_rows, mode)
         kw = dict(
             seq_len_buckets=self.seq_len_buckets,
@@ -502,7 +503,7 @@ class Learner:
             loss_norm=self.loss_config.loss_norm,
             pad_id=int(self.config.text.pad_token_id or 0),
         )
-        if self.shapes is not None and num_rows is None and self.shapes.budgeted:
+        if budgeted:
             return self._pack_chunks(samples, mode, kw)
         if self.shapes is not None and num_rows is None:
             shape = self.shapes.pick(mode, samples)
@@ -528,7 +529,21 @@ class Learner:
         of the chosen shape's rows as they need, then the rows placed in the chunks' (micro-
         batch, device) groups so no group holds more screens than the shape's
         `group_screens` (one chunk more while they do not fit)."""
+        n = self._processes
+        if n > 1:
+            return self._pack_chunks_share(samples, mode, kw)
         shape, k = self.shapes.chunks_for(mode, samples)
+        return self._chunks_of(samples, shape, k, kw, self._batch_parallel)
+
+    def _chunks_of(self, samples, shape, k: int, kw: dict, devices: int) -> PackedBatch:
+        """`batching.pack_chunks` of `samples` into at least `k` chunks of `shape` (this
+        process's share of it: its rows over its `devices`); an empty share is all padding."""
+        if not samples:  # a process with nothing to train on this step packs padding rows
+            # (blank_batch packs a process's share of a global shape's rows)
+            rows = shape.rows * k * self._processes
+            blank = self.blank_batch(dataclasses.replace(shape, rows=rows))
+            blank.chunks = k
+            return blank
         try:
             return batching.pack_chunks(
                 samples,
@@ -537,12 +552,68 @@ class Learner:
                 image_token_id=self.config.image_token_id,
                 merge=self.config.vision.spatial_merge_size,
                 substeps=self.num_substeps,
-                devices=self._batch_parallel,
+                devices=devices,
                 screen_patches=int(np.prod(self.shapes.grid)) if self.shapes.grid else 1,
                 **kw,
             )
         except batching.ChunkError as e:
             raise shapes_lib.ShapeError(str(e)) from None
+
+    def _pack_chunks_share(self, samples, mode: str, kw: dict) -> PackedBatch:
+        """This process's share of a token-budget batch (multi-host): every process packs its
+        own samples into the same shape and chunk count (the shape whose largest per-process
+        need is cheapest; chunks added while any process's screens need them), each chunk's
+        rows on its own devices (its block of the batch axes), its loss weights scaled to its
+        share of the job's units; its screens stay its own (`_grouped_images`)."""
+        n = self._processes
+        shapes = self.shapes.of(mode)
+        for i, smp in enumerate(samples):
+            self.shapes.check_sample(smp, i)
+        lengths = [smp.length for smp in samples]
+        need = []
+        for sh in shapes:  # chunks of this process's rows each shape needs (-1: too short)
+            if lengths and max(lengths) > sh.length:
+                need.append(-1)
+            else:
+                rows = shapes_lib.first_fit_rows(lengths, sh.length) if lengths else 0
+                need.append(max(1, -(-rows // (sh.rows // n))))
+        agreed = multihost.allgather_ints(need)
+        best = None
+        for i, sh in enumerate(shapes):
+            if (agreed[:, i] < 0).any():
+                continue
+            k = int(agreed[:, i].max())
+            cost = (k * sh.rows * sh.length, sh.length)
+            if best is None or cost < best[0]:
+                best = (cost, i, k)
+        if best is None:
+            raise shapes_lib.ShapeError(f"no {mode} shape holds every process's longest sample")
+        _, i, k = best
+        share = dataclasses.replace(
+            shapes[i], rows=shapes[i].rows // n, patches=shapes[i].patches // n
+        )
+        devices = self._batch_parallel // n
+        error = None
+        try:
+            batch = self._chunks_of(samples, share, k, kw, devices)
+        except shapes_lib.ShapeError as e:  # every process raises, none is left waiting
+            error, batch = e, None
+        chunks = multihost.allgather_ints([-1 if batch is None else batch.chunks])[:, 0]
+        if (chunks < 0).any():
+            bad = int(np.argmax(chunks < 0))
+            raise error or shapes_lib.ShapeError(f"process {bad}'s {mode} samples fit no chunk")
+        if chunks.max() > batch.chunks:  # another process's screens needed more chunks
+            batch = self._chunks_of(samples, share, int(chunks.max()), kw, devices)
+        lc = self.loss_config
+        n_tok = sum(int(np.sum(smp.loss_mask)) for smp in samples)
+        n_seq = len({smp.episode if smp.episode >= 0 else -1 - j
+                     for j, smp in enumerate(samples) if smp.loss_mask.any()})  # fmt: skip
+        units = multihost.allgather_ints([n_tok if lc.agg_mode == "token-mean" else n_seq])[:, 0]
+        if units.sum() > 0:  # the weights of each share sum as its part of the whole batch
+            frac = float(units[multihost.process_index()]) / float(units.sum())
+            batch.loss_weights = (batch.loss_weights * np.float32(frac)).astype(np.float32)
+        batch.patch_budget = shapes[i].patches
+        return batch
 
     def prepare_batch(
         self, groups: Sequence[Sequence[Trajectory]], num_rows: int | None = None
@@ -957,7 +1028,9 @@ class Learner:
     def _groupable(self, batch: PackedBatch) -> bool:
         """Whether `batch`'s screens can be grouped by micro-batch and device (`image_groups`):
         one process, a shape-set batch, and every image one screen of the shape set's size."""
-        if self._processes > 1 or not batch.patch_budget or self.shapes is None:
+        if not batch.patch_budget or self.shapes is None:
+            return False
+        if self._processes > 1 and not batch.group_screens:  # multi-host: token-budget batches
             return False
         if self.shapes.grid is None or not self.group_images:
             return False
@@ -1001,7 +1074,9 @@ class Learner:
         )
         v = self.config.vision
         dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
-        groups_R = image_groups.row_groups(batch.shape[0], substeps, self._batch_parallel)
+        n = self._processes  # multi-host: this process's rows, on its block of the devices
+        devices = self._batch_parallel // n
+        groups_R = image_groups.row_groups(batch.shape[0], substeps, devices)
         flat = batch.pixel_values
         if flat is None:
             flat = np.zeros((0, dim), np.float32)
@@ -1010,7 +1085,7 @@ class Learner:
             self._screens_per_row(batch),
             groups_R,
             substeps,
-            self._batch_parallel,
+            devices,
             per_group,
             unit,
         )
@@ -1022,7 +1097,12 @@ class Learner:
                 substeps * self._batch_parallel,
             )
             return None
-        pv = jax.device_put(pv.astype(self._pixel_dtype()), self._pixel_sharding(4))
+        pv = pv.astype(self._pixel_dtype())
+        if n == 1:
+            pv = jax.device_put(pv, self._pixel_sharding(4))
+        else:  # each process gives its own devices' groups
+            glob = (pv.shape[0], self._batch_parallel, *pv.shape[2:])
+            pv = jax.make_array_from_process_local_data(self._pixel_sharding(4), pv, glob)
         return ImageGroups(pv, jax.device_put(jax.tree.map(jnp.asarray, meta), self._repl))
 
     def _merge(self, trainable, frozen, rest):
@@ -1399,6 +1479,8 @@ class Learner:
         """(the batch's summed gradients, its metrics without the norms): one gradient
         program call per chunk."""
         n_total = np.float32(batch.loss_mask.sum())
+        if self._processes > 1:  # the job's trained tokens
+            n_total = np.float32(multihost.allgather_ints([int(batch.loss_mask.sum())]).sum())
         grads = self._zero_grads()
         raw = []
         for part, ex in self.chunks(batch, extra):

@@ -142,6 +142,30 @@ def main():
         out.update({f"entropulse/{k}": m[f"entropulse/{k}"] for k in keys})
         print("RESULT " + json.dumps(out), flush=True)
         os._exit(0)
+    if variant == "budget":
+        from cua_jax.rl.image_groups import ImageGroups
+        from cua_jax.rl.shapes import Shape, ShapeSet
+
+        # a chunk: one 256-token row a device (4 rows), 6 screens of 4x6 patches a device;
+        # 16 samples of 20-133 tokens need two
+        shape = Shape(4, 256, 4 * 6 * 24, 6)
+        learner.shapes = ShapeSet(
+            rl=(shape,), sft=(shape,), grid=(1, 4, 6), strict=True, tokens_per_chip=256
+        )
+        mine = samples(learner.config, n=16)[jax.process_index() :: jax.process_count()]
+        for k in range(2):
+            batch = learner.pack(mine, mode="rl")
+            part, _ = learner.chunks(batch)[0]
+            _, images = learner._device_batch(part, learner.num_substeps)
+            m = learner.train_step(batch)
+            out.update({f"rl{k}/{key}": m[key] for key in ("loss", "grad_norm", "num_tokens")})
+            out[f"rl{k}/grouped"] = isinstance(images, ImageGroups)
+            out[f"rl{k}/chunks_gt_1"] = batch.chunks > 1
+            if isinstance(images, ImageGroups):  # each device holds only its own group
+                shard = images.pixel_values.addressable_shards[0].data
+                out[f"rl{k}/screen_shard"] = list(shard.shape[:2])
+        print("RESULT " + json.dumps(out), flush=True)
+        os._exit(0)
     with_shapes = variant == "shapes"
     if with_shapes:
         from cua_jax import compile_stats

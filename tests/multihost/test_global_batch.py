@@ -111,3 +111,20 @@ def test_two_processes_run_the_entropulse_phase_one_process_would():
     assert one["entropulse/sft_loss_last"] < one["entropulse/sft_loss_first"]
     for k, v in one.items():
         assert two[0][k] == pytest.approx(v, rel=2e-4, abs=1e-6), k
+
+
+def test_two_processes_take_a_token_budget_step_with_their_own_screens():
+    """A token-budget batch (`rl.tokens_per_chip`) on 2 processes x 2 devices: each process packs
+    its samples into the agreed shape and chunk count and gives only its own devices' screen
+    groups (`make_array_from_process_local_data`, no gather, nothing replicated); the loss,
+    gradient norm and token count of two steps are the 1-process, 4-device job's."""
+    agg = "token-mean"
+    (one,) = _job(1, 4, agg, "budget")
+    two = _job(2, 2, agg, "budget")
+    for k in range(2):
+        for r in (one, *two):
+            assert r[f"rl{k}/grouped"] and r[f"rl{k}/chunks_gt_1"]
+            assert r[f"rl{k}/screen_shard"] == [1, 1]  # a device: one micro-batch, one group
+    for k in ("rl0/loss", "rl0/grad_norm", "rl0/num_tokens", "rl1/loss", "rl1/grad_norm"):
+        assert two[0][k] == pytest.approx(one[k], rel=2e-4, abs=1e-6), k
+        assert two[1][k] == pytest.approx(one[k], rel=2e-4, abs=1e-6), k
