@@ -192,3 +192,32 @@ def test_kv_pages_from_memory_are_what_the_learner_leaves(mesh4):
     assert builders.kv_pages(c, learner, None, stats={}) == c.sampler.num_pages
     c.sampler.kv_memory_fraction = 0.0
     assert builders.kv_pages(c, learner, None, stats=base) == c.sampler.num_pages
+
+
+def test_sdpo_step_and_teacher_pass_over_chunks_equal_one_call(mesh4):
+    """SDPO on a token-budget batch: the teacher pass runs chunk by chunk and the step splits the
+    teacher's targets with the rows; both equal one call on the same rows (the batch taken as
+    one flat-layout call by a learner with no shape set)."""
+    import dataclasses
+
+    from cua_jax.rl import sdpo
+
+    budget = _budget_learner(mesh4)
+    batch, _ = budget.prepare_batch(make_groups(seed=21, n_groups=3))
+    assert batch.chunks >= 2
+    flat = Learner(
+        _model(), mesh=mesh4, optimizer=OPT, loss=LossConfig(kl_coef=0.05),
+        seq_len_buckets=(64,),
+    )  # fmt: skip
+    whole = dataclasses.replace(batch, chunks=1, patch_budget=0, group_screens=0)
+    ids_b, lp_b = sdpo.teacher_topk(budget, budget._trainable, batch, 8)
+    ids_f, lp_f = sdpo.teacher_topk(flat, flat._trainable, whole, 8)
+    np.testing.assert_allclose(lp_b, lp_f, rtol=1e-5, atol=1e-5)
+    rng = np.random.default_rng(0)
+    mask = batch.loss_mask & (rng.random(batch.loss_mask.shape) < 0.5)
+    targets = sdpo.TeacherTargets(ids_b, lp_b, mask, sdpo.distill_weights(mask), "js", 0.5, 0.5)
+    mb = budget.train_step(batch, teacher=targets)
+    mf = flat.train_step(whole, teacher=targets)
+    assert mb["chunks"] == batch.chunks and mb["sdpo_tokens"] == mf["sdpo_tokens"] > 0
+    for k in ("loss", "sdpo_loss", "grad_norm", "update_norm"):
+        assert mb[k] == pytest.approx(mf[k], rel=1e-4, abs=1e-7), k
