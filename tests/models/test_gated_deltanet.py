@@ -135,9 +135,7 @@ def test_packed_row_equals_the_samples_alone_and_decode_continues(pair):
     y_next, _ = _forward(ours, x[:, -1:], state)
     y_next_b, _ = _forward(ours, x[:, -1:], state_b)
     _close(y_next, y_next_b)
-    # without segment ids sample B would read sample A's state: the checks are not vacuous
-    y_mixed, _ = _forward(ours, x[:, : la + lb], None)
-    assert np.abs(np.asarray(y_mixed[:, la:]) - np.asarray(y_b)).max() > 1e-2
+    # (that the reset matters at all is checked in test_gated_delta_rule.py)
 
 
 def test_state_zeros_matches_the_layer_and_loading_checks_names(pair):

@@ -1,4 +1,5 @@
-"""Qwen3.5's Gated DeltaNet operations: `reference` (plain jnp, recurrent and chunked)."""
+"""Qwen3.5's Gated DeltaNet operations: `reference` (plain jnp, recurrent and chunked) and
+`kernel` (the chunked form as a Pallas TPU kernel, imported on its own: it loads Pallas)."""
 
 from cua_jax.models.qwen_vl.gated_delta.reference import (
     CHUNK,
