@@ -15,22 +15,26 @@ Presets:
          its LoRA rank 32 on attention and every expert; --config.model.preset=tiny_moe on the
          smoke preset runs a tiny random MoE end to end on a CPU.
 
-Smallest TPU slice each real preset is meant for (TOPOLOGY), with the settings that make it fit
-(FIT). `tools/plan.py` compiles the learner's train step and the sampler's decode chunk for that
-slice (2b, 4b: both fit with >= 30% of HBM free; 8b: compiled with 4096 pages, 86.0 GiB, so the
-pool was cut to 3072 pages = 81.5 GiB of the 85.5 GiB budget; 32b: 73.3 GiB of 95; 30b-a3b: 69.8
-GiB; figures per preset in BENCHMARKS.md "TPU plan"):
-  2b  v5p-8    full fine-tuning, fsdp=4; remat=full, 2 micro-batches, 4096 KV pages
-  4b  v5p-8    full fine-tuning, fsdp=2 x tensor=2; remat=full, 4 micro-batches, 4096 KV pages
-  8b  v5p-8    full fine-tuning, fsdp=2 x tensor=2; remat=full, 4 micro-batches, 3072 KV pages
-  32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4; remat=full, 8 micro-batches, 4096 pages
+Smallest TPU slice each real preset is meant for (TOPOLOGY). Every real preset takes the
+token-budget learner (configs/common.py apply_real: 16384 tokens a batch-parallel device a
+chunk, splash attention, remat=full, the KV pool from 85% of HBM). `tools/plan.py` with no other
+flag compiles what the run compiles, each chunk program with its screens, the update and the
+decode step, and a batch drawn from the preset's env settings (BENCHMARKS.md "Every preset's
+real RL step", 2026-11-27):
+  2b  v5p-8    full fine-tuning, fsdp=4: largest program 80.7 GiB of 95, KV pool 7319 pages;
+               474 samples in 30 chunks, padding 0.062, est. step 27 s, est. MFU 43-49%
+  4b  v5p-8    full fine-tuning, fsdp=4: 80.7 GiB, 4618 pages; 30 chunks, est. step 54 s,
+               est. MFU 57-59%
+  8b  v5p-8    full fine-tuning, fsdp=2 x tensor=2: 80.7 GiB, 6610 pages; 59 chunks, padding
+               0.046, est. step 83 s, est. MFU 66-69%
+  32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4: not yet planned with the token budget
+               (its 8-row text plan: 73.3 GiB)
   30b-a3b v5p-8  LoRA rank 32 (attention + experts) on bf16 weights, expert=4 (32 experts on
-         each chip, attention and embeddings replicated); splash attention, remat=full, 4
-         micro-batches, 2048 KV pages, routing replay: 69.8 GiB (train) / 44.7 GiB (decode).
-         With fsdp=2 x expert=2 it did not fit: 72 / 66 GiB of temporaries at 2 / 4
-         micro-batches, so not activations (most likely the FSDP-gathered frozen weights)
-The KV pool stays resident next to the learner (colocated sampler) and its pages are sharded over
-`tensor` only, so it is sized here rather than left at 8192 pages (60-77 GB on one device).
+         each chip, attention and embeddings replicated), routing replay: not yet planned with
+         the token budget (its 8-row text plan: 69.8 GiB train, 44.7 GiB decode; with
+         fsdp=2 x expert=2 it did not fit, most likely the FSDP-gathered frozen weights)
+The KV pool stays resident next to the learner (colocated sampler), its pages sharded over
+`tensor` only: the plan and the run size it from what the learner leaves.
 """
 
 from configs import common
