@@ -899,17 +899,26 @@ def _step_arguments(ab: _Abstract, xs: dict[str, Any], batch: str) -> dict[str, 
     return arguments
 
 
-PROGRAMS = ("train_step", "train_step_screens", "sdpo_step", "sdpo_teacher", "decode_step")
+PROGRAMS = (
+    "train_step",
+    "train_step_screens",
+    "sdpo_step",
+    "sdpo_teacher",
+    "decode_step",
+    "prefill_turn",
+)
 
 
 def default_programs(config: Any) -> tuple[str, ...]:
     """What a run of `config` compiles: with a token-budget shape set (`rl.tokens_per_chip`)
-    the learner's chunk programs with their screens and the update, else the text-only
-    `train_step`; SDPO's teacher pass and step when `rl.algorithm` asks; the sampler's
-    decode."""
-    learner = "train_step_screens" if config.rl.get("tokens_per_chip", 0) > 0 else "train_step"
+    the learner's chunk programs with their screens and the update, and the sampler's prefill
+    of a real turn, else the text-only `train_step`; SDPO's teacher pass and step when
+    `rl.algorithm` asks; the sampler's decode."""
+    if config.rl.get("tokens_per_chip", 0) <= 0:
+        sdpo = ("sdpo_step", "sdpo_teacher") if config.rl.get("algorithm", "grpo") == "sdpo" else ()
+        return ("train_step", *sdpo, "decode_step")
     sdpo = ("sdpo_step", "sdpo_teacher") if config.rl.get("algorithm", "grpo") == "sdpo" else ()
-    return (learner, *sdpo, "decode_step")
+    return ("train_step_screens", *sdpo, "decode_step", "prefill_turn")
 
 
 def plan_sdpo(
@@ -1089,6 +1098,67 @@ def plan_decode_step(
     return prog
 
 
+def plan_prefill_turn(
+    config: Any, ab: _Abstract, mesh: Any, chip: Chip, num_pages: int, backend: str
+) -> ProgramPlan:
+    """The sampler's prefill of one real turn: one row of the preset's `env.max_history_images`
+    screens at its viewport with `SYSTEM_TOKENS` of prompt, in the engine's token bucket, its
+    whole page table, with the KV pool resident as the decode step has it (the engine's
+    `prefill(grid)` program, `cua_jax.sampler.steps`)."""
+    from cua_jax.sampler import kv_cache, steps
+    from cua_jax.sampler.kernels.paged_attention import GpuKernelOptions, select_backend
+    from cua_jax.sampler.placement import kv_sharding
+    from cua_jax.sampler.scheduler import token_bucket
+
+    cfg = ab.learner.config
+    t, v = cfg.text, cfg.vision
+    sc, env = config.sampler, config.env
+    L = sc.page_size
+    shapes = trainer_rl_shapes(config, ab.learner)
+    grid = shapes.grid
+    unit = int(np.prod(grid))
+    screens = env.max_history_images
+    tokens = screens * (unit // v.spatial_merge_size**2 + 2) + SYSTEM_TOKENS
+    T = min(token_bucket(tokens), sc.max_seq_len)
+    cols = -(-sc.max_seq_len // L)
+    dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+    kv_sh = kv_sharding(mesh)
+    pool = jax.ShapeDtypeStruct(
+        (t.num_key_value_heads, num_pages, L, t.head_dim), jnp.dtype(cfg.dtype), sharding=kv_sh
+    )
+    cache = kv_cache.KVCache((pool,) * t.num_hidden_layers, (pool,) * t.num_hidden_layers)
+    params = nnx.merge_state(ab.trainable, ab.frozen, ab.rest)
+    repl = NamedSharding(mesh, P())
+    arguments = {
+        "params": tree_shard_bytes(params),
+        f"KV pool ({num_pages} pages)": tree_shard_bytes(cache),
+        "the turn's screens": screens * unit * dim * 4,
+    }
+    resident = {"optimizer state (learner, resident)": tree_shard_bytes(ab.opt_state)}
+    if ab.ref is not None:
+        resident["KL reference (learner, resident)"] = tree_shard_bytes(ab.ref)
+    prog = ProgramPlan("prefill_turn", chip, arguments, resident)
+    prog.kind, prog.rows, prog.row_length, prog.screens = "sampler", 1, T, screens
+    platform = mesh.devices.flat[0].platform
+    backend = select_backend(backend, head_dim=t.head_dim, page_size=L, platform=platform)
+    step_cfg = steps.StepConfig(
+        page_size=L, decode_chunk=sc.decode_chunk, head_dim=t.head_dim, attn_backend=backend,
+        attn_options=GpuKernelOptions(), mesh=mesh,
+    )  # fmt: skip
+    shardings = steps.StepShardings(
+        params=jax.tree.map(lambda x: x.sharding, params), cache=kv_sh, small=repl
+    )
+    fns = steps.build_step_fns(ab.decode_model, step_cfg, shardings, t.num_hidden_layers)
+    prog.notes.append(
+        f"one turn: {screens} screens of {unit} patches and about {tokens} tokens in a "
+        f"{T}-token prefill, a {cols}-column page table"
+        + (f" (a turn is longer than sampler.max_seq_len={sc.max_seq_len})" if tokens > T else "")
+    )
+    args = (params, cache, *steps.prefill_arg_shapes(1, T, cols, (screens * unit, dim)))
+    _compile(fns.prefill((tuple(grid),) * screens), args, prog)
+    return prog
+
+
 def _text_only(state: Any) -> list[Any]:
     return [
         x for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
@@ -1190,6 +1260,8 @@ def make_plan(
                     p.resident["KV pool (sampler, resident)"] = kv_bytes
             pool_note += f"; cut to {num_pages} pages for the decode step's own scratch"
         out.append(decode)
+    if "prefill_turn" in programs:
+        out.append(plan_prefill_turn(config, ab, mesh, topo.chip, num_pages, attn_backend))
 
     # The pool that would fit next to the train step (its other consumers as compiled).
     summary: dict[str, Any] = {

@@ -295,11 +295,15 @@ def test_token_budget_plan_writes_json_with_every_chunk_program(hf_dir, tmp_path
     assert record["processes"] == 1 and record["hbm_bytes"] == 16 * 2**30
     assert 0 <= record["padding_share"] < 1
     names = [p["name"] for p in record["programs"]]
-    assert names == ["rl_grads 2x1024", "apply_update", "decode_step"], names
+    assert names == ["rl_grads 2x1024", "apply_update", "decode_step", "prefill_turn"], names
     grads = record["programs"][0]
     assert grads["kind"] == "learner" and (grads["rows"], grads["row_length"]) == (2, 1024)
     assert grads["screens"] == 256 * 2 and grads["fits"] and grads["bytes"] > 0
-    assert record["programs"][2]["kind"] == "sampler"
+    assert record["programs"][2]["kind"] == record["programs"][3]["kind"] == "sampler"
+    # a turn: one 64 x 64 screen (4 tokens and its 2 markers) and a 600-token prompt, in a
+    # prefill of the sampler's max_seq_len (256 here), which says the turn is longer
+    assert record["programs"][3]["row_length"] == SEQ and record["programs"][3]["fits"]
+    assert "a turn is longer than sampler.max_seq_len=256" in r.stdout
     pixels = 256 * 16 * 3 * 2 * 16 * 16 * 2  # a group's screens x patches x patch dim x bf16
     row = next(ln for ln in r.stdout.splitlines() if "argument: chunk screens" in ln)
     mib = float(row.split("|")[2].split()[0])
