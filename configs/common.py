@@ -188,6 +188,9 @@ def base_config(family: str) -> ConfigDict:
     c.optim.warmup_steps = 0
     c.optim.weight_decay = 0.0
     c.optim.grad_clip = 1.0
+    # an update larger than this x the parameters' norm (or not finite) is not applied and the
+    # run stops naming the last good checkpoint (0: off)
+    c.optim.max_update_ratio = 1.0
     c.optim.b1 = 0.9
     c.optim.b2 = 0.999
 

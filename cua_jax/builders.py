@@ -118,6 +118,7 @@ def build_learner(model: Any, config: Any, mesh: Any, rules: Any, *, sft: bool):
         b1=opt.b1,
         b2=opt.b2,
         max_grad_norm=opt.grad_clip if opt.grad_clip > 0 else None,
+        max_update_ratio=opt.max_update_ratio,
     )
     learner_tis = rl.old_logprobs == "learner" and rl.tis_cap > 0
     loss = L.LossConfig(

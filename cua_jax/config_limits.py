@@ -131,6 +131,7 @@ LIMITS: dict[str, Limit] = {
     "rl.rows_per_step": _int(1),
     "rl.learner_rows": _int(0, why="0: one row per episode of a step"),
     "rl.images_per_row": _int(0, why="0: what a row can hold, at most turns x history images"),
+    "optim.max_update_ratio": _float(0, why="0: no bound on an update's size"),
     "rl.tokens_per_chip": _int(0, why="0: the row-count shape set"),
     "rl.screens_per_chip": _int(0, why="0: what rl.tokens_per_chip can hold"),
     "rl.logits_chunk": _int(0, why="0: every position at once"),

@@ -112,6 +112,9 @@ class OptimizerConfig:
     b2: float = 0.999
     eps: float = 1e-8
     max_grad_norm: float | None = 1.0
+    # An update whose norm is more than this times the parameters' norm, or not finite, is not
+    # applied (the step reports `update_rejected` and the run stops: `check_finite`); 0: off
+    max_update_ratio: float = 1.0
 
     def schedule_fn(self) -> optax.Schedule:
         lr = self.learning_rate
@@ -269,15 +272,24 @@ def check_finite(
 ) -> None:
     """Raises `NonFiniteError` naming the step, the metric and the last good checkpoint when a
     step's loss or gradient norm (host floats `train_step` / `sft_step` return: no device sync)
-    is NaN or infinite; the parameters that step wrote are not to be saved or sampled."""
+    is NaN or infinite, or its update was rejected (`update_rejected`: not finite, or larger
+    than `OptimizerConfig.max_update_ratio` x the parameters); the parameters that step wrote
+    are not to be saved or sampled."""
+    where = (
+        f"the last good checkpoint is {last_checkpoint}"
+        if last_checkpoint
+        else "no checkpoint was saved before it"
+    )
+    if metrics.get("update_rejected", 0.0) > 0:
+        raise NonFiniteError(
+            f"{phase} step {step}: its update was {metrics.get('update_ratio', float('nan')):.3g}"
+            " x the parameters' norm (optim.max_update_ratio) or not finite and was not "
+            f"applied; the run stops ({where}). Resume from it with a lower learning rate or a "
+            "tighter optim.grad_clip"
+        )
     for key in FINITE_METRICS:
         value = metrics.get(key)
         if value is not None and not np.isfinite(value):
-            where = (
-                f"the last good checkpoint is {last_checkpoint}"
-                if last_checkpoint
-                else "no checkpoint was saved before it"
-            )
             raise NonFiniteError(
                 f"{phase} step {step}: {key} is {value}; the run stops ({where}). Resume from "
                 "it with a lower learning rate or a tighter optim.grad_clip, or look for a bad "
@@ -1342,10 +1354,36 @@ class Learner:
 
     def _step_fn(self, mode, trainable, opt_state, frozen, rest, ref_full, xs, images):
         grads, out = self._grads_fn(mode, trainable, frozen, rest, ref_full, xs, images)
-        updates, opt_state = self._tx.update(grads, opt_state, trainable)
-        trainable = optax.apply_updates(trainable, updates)
-        out["update_norm"] = optax.tree.norm(updates)
+        trainable, opt_state, norms = self._guarded_update(trainable, opt_state, grads)
+        out.update(norms)
         return trainable, opt_state, out
+
+    def _guarded_update(self, trainable, opt_state, grads):
+        """(params, optimizer state, norms) after the optimizer update of `grads`, unless the
+        update is not finite or its norm exceeds `max_update_ratio` x the parameters' norm:
+        then the params and the optimizer state stay as they were and `update_rejected` is 1
+        (`check_finite` stops the run; nothing of the step is saved or sampled)."""
+        updates, new_opt = self._tx.update(grads, opt_state, trainable)
+        update_norm = optax.tree.norm(updates)
+        param_norm = optax.tree.norm(trainable)
+        ratio = update_norm / jnp.maximum(param_norm, 1e-12)
+        bound = self.optimizer_config.max_update_ratio
+        ok = jnp.isfinite(update_norm) & jnp.isfinite(optax.tree.norm(grads))
+        if bound > 0:
+            ok = ok & (ratio <= bound)
+
+        def keep(new, old):
+            return jnp.where(ok, new, old)
+
+        new_params = optax.apply_updates(trainable, updates)
+        trainable = jax.tree.map(keep, new_params, trainable)
+        opt_state = jax.tree.map(keep, new_opt, opt_state)
+        norms = {
+            "update_norm": update_norm,
+            "update_ratio": ratio,
+            "update_rejected": 1.0 - ok.astype(jnp.float32),
+        }
+        return trainable, opt_state, norms
 
     def _get_step(self, mode: str, grouped: bool = False) -> Callable:
         """The jitted step of `mode`; `grouped`: for `ImageGroups` screens (sharded pixels)."""
@@ -1444,12 +1482,9 @@ class Learner:
         if fn is None:
 
             def apply_update(trainable, opt_state, grads):
-                updates, opt_state = self._tx.update(grads, opt_state, trainable)
-                out = {
-                    "grad_norm": optax.tree.norm(grads),
-                    "update_norm": optax.tree.norm(updates),
-                }
-                return optax.apply_updates(trainable, updates), opt_state, out
+                trainable, opt_state, out = self._guarded_update(trainable, opt_state, grads)
+                out["grad_norm"] = optax.tree.norm(grads)
+                return trainable, opt_state, out
 
             fn = jax.jit(
                 apply_update,

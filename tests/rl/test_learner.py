@@ -291,3 +291,29 @@ def test_infra_faults_are_left_out_of_groups(learner):
     assert info["samples"] == sum(n_samples)
     got = sorted({round(float(a), 5) for a in batch.advantages[batch.loss_mask]})
     np.testing.assert_allclose(got, sorted(np.round(want, 5)), atol=1e-5)
+
+
+def test_an_update_too_large_for_the_params_is_not_applied(samples):
+    """optim.max_update_ratio: a step whose update exceeds the bound x the parameters' norm
+    (here a learning rate of 1e30) leaves the params and the optimizer state as they were and
+    reports update_rejected, which `check_finite` turns into the run's stop; a normal step
+    applies its update and reports its ratio."""
+    from cua_jax.rl.learner import NonFiniteError, check_finite
+
+    wild = Learner(_model(), optimizer=OptimizerConfig(learning_rate=1e30), seq_len_buckets=(64,))
+    batch = wild.pack(samples)
+    before = _leaves(wild.params_for_sampler())
+    m = wild.train_step(batch)
+    assert m["update_rejected"] == 1.0 and m["update_ratio"] > 1e20 and np.isfinite(m["loss"])
+    for a, b in zip(before, _leaves(wild.params_for_sampler()), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(NonFiniteError, match="GRPO step 3: its update was .*not applied.*ckpt/2"):
+        check_finite(m, step=3, phase="GRPO", last_checkpoint="ckpt/2")
+    calm = Learner(_model(), optimizer=OptimizerConfig(learning_rate=1e-3), seq_len_buckets=(64,))
+    m = calm.train_step(batch)
+    assert m["update_rejected"] == 0.0 and 0 < m["update_ratio"] < 1
+    check_finite(m, step=1, phase="GRPO", last_checkpoint=None)
+    assert any(
+        np.abs(a - b).max() > 0
+        for a, b in zip(before, _leaves(calm.params_for_sampler()), strict=True)
+    )
