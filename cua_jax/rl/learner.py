@@ -10,6 +10,12 @@ The train step (one `jax.jit` per mode, compiled once per batch shape; the lengt
 `packing.pack` bound the shapes) takes the trainable parameters and the optimizer state as
 donated arguments with explicit shardings from the params' logical axes (`cua_jax.sharding`).
 
+Token-budget batches (`rl.tokens_per_chip`, `cua_jax.rl.batching`): a batch is `chunks` blocks
+of a shape's rows; each chunk is one call of the gradient program (`_get_grads`: its grads added
+to a donated accumulator), then one optimizer update (`APPLY_PROGRAM`), so memory is one chunk's
+however many samples a step has. Every update (fused or not) is guarded: one that is not finite
+or exceeds `OptimizerConfig.max_update_ratio` x the params' norm is not applied.
+
 Gradient accumulation: the packed rows are split into ``num_substeps`` micro-batches scanned
 with `jax.lax.scan`; loss weights are normalised over the whole batch on the host
 (`losses.loss_weights`), so the summed micro-batch gradients are exactly the full-batch
@@ -503,8 +509,13 @@ class Learner:
         batch no shape holds is an error with `shapes.strict`, else it is packed into buckets as
         without a shape set (a new compile, logged and counted by `cua_jax.compile_stats`).
 
+        With a token-budget shape set (`shapes.budgeted`, `rl.tokens_per_chip`) the batch is as
+        many chunks of one shape as the samples need (`_pack_chunks`); `train_step` runs one
+        gradient call a chunk and one update.
+
         Multi-host (more than one process): `samples` are this process's, and the batch is its
-        share of the global one (`_pack_share`); every process must call `pack` together."""
+        share of the global one (`_pack_share`, `_pack_chunks_share`); every process must call
+        `pack` together."""
         budgeted = self.shapes is not None and num_rows is None and self.shapes.budgeted
         if self._processes > 1 and not budgeted:
             return self._pack_share(samples, num_rows, mode)

@@ -19,6 +19,11 @@ screen size; the images of a batch are padded up to it with blank screens (`pad_
 the vision tower sees one shape and its static layout (query chunks, key windows) stays the
 same from batch to batch.
 
+With `rl.tokens_per_chip` > 0 the set is a token budget instead (`ShapeSet._budget`): one shape
+per row length, a *chunk* of max(1, T // L) rows a batch-parallel device; a batch is as many
+chunks as it needs (`chunks_for`, `cua_jax.rl.batching.pack_chunks`), so no worst case of
+turns and screens has to fit one program.
+
 A batch that fits no shape of its mode (`pick` returns None) is packed as before (row count and
 patches rounded to powers of two): that is a new compile, logged and counted by
 `cua_jax.compile_stats`, and with `rl.strict_shapes` an error. A sample that can never fit (it
