@@ -11,17 +11,18 @@ Presets:
   smoke  tiny random Qwen2.5-VL, the shipped tokenizer, built-in browser tasks, 2-core CPU.
   3b, 7b, 32b, 72b  real dense Qwen2.5-VL checkpoints from --config.model.hf_path.
 
-Smallest TPU slice each real preset is meant for (TOPOLOGY), with the settings that make it fit
-(FIT). `tools/plan.py` compiles the learner's train step and the sampler's decode chunk for that
-slice (3b, 7b: both fit with >= 29% of HBM free; 32b: 68.9 GiB of 95; 72b: 59.8 GiB of 95 on
-v5p-16; figures per preset in BENCHMARKS.md "TPU plan"):
-  3b  v5p-8    full fine-tuning, fsdp=4; remat=full, 2 micro-batches, 4096 KV pages
-  7b  v5p-8    full fine-tuning, fsdp=2 x tensor=2; remat=full, 4 micro-batches, 4096 KV pages
-  32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4; remat=full, 8 micro-batches, 4096 pages
-  72b v5p-16   LoRA rank 64 on bf16 weights, tensor=8 (2 hosts); splash attention, remat=full,
-               8 micro-batches, 4096 KV pages
-The KV pool stays resident next to the learner (colocated sampler) and its pages are sharded over
-`tensor` only, so it is sized here rather than left at 8192 pages.
+Smallest TPU slice each real preset is meant for (TOPOLOGY). Every real preset takes the
+token-budget learner (configs/common.py apply_real: 16384 tokens a batch-parallel device a
+chunk, splash attention, remat=full, the KV pool from 85% of HBM). `tools/plan.py` with no other
+flag compiles what the run compiles (BENCHMARKS.md "Every preset's real RL step", 2026-11-27):
+  3b  v5p-8    full fine-tuning, fsdp=4: not yet planned with the token budget
+  7b  v5p-8    full fine-tuning, fsdp=2 x tensor=2: largest program 80.7 GiB of 95, KV pool
+               20212 pages; 474 samples in 78 chunks, padding 0.144, est. step 119 s, est. MFU
+               56-57%
+  32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4: not yet planned with the token budget
+  72b v5p-16   LoRA rank 64 on bf16 weights, tensor=8 (2 hosts): not yet planned with the
+               token budget
+Qwen2.5-VL's vision MLP (3420 wide) stays whole over tensor=8 (configs/common.py).
 """
 
 from configs import common
