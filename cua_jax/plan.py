@@ -559,20 +559,9 @@ def plan_train_step(
     arguments = _step_arguments(ab, xs, "batch")
     prog = ProgramPlan("train_step", chip, arguments, {"KV pool (sampler, resident)": kv_bytes})
     prog.kind, prog.rows, prog.row_length = "learner", rows, row_len
-    # Model FLOPs per device: 6 N T for trained weights (forward, input and weight gradients),
-    # 4 N T for frozen ones (no weight gradient), 2 N T more for the KL reference's forward;
-    # causal attention 6 x layers x T x L x (heads x head_dim) (half of the 12 of full attention).
-    t = ab.learner.config.text
+    # Model FLOPs per device (`_model_flops`).
     tokens = rows * row_len
-    moe = getattr(t, "num_experts", 0) or 0
-    active = (t.num_experts_per_tok / moe) if moe else 1.0
-    n_tr = _text_param_count(ab.trainable, active)
-    n_fr = _text_param_count(ab.frozen, active)
-    attn = 6 * t.num_hidden_layers * tokens * row_len * t.num_attention_heads * t.head_dim
-    flops = 6 * n_tr * tokens + 4 * n_fr * tokens + attn
-    if ab.ref is not None:
-        flops += 2 * (_text_param_count(ab.ref, active) + n_fr) * tokens + attn / 3
-    prog.model_flops = flops / mesh.size
+    prog.model_flops = _model_flops(ab, tokens, row_len) / mesh.size
     prog.notes.append(
         f"{rows} rows x {row_len} tokens, text only (no screenshots); "
         f"remat={ab.learner.config.remat}, logits_chunk={ab.learner.logits_chunk}"
@@ -625,27 +614,12 @@ def plan_train_step_screens(ab: _Abstract, chip: Chip, kv_bytes: int, shapes: An
     screens are laid out as the learner lays them out (`Learner._device_batch`): grouped by
     micro-batch and device (`cua_jax.rl.image_groups`), sharded over the batch axes, in the
     model's compute dtype."""
-    from cua_jax.rl.image_groups import ImageGroups
-
     learner = ab.learner
     cfg = learner.config
     shape = largest_rl_shape(shapes)
     xs = _step_inputs(learner, shape.rows, shape.length)
-    v = cfg.vision
-    patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
     s, b = learner.num_substeps, learner._batch_parallel
-    per_group, unit, meta = learner._screen_layout(shape.length, shape.patches, s, shapes.grid)
-    repl = learner._repl
-
-    def spec(a):
-        a = np.asarray(a)
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=repl)
-
-    pixels = jax.ShapeDtypeStruct(
-        (s, b, per_group * unit, patch_dim), learner._pixel_dtype(),
-        sharding=learner._pixel_sharding(4),
-    )  # fmt: skip
-    images = ImageGroups(pixels, jax.tree.map(spec, meta))
+    images, per_group, unit = _abstract_screens(learner, shape, shapes.grid)
     arguments = _step_arguments(ab, xs, "batch (text)")
     arguments["screens (pixel values by micro-batch and device, and layout)"] = tree_shard_bytes(
         images
@@ -787,31 +761,16 @@ def plan_chunk_programs(
     them out), with the optimizer state and the KV pool resident beside it; then the update
     (`apply_update`). A step runs one gradient call a chunk, so these are its peaks whatever
     a batch's size. `useful`: the share of a chunk's tokens that are samples' (MFU)."""
-    from cua_jax.rl.image_groups import ImageGroups
     from cua_jax.rl.learner import APPLY_PROGRAM
 
     learner = ab.learner
     cfg = learner.config
-    v = cfg.vision
-    patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
     s, b = learner.num_substeps, learner._batch_parallel
     repl = learner._repl
-
-    def spec(a):
-        a = np.asarray(a)
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=repl)
-
     out = []
     for shape in shapes.rl:
         xs = _step_inputs(learner, shape.rows, shape.length)
-        per_group, unit, meta = learner._screen_layout(
-            shape.length, shape.patches, s, shapes.grid, per_group=shape.group_screens
-        )
-        pixels = jax.ShapeDtypeStruct(
-            (s, b, per_group * unit, patch_dim), learner._pixel_dtype(),
-            sharding=learner._pixel_sharding(4),
-        )  # fmt: skip
-        images = ImageGroups(pixels, jax.tree.map(spec, meta))
+        images, per_group, unit = _abstract_screens(learner, shape, shapes.grid)
         arguments = {
             "params (trainable)": tree_shard_bytes(ab.trainable),
             "params (frozen)": tree_shard_bytes(ab.frozen) + tree_shard_bytes(ab.rest),
@@ -863,6 +822,31 @@ def plan_chunk_programs(
     _compile(learner._get_apply(), (ab.trainable, ab.opt_state, ab.trainable), prog)
     out.append(prog)
     return out
+
+
+def _abstract_screens(learner: Any, shape: Any, grid: Any) -> tuple[Any, int, int]:
+    """(the step's abstract `ImageGroups` for `shape`, screens a group, patches a screen): the
+    screens grouped by micro-batch and device as `Learner._grouped_images` lays them out
+    (sharded over the batch axes, in the compute dtype; a token-budget shape's group budget)."""
+    from cua_jax.rl.image_groups import ImageGroups
+
+    v = learner.config.vision
+    patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+    s, b = learner.num_substeps, learner._batch_parallel
+    per_group, unit, meta = learner._screen_layout(
+        shape.length, shape.patches, s, grid, per_group=shape.group_screens
+    )
+    repl = learner._repl
+
+    def spec(a):
+        a = np.asarray(a)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=repl)
+
+    pixels = jax.ShapeDtypeStruct(
+        (s, b, per_group * unit, patch_dim), learner._pixel_dtype(),
+        sharding=learner._pixel_sharding(4),
+    )  # fmt: skip
+    return ImageGroups(pixels, jax.tree.map(spec, meta)), per_group, unit
 
 
 def _step_inputs(learner: Any, rows: int, row_len: int) -> dict[str, Any]:

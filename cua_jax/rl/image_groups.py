@@ -24,14 +24,13 @@ shape set's one size, takes the flat replicated layout instead (`group_pixels` r
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 import numpy as np
 from flax import struct
 
-from cua_jax.rl.batching import row_groups
+from cua_jax.rl.batching import permute_rows, row_groups
 from cua_jax.rl.packing import PackedBatch
 
 
@@ -82,31 +81,12 @@ def balance_rows(batch: PackedBatch, groups_R: np.ndarray, screens_R: np.ndarray
     order = sorted(range(len(screens_R)), key=lambda i: (-int(screens_R[i]), i))
     for k, r in enumerate(order):
         perm[slots[k % G].pop(0)] = r
-    if np.array_equal(perm, np.arange(len(perm))):
-        return batch
     unit = (
         0
         if batch.pixel_values is None
         else batch.pixel_values.shape[0] // max(int(screens_R.sum()), 1)
     )
-    out = dataclasses.replace(
-        batch,
-        input_ids=batch.input_ids[perm],
-        segment_ids=batch.segment_ids[perm],
-        position_ids=batch.position_ids[:, perm],
-        loss_mask=batch.loss_mask[perm],
-        behaviour_logprobs=batch.behaviour_logprobs[perm],
-        advantages=batch.advantages[perm],
-        loss_weights=batch.loss_weights[perm],
-        routes=None if batch.routes is None else batch.routes[perm],
-    )
-    if batch.pixel_values is not None and unit:
-        start = np.concatenate([[0], np.cumsum(screens_R)]) * unit
-        out.pixel_values = np.concatenate(
-            [batch.pixel_values[start[r] : start[r + 1]] for r in perm]
-        )
-        out.image_grid_thw = np.asarray(batch.image_grid_thw)[: int(screens_R.sum())]
-    return out
+    return permute_rows(batch, perm, np.asarray(screens_R) * unit)
 
 
 def group_pixels(

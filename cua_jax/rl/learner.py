@@ -627,14 +627,8 @@ class Learner:
             raise error or shapes_lib.ShapeError(f"process {bad}'s {mode} samples fit no chunk")
         if chunks.max() > batch.chunks:  # another process's screens needed more chunks
             batch = self._chunks_of(samples, share, int(chunks.max()), kw, devices)
-        lc = self.loss_config
-        n_tok = sum(int(np.sum(smp.loss_mask)) for smp in samples)
-        n_seq = len({smp.episode if smp.episode >= 0 else -1 - j
-                     for j, smp in enumerate(samples) if smp.loss_mask.any()})  # fmt: skip
-        units = multihost.allgather_ints([n_tok if lc.agg_mode == "token-mean" else n_seq])[:, 0]
-        if units.sum() > 0:  # the weights of each share sum as its part of the whole batch
-            frac = float(units[multihost.process_index()]) / float(units.sum())
-            batch.loss_weights = (batch.loss_weights * np.float32(frac)).astype(np.float32)
+        units = multihost.allgather_ints([self._loss_units(samples)])[:, 0]
+        self._scale_to_share(batch, units)
         batch.patch_budget = shapes[i].patches
         return batch
 
@@ -899,16 +893,8 @@ class Learner:
             shape = self._agreed_shape(samples, mode)
         lc = self.loss_config
         pad_id = int(self.config.text.pad_token_id or 0)
-        n_tok = sum(int(np.sum(s.loss_mask)) for s in samples)
-        n_seq = len(
-            {
-                s.episode if s.episode >= 0 else -1 - i
-                for i, s in enumerate(samples)
-                if s.loss_mask.any()
-            }
-        )
         longest = max((s.length for s in samples), default=0)
-        agreed = multihost.allgather_ints([longest, n_tok, n_seq])
+        agreed = multihost.allgather_ints([longest, self._loss_units(samples)])
         if shape is not None:
             seq_len = shape.length
         else:
@@ -945,10 +931,7 @@ class Learner:
             batch = pack(samples, num_rows=rows, **kw)
         else:
             batch = local
-        units = agreed[:, 1] if lc.agg_mode == "token-mean" else agreed[:, 2]
-        if units.sum() > 0:  # the weights of each share sum as its part of the whole batch
-            share = float(units[multihost.process_index()]) / float(units.sum())
-            batch.loss_weights = (batch.loss_weights * np.float32(share)).astype(np.float32)
+        self._scale_to_share(batch, agreed[:, 1])
         mine = 0 if batch.pixel_values is None else int(batch.pixel_values.shape[0])
         before = multihost.allgather_ints([mine])[: multihost.process_index(), 0]
         batch.patch_offset = int(before.sum())
@@ -958,6 +941,26 @@ class Learner:
         if shape is not None:
             batch.patch_budget = shape.patches
         return batch
+
+    def _loss_units(self, samples) -> int:
+        """This process's units of the loss aggregation (multi-host shares): its trained tokens
+        (token-mean), else its episodes with a trained token."""
+        if self.loss_config.agg_mode == "token-mean":
+            return sum(int(np.sum(s.loss_mask)) for s in samples)
+        return len(
+            {
+                s.episode if s.episode >= 0 else -1 - i
+                for i, s in enumerate(samples)
+                if s.loss_mask.any()
+            }
+        )
+
+    def _scale_to_share(self, batch: PackedBatch, units: np.ndarray) -> None:
+        """Scales this process's loss weights so every process's share (`units`: each one's
+        `_loss_units`) sums as its part of the whole batch."""
+        if units.sum() > 0:
+            share = float(units[multihost.process_index()]) / float(units.sum())
+            batch.loss_weights = (batch.loss_weights * np.float32(share)).astype(np.float32)
 
     def _device_batch(self, batch: PackedBatch, substeps: int, extra=None):
         rows, length = batch.shape
@@ -1401,9 +1404,7 @@ class Learner:
         key = (mode, "grouped") if grouped else mode
         fn = self._jit.get(key)
         if fn is None:
-            images_sh = self._repl
-            if grouped:
-                images_sh = ImageGroups(self._pixel_sharding(4), self._repl)
+            images_sh = self._images_sharding(grouped)
             ref_sh = None if self._ref is None else self._trainable_sh
             xs_sh = self._xs_shardings(mode)
 
@@ -1457,9 +1458,7 @@ class Learner:
         key = (mode, "grads", grouped)
         fn = self._jit.get(key)
         if fn is None:
-            images_sh = self._repl
-            if grouped:
-                images_sh = ImageGroups(self._pixel_sharding(4), self._repl)
+            images_sh = self._images_sharding(grouped)
             ref_sh = None if self._ref is None else self._trainable_sh
 
             def grads(trainable, frozen, rest, ref, xs, images, n_total, acc):
@@ -1557,6 +1556,13 @@ class Learner:
         out["chunks"] = float(batch.chunks)
         out["version"] = float(self.version)
         return out
+
+    def _images_sharding(self, grouped: bool) -> Any:
+        """A step's image input sharding: grouped screens (`ImageGroups`) sharded over the batch
+        axes, or the flat layout replicated."""
+        if grouped:
+            return ImageGroups(self._pixel_sharding(4), self._repl)
+        return self._repl
 
     def _xs_shardings(self, mode: str) -> dict[str, NamedSharding]:
         """The shardings of a step's token-aligned inputs (`_device_batch`'s xs) in `mode`."""
