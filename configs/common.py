@@ -35,6 +35,9 @@ def base_config(family: str) -> ConfigDict:
     c.total_steps = 100  # GRPO learner steps
     # JAX's persistent compilation cache (reruns and resumed runs skip compiles); "" = off
     c.compile_cache_dir = _str("~/.cache/cua_jax/jax")
+    # The TPU slice a real preset is sized for (its config file's TOPOLOGY): what
+    # `tools/plan.py` plans when no --topology is given. None for the CPU presets.
+    c.topology = _str()
 
     # ---- model --------------------------------------------------------------------------------
     c.model = ConfigDict()
@@ -291,11 +294,18 @@ def lock(c: ConfigDict) -> ConfigDict:
     return c
 
 
-def build(family: str, arg: str | None, presets: tuple[str, ...]) -> ConfigDict:
-    """The config of `family` for the preset named by `arg`: `smoke` or a real checkpoint size."""
+def build(
+    family: str,
+    arg: str | None,
+    presets: tuple[str, ...],
+    topology: dict[str, str] | None = None,
+) -> ConfigDict:
+    """The config of `family` for the preset named by `arg`: `smoke` or a real checkpoint size;
+    `topology` maps a real preset to the TPU slice it is sized for."""
     preset = parse_arg(arg, presets=presets, default="smoke")
     c = base_config(family)
     c.preset = preset
+    c.topology = (topology or {}).get(preset)
     if preset == "smoke":
         apply_smoke(c)
     elif preset == "learn":

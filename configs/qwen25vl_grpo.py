@@ -36,7 +36,7 @@ FIT: dict[str, dict] = {}
 
 def get_config(arg=None):
     # learn: CPU-sized like smoke (not a checkpoint size), see common.apply_learn
-    c = common.build("qwen2_5_vl", arg, PRESETS + ("learn",))
+    c = common.build("qwen2_5_vl", arg, PRESETS + ("learn",), TOPOLOGY)
     for key, value in FIT.get(c.preset, {}).items():
         section, name = key.split(".")
         c[section][name] = value

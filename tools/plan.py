@@ -1,10 +1,11 @@
 r"""Will this run fit that TPU slice? Compile it for the slice here, on a CPU machine, and see.
 
-    python tools/plan.py --config=configs/qwen3vl_grpo.py:8b --topology=v5p-8 [--config.x=y ...]
+    python tools/plan.py --config=configs/qwen3vl_grpo.py:8b [--topology=v5e-16] [--config.x=y ...]
     python tools/plan.py --list_topologies
 
 Builds the preset's model abstractly from the published config.json dimensions (no weights),
-lays it out on the abstract devices of `--topology` (libtpu's topology description) with the
+lays it out on the abstract devices of `--topology` (libtpu's topology description; default the
+slice the preset is sized for, `config.topology`) with the
 preset's mesh and sharding rules, and AOT-compiles with the real TPU compiler the learner's RL
 train step and the sampler's decode step (Pallas TPU paged attention). Prints per program the
 per-device HBM (params, optimizer state, KL reference, KV pool, temp) against the chip's HBM,
@@ -32,7 +33,11 @@ from ml_collections import config_flags  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file with a preset: configs/qwen3vl_grpo.py:8b"
 )
-_TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice by its usual name: v5p-8, v5e-16, ...")
+_TOPOLOGY = flags.DEFINE_string(
+    "topology",
+    None,
+    "TPU slice by its usual name: v5p-8, v5e-16, ... (default: the preset's config.topology)",
+)
 _HEADROOM = flags.DEFINE_float("headroom", 0.1, "Share of each chip's HBM that must stay free.")
 _ROWS = flags.DEFINE_integer("rows", None, "Train-step rows (default: config.rl.rows_per_step).")
 _ROW_LEN = flags.DEFINE_integer("row_len", None, "Row length (default: longest rl.row_lengths).")
@@ -64,9 +69,15 @@ def _parse(argv: list[str]) -> None:
     try:
         flags.FLAGS(argv)
         if not _LIST.value:
-            if _CONFIG.value is None or _TOPOLOGY.value is None:
-                _fail("error: --config and --topology are required", 2)
+            if _CONFIG.value is None:
+                _fail("error: --config is required", 2)
             _ = _CONFIG.value.keys()  # applies the file and its overrides now
+            if _TOPOLOGY.value is None and not _CONFIG.value.get("topology"):
+                _fail(
+                    f"error: preset {_CONFIG.value.get('preset')!r} names no TPU slice: "
+                    "pass --topology (e.g. --topology=v5e-8)",
+                    2,
+                )
     except flags.Error as e:
         lines = [ln for ln in str(e).splitlines() if ln.strip()]
         _fail(f"error: {lines[0]} {lines[-1] if len(lines) > 1 else ''}".strip(), 2)
@@ -86,7 +97,7 @@ def main() -> None:
     try:  # an unknown program name is a PlanInputError, before anything is built
         plan = plan_lib.make_plan(
             _CONFIG.value,
-            _TOPOLOGY.value,
+            _TOPOLOGY.value or _CONFIG.value.topology,
             headroom=_HEADROOM.value,
             rows=_ROWS.value,
             row_len=_ROW_LEN.value,
