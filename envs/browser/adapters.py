@@ -3,38 +3,51 @@
 ``task.spec["kind"]`` picks one: "builtin" (envs.browser.suite), "miniwob" (envs.browser.miniwob)
 or "page" (any page of ours, no checker). Each adapter is a few ``page.evaluate`` calls against
 the JS API its pages define.
+
+The dependency runs one way: ``envs.browser.env`` imports this module, and an adapter sees its
+env only through `AdapterHost`, the few attributes it reads (BrowserEnv satisfies it).
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from playwright.async_api import Page
 
 from cua_jax.env_api import CheckerReport, EnvError, Task
 from envs.browser import miniwob, pages, suite
 
-if TYPE_CHECKING:
-    from envs.browser.env import BrowserEnv
-
 KINDS = ("builtin", "miniwob", "page")
 
 
+class AdapterHost(Protocol):
+    """What an adapter reads from the env that drives it (`envs.browser.env.BrowserEnv`)."""
+
+    reset_timeout_s: float  # a page slower than this to load fails the reset
+    miniwob_max_time_ms: int  # MiniWoB's episode clock
+    signal_done: bool  # set when the page signals the end of its episode
+    signal_reward: float  # the reward that signal carried
+
+    def hold_inline(self, key: str, html: str) -> str:
+        """Serve `html` at a URL of ours under `key`; returns the URL."""
+        ...
+
+
 class Adapter(Protocol):
-    async def start(self, env: BrowserEnv, page: Page, task: Task, seed: int) -> str: ...
-    async def state(self, env: BrowserEnv, page: Page) -> tuple[bool, float]: ...
-    async def score(self, env: BrowserEnv, page: Page, answer: str | None) -> float: ...
-    async def oracle_plan(self, env: BrowserEnv, page: Page) -> list[dict[str, Any]]: ...
+    async def start(self, env: AdapterHost, page: Page, task: Task, seed: int) -> str: ...
+    async def state(self, env: AdapterHost, page: Page) -> tuple[bool, float]: ...
+    async def score(self, env: AdapterHost, page: Page, answer: str | None) -> float: ...
+    async def oracle_plan(self, env: AdapterHost, page: Page) -> list[dict[str, Any]]: ...
     async def report(
-        self, env: BrowserEnv, page: Page, answer: str | None
+        self, env: AdapterHost, page: Page, answer: str | None
     ) -> CheckerReport | None: ...
 
 
 class Builtin:
     PAGE = f"{pages.ORIGIN}/builtin/task.html"
 
-    async def start(self, env: BrowserEnv, page: Page, task: Task, seed: int) -> str:
+    async def start(self, env: AdapterHost, page: Page, task: Task, seed: int) -> str:
         name = task.spec.get("template")
         suite.get_template(name)  # a clear error for an unknown template
         # Same document, another (template, seed): restart in place, no page load (~10x cheaper).
@@ -52,16 +65,16 @@ class Builtin:
             raise EnvError(f"built-in page for {name!r} failed: {text}")
         return text
 
-    async def state(self, env: BrowserEnv, page: Page) -> tuple[bool, float]:
+    async def state(self, env: AdapterHost, page: Page) -> tuple[bool, float]:
         return env.signal_done, 0.0  # cua.finish() signals
 
-    async def score(self, env: BrowserEnv, page: Page, answer: str | None) -> float:
+    async def score(self, env: AdapterHost, page: Page, answer: str | None) -> float:
         return float(await page.evaluate("(a) => Number(cua.score(a)) || 0", answer))
 
-    async def oracle_plan(self, env: BrowserEnv, page: Page) -> list[dict[str, Any]]:
+    async def oracle_plan(self, env: AdapterHost, page: Page) -> list[dict[str, Any]]:
         return list(await page.evaluate("() => cua.plan()"))
 
-    async def report(self, env: BrowserEnv, page: Page, answer: str | None) -> CheckerReport:
+    async def report(self, env: AdapterHost, page: Page, answer: str | None) -> CheckerReport:
         r = await page.evaluate("(a) => cua.report(a)", answer)
         return CheckerReport(
             clicks=tuple((float(c["x"]), float(c["y"]), str(c["label"])) for c in r["clicks"]),
@@ -72,7 +85,7 @@ class Builtin:
 
 
 class MiniWoB:
-    async def start(self, env: BrowserEnv, page: Page, task: Task, seed: int) -> str:
+    async def start(self, env: AdapterHost, page: Page, task: Task, seed: int) -> str:
         name = task.spec.get("name")
         if name not in miniwob.task_names():
             raise EnvError(f"unknown MiniWoB++ task {name!r}")
@@ -81,26 +94,26 @@ class MiniWoB:
         await page.wait_for_function(miniwob.READY_JS, timeout=env.reset_timeout_s * 1000)
         return str(await page.evaluate(miniwob.UTTERANCE_JS))
 
-    async def state(self, env: BrowserEnv, page: Page) -> tuple[bool, float]:
+    async def state(self, env: AdapterHost, page: Page) -> tuple[bool, float]:
         return env.signal_done, env.signal_reward  # the wrapped core.endEpisode signals
 
-    async def score(self, env: BrowserEnv, page: Page, answer: str | None) -> float:
+    async def score(self, env: AdapterHost, page: Page, answer: str | None) -> float:
         done, reward = await page.evaluate(miniwob.STATE_JS)
         # An episode that ends unfinished scores as MiniWoB's own timeout does (-1): scoring it
         # 0 would rank giving up (Done at step 0, running out of turns) above a wrong attempt.
         return float(reward) if done else -1.0
 
-    async def oracle_plan(self, env: BrowserEnv, page: Page) -> list[dict[str, Any]]:
+    async def oracle_plan(self, env: AdapterHost, page: Page) -> list[dict[str, Any]]:
         raise NotImplementedError("MiniWoB++ tasks have no oracle here")
 
-    async def report(self, env: BrowserEnv, page: Page, answer: str | None) -> None:
+    async def report(self, env: AdapterHost, page: Page, answer: str | None) -> None:
         return None  # its checker says nothing beyond the score
 
 
 class PageKind:
     """Any page of ours: spec {"url": "http://cua.local/..."} or {"html": "..."}; no checker."""
 
-    async def start(self, env: BrowserEnv, page: Page, task: Task, seed: int) -> str:
+    async def start(self, env: AdapterHost, page: Page, task: Task, seed: int) -> str:
         spec = task.spec
         if "html" in spec:
             key = hashlib.sha1(spec["html"].encode()).hexdigest()[:16]
@@ -110,16 +123,16 @@ class PageKind:
         await page.goto(url, wait_until="load", timeout=env.reset_timeout_s * 1000)
         return task.instruction
 
-    async def state(self, env: BrowserEnv, page: Page) -> tuple[bool, float]:
+    async def state(self, env: AdapterHost, page: Page) -> tuple[bool, float]:
         return False, 0.0
 
-    async def score(self, env: BrowserEnv, page: Page, answer: str | None) -> float:
+    async def score(self, env: AdapterHost, page: Page, answer: str | None) -> float:
         return 0.0
 
-    async def oracle_plan(self, env: BrowserEnv, page: Page) -> list[dict[str, Any]]:
+    async def oracle_plan(self, env: AdapterHost, page: Page) -> list[dict[str, Any]]:
         raise NotImplementedError("custom pages have no oracle")
 
-    async def report(self, env: BrowserEnv, page: Page, answer: str | None) -> None:
+    async def report(self, env: AdapterHost, page: Page, answer: str | None) -> None:
         return None  # its checker says nothing beyond the score
 
 
@@ -128,6 +141,7 @@ _ADAPTERS: dict[str, Adapter] = {"builtin": Builtin(), "miniwob": MiniWoB(), "pa
 
 
 def get(task: Task) -> Adapter:
+    """The adapter for ``task.spec["kind"]`` (default "page"); EnvError naming the valid kinds."""
     kind = task.spec.get("kind", "page")
     a = _ADAPTERS.get(kind)
     if a is None:

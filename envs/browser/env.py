@@ -51,7 +51,7 @@ from cua_jax.env_api import (
     StepResult,
     Task,
 )
-from envs.browser import miniwob, pages
+from envs.browser import adapters, miniwob, pages
 from envs.browser.host import BrowserHost
 from envs.screenshots import decode_screenshot
 
@@ -383,8 +383,6 @@ class BrowserEnv:
     # ---------------------------------------------------------------------------------------
     async def reset(self, task: Task, seed: int | None = None) -> Observation:
         """Open ``task``'s page with ``seed`` (default ``task.seed``) in a fresh context."""
-        from envs.browser import adapters  # noqa: PLC0415 -- adapters import this module
-
         adapter = adapters.get(task)
         self._task = task
         self._seed = int(task.seed if seed is None else seed)
@@ -511,8 +509,6 @@ class BrowserEnv:
                 f"{'ended by a fault' if self._broken else 'is closed'} "
                 f"({self._fault_reason or 'no page'})"
             )
-        from envs.browser import adapters  # noqa: PLC0415
-
         page = self._page
 
         async def score() -> float:
@@ -548,8 +544,6 @@ class BrowserEnv:
         task, page = self._task, self._page
         if task is None or page is None or self._broken:
             return None
-        from envs.browser import adapters  # noqa: PLC0415
-
         try:
             return await asyncio.wait_for(
                 self._with_nav_retry(lambda: adapters.get(task).report(self, page, self._answer)),
@@ -601,8 +595,6 @@ class BrowserEnv:
         """
         if self._task is None or self._page is None:
             raise RuntimeError("call reset() before oracle_next()")
-        from envs.browser import adapters  # noqa: PLC0415
-
         if self._oracle_plan is None:
             adapter, page = adapters.get(self._task), self._page
             self._oracle_plan = await self._with_nav_retry(lambda: adapter.oracle_plan(self, page))
@@ -717,8 +709,6 @@ class BrowserEnv:
     # internals
     # ---------------------------------------------------------------------------------------
     async def _act_and_observe(self, action: A.Action) -> tuple[bool, float, dict[str, float]]:
-        from envs.browser import adapters  # noqa: PLC0415
-
         page = self._page
         assert page is not None and self._task is not None
         t0 = time.perf_counter()
