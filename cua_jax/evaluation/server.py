@@ -442,12 +442,23 @@ class EmbeddedServer:
         await self.task
 
 
+MIN_TOKEN_CHARS = 16  # a bearer token anyone on the host (or network) cannot guess
+
+
 def resolve_token(host: str, token: str | None, no_token: bool) -> tuple[str | None, bool]:
     """(the token to require or None, whether it was made up here); ValueError for a refused
-    combination (non-loopback without --token, --no-token off loopback, both given)."""
+    combination (non-loopback without --token, --no-token off loopback, both given) or a token
+    a guesser could find (under MIN_TOKEN_CHARS characters, on any address: loopback is shared
+    with every local user)."""
     if no_token and token:
         raise ValueError("--no-token and --token contradict each other: give one")
     token = token or os.environ.get("CUA_SERVE_TOKEN") or None
+    if token and len(token) < MIN_TOKEN_CHARS:
+        raise ValueError(
+            f"the token (--token, config.serve.token or $CUA_SERVE_TOKEN) has {len(token)} "
+            f"characters, fewer than {MIN_TOKEN_CHARS}: use a longer one (python -c 'import "
+            "secrets; print(secrets.token_urlsafe(32))') or none, and one is made up"
+        )
     if not is_loopback(host):
         if no_token:
             raise ValueError(

@@ -99,6 +99,7 @@ def test_hf_tokenizer_encodes_control_tokens_as_text():
         ("--port=99999", "--port=99999 must be in [1, 65535]"),
         ("--max_body_mb=-1", "--max_body_mb=-1 must be in [1, 1024]"),
         ("--max_tokens=0", "--max_tokens=0 must be >= 1"),
+        ("--token=abc", "the token (--token, config.serve.token or $CUA_SERVE_TOKEN) has 3"),
     ],
 )
 def test_serve_cli_bounds_are_one_line(flag, message):

@@ -320,17 +320,23 @@ def test_malformed_and_foreign_requests_get_openai_errors(app):
     asyncio.run(run())
 
 
+LONG = "0123456789abcdef-long"  # a token of the length a non-guessable one needs
+
+
 def test_token_rules():
     tok, made = resolve_token("127.0.0.1", None, False)
     assert made and len(tok) >= 32
     assert resolve_token("127.0.0.1", None, True) == (None, False)
-    assert resolve_token("0.0.0.0", "t", False) == ("t", False)
+    assert resolve_token("0.0.0.0", LONG, False) == (LONG, False)
+    for host in ("0.0.0.0", "127.0.0.1"):  # loopback is shared with every local user
+        with pytest.raises(ValueError, match="has 15 characters, fewer than 16"):
+            resolve_token(host, LONG[:15], False)
     with pytest.raises(ValueError, match="non-loopback"):
         resolve_token("0.0.0.0", None, False)
     with pytest.raises(ValueError, match="no-token"):
         resolve_token("10.0.0.1", None, True)
     with pytest.raises(ValueError, match="contradict"):
-        resolve_token("127.0.0.1", "t", True)
+        resolve_token("127.0.0.1", LONG, True)
 
 
 def test_stop_strings_n_choices_and_seeds(app):
@@ -534,7 +540,9 @@ def test_live_serving_refuses_what_it_cannot_do_by_name(engine, proc, model, tmp
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(ConfigError, match=rf"config.serve.port={port}: cannot serve"):
-            start(port=port, token="t")
+            start(port=port, token=LONG)
+    with pytest.raises(ConfigError, match=r"config.serve.token.*has 3 characters"):
+        start(port=_free_port(), token="abc")
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     with pytest.raises(ConfigError, match=r"config.serve.port=.*2 processes"):
-        start(port=_free_port(), token="t")
+        start(port=_free_port(), token=LONG)
