@@ -14,12 +14,20 @@ Nothing here is imported by ``cua_jax``.
 with ``envs.tasks.load_tasks``, and ``envs.vm.make_env_pool`` builds the env pool
 ``launch/tpu.py`` uses. Both import the heavy modules lazily: the in-VM server
 (``python -m envs.vm.server``) imports this package and must start fast.
+
+Tokens: remote endpoints (``env.vm_endpoints``) share one bearer token, ``env.vm_token``, or,
+when that is empty, ``$CUA_VM_TOKEN`` (as ``env.browser_token`` falls back to
+``$CUA_BROWSER_TOKEN``): pass it by the environment, where ``ps`` and the run's config.json do
+not show it. Desktops this process starts (local, Docker, QEMU) make up their own tokens.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
+
+VM_TOKEN_ENV = "CUA_VM_TOKEN"  # remote endpoints' token when env.vm_token is empty
 
 
 def _builtin_desktop_tasks(cfg: dict[str, Any]) -> list[Any]:
@@ -75,8 +83,9 @@ def make_env_pool(
     """An env pool for the trainer (``envs.vm.env.VMEnvPool``).
 
     With ``endpoints`` (``"http://host:port"`` of OSWorld VMs or our servers, all sharing
-    ``token``): one desktop per endpoint (a VM runs one episode at a time; ``concurrency`` caps
-    how many are used). Without: ``concurrency`` local Xvfb desktops of size ``screen``.
+    ``token``, by default ``$CUA_VM_TOKEN``): one desktop per endpoint (a VM runs one episode at
+    a time; ``concurrency`` caps how many are used). Without: ``concurrency`` local Xvfb
+    desktops of size ``screen``.
     ``revert``: how a remote desktop is reset before each episode (``env.vm_revert``; see
     ``envs.vm.providers.revert_hook``: "libvirt:DOM@SNAP", "qemu:SOCK@SNAP", "docker:NAME",
     "cmd:..."), then the task's setup steps run. ``docker_image``: ``concurrency`` desktops in
@@ -99,6 +108,7 @@ def make_env_pool(
             f"make_env_pool: give one of endpoints, docker_image, qemu_image, not {given}"
         )
     if endpoints:
+        token = token or os.environ.get(VM_TOKEN_ENV) or None
         desktops: list[Any] = [
             RemoteDesktop(e, token, revert=revert_hook(revert, i))
             for i, e in enumerate(endpoints[:concurrency])

@@ -151,9 +151,27 @@ def test_reset_recreates_desktop_from_template_home(xserver, aio, tmp_path):
     assert (tmp_path / "notes" / "keep.txt").read_text() == "original\n"  # template untouched
 
 
-def test_make_env_pool_local_and_remote_endpoints(xserver, aio):
+def test_remote_endpoints_take_the_token_from_the_environment(monkeypatch):
+    """env.vm_token empty: remote endpoints use $CUA_VM_TOKEN (kept out of argv and config.json);
+    a given token wins; local desktops make up their own."""
+    from envs.vm import make_env_pool
+
+    monkeypatch.setenv("CUA_VM_TOKEN", "from-the-environment-0123")
+    url = "http://127.0.0.1:9"
+    (remote,) = make_env_pool(1, endpoints=[url]).desktops.desktops
+    assert remote.client.token == "from-the-environment-0123"
+    (remote,) = make_env_pool(1, endpoints=[url], token="given-token-0123456").desktops.desktops
+    assert remote.client.token == "given-token-0123456"
+    (local,) = make_env_pool(1).desktops.desktops
+    assert local.token != "from-the-environment-0123" and len(local.token) >= 16
+    monkeypatch.delenv("CUA_VM_TOKEN")
+    (remote,) = make_env_pool(1, endpoints=[url]).desktops.desktops
+    assert remote.client.token is None
+
+
+def test_make_env_pool_local_and_remote_endpoints(xserver, aio, monkeypatch):
     """The pool launch/tpu.py builds: local desktops, and a server reached as a remote endpoint
-    (a LocalDesktop's server stands in for an OSWorld VM)."""
+    (a LocalDesktop's server stands in for an OSWorld VM) with its token from $CUA_VM_TOKEN."""
     from envs.vm import make_env_pool
 
     async def episode(pool) -> float:
@@ -167,8 +185,9 @@ def test_make_env_pool_local_and_remote_endpoints(xserver, aio):
         async with make_env_pool(2, screen=(640, 480)) as pool:
             assert len(pool) == 2
             local = await asyncio.gather(episode(pool), episode(pool))
-        async with LocalDesktop(640, 480, token="tok") as vm:
-            async with make_env_pool(4, endpoints=[vm.url], token="tok") as pool:
+        async with LocalDesktop(640, 480, token="tok-0123456789abcdef") as vm:
+            monkeypatch.setenv("CUA_VM_TOKEN", "tok-0123456789abcdef")
+            async with make_env_pool(4, endpoints=[vm.url]) as pool:
                 assert len(pool) == 1
                 remote = await episode(pool)
                 report = pool.report()
