@@ -85,6 +85,10 @@ def base_config(family: str) -> ConfigDict:
     # cua_jax.plan.size_kv_pool) instead of num_pages, which stays for devices that report no
     # memory (the CPU)
     c.sampler.kv_memory_fraction = 0.0
+    # with kv_memory_fraction: the least share of a device's memory the pool must get.
+    # tools/plan.py lowers rl.tokens_per_chip (and drops longer rl.row_lengths) until the
+    # learner's largest program leaves it; a run whose pool comes out smaller stops at start
+    c.sampler.kv_min_fraction = 0.0
     c.sampler.max_seq_len = 4096
     c.sampler.decode_chunk = 8
     c.sampler.backend = "auto"  # paged-attention backend: auto | tpu | gpu | interpret | reference
@@ -398,6 +402,7 @@ def apply_real(c: ConfigDict, size: str) -> None:
     c.rl.num_substeps = 1
     c.model.attn_impl = "splash"
     c.sampler.kv_memory_fraction = 0.85
+    c.sampler.kv_min_fraction = 0.25
     c.rl.max_steps_off_policy = 2
     c.rl.mode = "sync"  # on-policy; --config.rl.mode=async overlaps rollouts with training
     c.env.concurrency = groups * 8

@@ -102,6 +102,7 @@ LIMITS: dict[str, Limit] = {
     "sampler.page_size": _int(1),
     "sampler.num_pages": _int(2, why="page 0 is scratch"),
     "sampler.kv_memory_fraction": _float(0, 1, hi_open=True, why="0: a fixed num_pages"),
+    "sampler.kv_min_fraction": _float(0, 1, hi_open=True, why="0: any pool that holds a sequence"),
     "sampler.max_seq_len": _int(1),
     "sampler.decode_chunk": _int(1, why="decode steps per engine call"),
     # ---- rl
