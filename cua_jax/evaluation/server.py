@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import json
 import os
 import secrets
@@ -34,20 +33,10 @@ from cua_jax.evaluation.openai_chat import (
     RequestError,
     parse_request,
 )
+from cua_jax.hosts import is_loopback  # re-exported: tools/serve.py imports it from here
 
 MiB = 1024 * 1024
 DEFAULT_MAX_BODY = 32 * MiB
-
-
-def is_loopback(host: str) -> bool:
-    """True for localhost / 127.0.0.0/8 / ::1 (a bracketed IPv6 name too)."""
-    host = host.strip("[]").lower()
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _host_name(value: str) -> str:

@@ -28,6 +28,8 @@ from typing import Any
 from aiohttp import web
 from yarl import URL
 
+from cua_jax.hosts import is_loopback  # re-exported: envs.vm.server and envs.browser.server use it
+
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 SMALL_MAX_BYTES = 64 * KiB  # bodiless routes and small JSON/form arguments (a path, a name)
 COMMAND_MAX_BYTES = 4 * MiB  # /execute, /setup/launch: Linux caps a command line at 2 MiB
@@ -50,16 +52,6 @@ class Route:
     handler: str  # the name of the VMServer method
     body: str = NONE
     max_bytes: int | None = SMALL_MAX_BYTES
-
-
-def is_loopback(host: str) -> bool:
-    """True for localhost / 127.0.0.0/8 / ::1."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def is_wildcard(host: str) -> bool:

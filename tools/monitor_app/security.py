@@ -24,7 +24,7 @@ from urllib.parse import parse_qsl, urlencode
 from starlette.responses import PlainTextResponse, RedirectResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from cua_jax.evaluation.server import is_loopback  # one loopback rule for both servers
+from cua_jax.hosts import is_loopback
 
 COOKIE = "cua_monitor_token"  # + "_PORT"
 # The policy of every answer; pages add their script nonce to script-src (`csp_nonce`).
