@@ -2,6 +2,9 @@
 
     app = make_app(engine, token=..., hosts=...)   # tools/monitor.py serves it with uvicorn
 
+`Monitor` holds the app's state (the database engine, the templates) and has one method a
+route; `ROUTES` maps URLs to those methods, as `envs.vm.server.VMServer` does.
+
 Pages (stable URLs): /  ·  /runs/<run id>  ·  /runs/<run id>/steps/<step>  ·
 /rollouts/<rollout id>  ·  /runs/<run id>/evals/<step>[?tag=&vs=<step>|vs_run=<id>&vs_step=<n>]
 JSON: /api/runs  ·  /api/runs/<run id>/steps?after=<step>   Screenshots: /screens/<run id>/<sha>.png
@@ -57,45 +60,80 @@ def _path_id(request: Request, name: str) -> int:
     return value
 
 
-def make_app(
-    engine: Engine,
-    *,
-    token: str | None = None,
-    hosts: set[str] | None = None,
-    poll_ms: int = POLL_MS,
-) -> Starlette:
-    """The monitor on `engine` (a migrated cua_jax database). `hosts`/`token`: see security.py;
-    hosts=None accepts any Host (tests with Starlette's TestClient)."""
-    templates = Jinja2Templates(directory=os.path.join(HERE, "templates"))
-    templates.env.filters["fmt"] = _fmt
-    templates.env.globals["poll_ms"] = poll_ms
+# (path, the Monitor method that answers it)
+ROUTES = (
+    ("/", "index"),
+    ("/runs/{run_id:int}", "run_page"),
+    ("/runs/{run_id:int}/steps/{step:int}", "step_page"),
+    ("/runs/{run_id:int}/evals/{step:int}", "eval_page"),
+    ("/rollouts/{rollout_id:int}", "rollout_page"),
+    ("/api/runs", "api_runs"),
+    ("/api/runs/{run_id:int}/steps", "api_steps"),
+    ("/screens/{run_id:int}/{name}", "screenshot"),
+)
 
-    def page(request: Request, name: str, status_code: int = 200, **ctx: Any) -> Response:
-        nonce = new_nonce()  # the page's inline scripts carry it; no other inline script runs
-        resp = templates.TemplateResponse(
+
+class Monitor:
+    """The monitor's pages and JSON over `engine` (a migrated cua_jax database): one method a
+    route of `ROUTES`, each opening its own short database session."""
+
+    def __init__(self, engine: Engine, *, poll_ms: int = POLL_MS) -> None:
+        self.engine = engine
+        self.templates = Jinja2Templates(directory=os.path.join(HERE, "templates"))
+        self.templates.env.filters["fmt"] = _fmt
+        self.templates.env.globals["poll_ms"] = poll_ms
+
+    def app(self, *, token: str | None = None, hosts: set[str] | None = None) -> Starlette:
+        """The Starlette app: `ROUTES`, the static files, the security headers and, with `hosts`
+        or `token`, the `Guard` (see security.py)."""
+        routes: list[Route | Mount] = [Route(path, getattr(self, name)) for path, name in ROUTES]
+        routes.append(
+            Mount("/static", StaticFiles(directory=os.path.join(HERE, "static")), name="static")
+        )
+        middleware = [Middleware(SecurityHeaders)]
+        if hosts is not None or token is not None:
+            middleware.append(Middleware(Guard, hosts=hosts, token=token))
+        return Starlette(
+            routes=routes,
+            middleware=middleware,
+            exception_handlers={HTTPException: self.http_error, 500: self.server_error},
+        )
+
+    # -- helpers --------------------------------------------------------------------------------
+    def page(self, request: Request, name: str, status_code: int = 200, **ctx: Any) -> Response:
+        """Template `name` rendered with `ctx`, under a Content-Security-Policy with a fresh
+        nonce (the page's inline scripts carry it; no other inline script runs)."""
+        nonce = new_nonce()
+        resp = self.templates.TemplateResponse(
             request, name, {**ctx, "csp_nonce": nonce}, status_code=status_code
         )
         resp.headers["Content-Security-Policy"] = CSP.format(nonce=f" 'nonce-{nonce}'")
         return resp
 
-    def db() -> Session:
-        return Session(engine)
+    def db(self) -> Session:
+        """A new database session (use it in a `with`)."""
+        return Session(self.engine)
 
+    @staticmethod
     def run_or_404(s: Session, request: Request) -> Any:
+        """The run the URL names, or a 404."""
         try:
             return queries.get_run(s, _path_id(request, "run_id"))
         except queries.NotFound as e:
             raise HTTPException(404, str(e)) from None
 
-    def index(request: Request) -> Response:
-        with db() as s:
-            return page(request, "runs.html", runs=queries.runs(s))
+    # -- pages ----------------------------------------------------------------------------------
+    def index(self, request: Request) -> Response:
+        """Every run."""
+        with self.db() as s:
+            return self.page(request, "runs.html", runs=queries.runs(s))
 
-    def run_page(request: Request) -> Response:
-        with db() as s:
-            run = run_or_404(s, request)
+    def run_page(self, request: Request) -> Response:
+        """One run: its config (redacted), curves, evals, SFT and latest steps."""
+        with self.db() as s:
+            run = self.run_or_404(s, request)
             last = queries.steps(s, run.id, newest=20)[::-1]
-            return page(
+            return self.page(
                 request,
                 "run.html",
                 run=queries.run_dict(run),
@@ -105,28 +143,34 @@ def make_app(
                 recent=last,
             )
 
-    def step_page(request: Request) -> Response:
-        with db() as s:
-            run = run_or_404(s, request)
+    def step_page(self, request: Request) -> Response:
+        """One training step's groups."""
+        with self.db() as s:
+            run = self.run_or_404(s, request)
             try:
                 data = queries.step_page(s, run.id, _path_id(request, "step"))
             except queries.NotFound as e:
                 raise HTTPException(404, str(e)) from None
-            return page(request, "step.html", run=queries.run_dict(run), **data)
+            return self.page(request, "step.html", run=queries.run_dict(run), **data)
 
-    def rollout_page(request: Request) -> Response:
-        with db() as s:
+    def rollout_page(self, request: Request) -> Response:
+        """One rollout, turn by turn."""
+        with self.db() as s:
             try:
                 ro = queries.rollout(s, _path_id(request, "rollout_id"))
             except queries.NotFound as e:
                 raise HTTPException(404, str(e)) from None
             run = queries.get_run(s, ro.run_id)
-            return page(request, "rollout.html", run=queries.run_dict(run), r=ro, turns=ro.turns)
+            return self.page(
+                request, "rollout.html", run=queries.run_dict(run), r=ro, turns=ro.turns
+            )
 
-    def eval_page(request: Request) -> Response:
+    def eval_page(self, request: Request) -> Response:
+        """One eval by task and category, optionally beside another step's or run's
+        (`?vs=<step>` or `?vs_run=<id>&vs_step=<n>`, `tag`/`vs_tag` to pick an eval)."""
         q = request.query_params
-        with db() as s:
-            run = run_or_404(s, request)
+        with self.db() as s:
+            run = self.run_or_404(s, request)
             try:
                 ev = queries.eval_at(s, run.id, _path_id(request, "step"), q.get("tag"))
                 cur = queries.eval_table(s, ev)
@@ -142,7 +186,7 @@ def make_app(
                 raise HTTPException(404, str(e)) from None
             except ValueError:
                 raise HTTPException(400, "vs, vs_run and vs_step must be integers") from None
-            return page(
+            return self.page(
                 request,
                 "eval.html",
                 run=queries.run_dict(run),
@@ -156,17 +200,20 @@ def make_app(
                 task_ids=sorted(set(cur["tasks"]) | set((other or {}).get("tasks", {}))),
             )
 
-    def api_runs(request: Request) -> Response:
-        with db() as s:
+    # -- JSON and files -------------------------------------------------------------------------
+    def api_runs(self, request: Request) -> Response:
+        """Every run, as JSON."""
+        with self.db() as s:
             return JSONResponse(queries.runs(s))
 
-    def api_steps(request: Request) -> Response:
+    def api_steps(self, request: Request) -> Response:
+        """A run's steps after `?after=<step>` (the live pages poll this), with its evals."""
         try:
             after = _int63(request.query_params.get("after", -1))
         except ValueError:
             raise HTTPException(400, "after must be an integer step") from None
-        with db() as s:
-            run = run_or_404(s, request)
+        with self.db() as s:
+            run = self.run_or_404(s, request)
             return JSONResponse(
                 {
                     "run": queries.run_dict(run),
@@ -175,12 +222,13 @@ def make_app(
                 }
             )
 
-    def screenshot(request: Request) -> Response:
+    def screenshot(self, request: Request) -> Response:
+        """A screenshot from the run's `workdir/screens` (names are content hashes)."""
         name = request.path_params["name"]
         if not _SHOT.match(name):
             raise HTTPException(404, f"no screenshot {name}")
-        with db() as s:
-            run = run_or_404(s, request)
+        with self.db() as s:
+            run = self.run_or_404(s, request)
             path = os.path.join(run.workdir, "screens", name)
         if not os.path.exists(path):
             raise HTTPException(404, f"screenshot {name} is not in {run.workdir}/screens")
@@ -188,34 +236,29 @@ def make_app(
             path, media_type="image/png", headers={"Cache-Control": "max-age=86400"}
         )
 
-    async def http_error(request: Request, exc: Exception) -> Response:
+    # -- errors ---------------------------------------------------------------------------------
+    async def http_error(self, request: Request, exc: Exception) -> Response:
+        """An HTTP error as JSON under /api/, else as the error page."""
         code = getattr(exc, "status_code", 500)
         detail = getattr(exc, "detail", "internal error")
         if request.url.path.startswith("/api/"):
             return JSONResponse({"error": detail}, status_code=code)
-        return page(request, "error.html", status_code=code, code=code, detail=detail)
+        return self.page(request, "error.html", status_code=code, code=code, detail=detail)
 
-    async def server_error(request: Request, exc: Exception) -> Response:
-        return page(
+    async def server_error(self, request: Request, exc: Exception) -> Response:
+        """An unexpected exception as a 500 error page naming it."""
+        return self.page(
             request, "error.html", status_code=500, code=500, detail=f"{type(exc).__name__}: {exc}"
         )
 
-    routes = [
-        Route("/", index),
-        Route("/runs/{run_id:int}", run_page),
-        Route("/runs/{run_id:int}/steps/{step:int}", step_page),
-        Route("/runs/{run_id:int}/evals/{step:int}", eval_page),
-        Route("/rollouts/{rollout_id:int}", rollout_page),
-        Route("/api/runs", api_runs),
-        Route("/api/runs/{run_id:int}/steps", api_steps),
-        Route("/screens/{run_id:int}/{name}", screenshot),
-        Mount("/static", StaticFiles(directory=os.path.join(HERE, "static")), name="static"),
-    ]
-    middleware = [Middleware(SecurityHeaders)]
-    if hosts is not None or token is not None:
-        middleware.append(Middleware(Guard, hosts=hosts, token=token))
-    return Starlette(
-        routes=routes,
-        middleware=middleware,
-        exception_handlers={HTTPException: http_error, 500: server_error},
-    )
+
+def make_app(
+    engine: Engine,
+    *,
+    token: str | None = None,
+    hosts: set[str] | None = None,
+    poll_ms: int = POLL_MS,
+) -> Starlette:
+    """The monitor on `engine` (a migrated cua_jax database). `hosts`/`token`: see security.py;
+    hosts=None accepts any Host (tests with Starlette's TestClient)."""
+    return Monitor(engine, poll_ms=poll_ms).app(token=token, hosts=hosts)
