@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Protocol
 
 from envs.vm.client import VMClient, VMError, VMGoneError
+from envs.vm.limits import DesktopLimits
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]  # so the server imports this checkout's envs
 
@@ -146,6 +147,13 @@ class LocalDesktop:
         memory from the other desktops. None: no cap.
       client_password: the password this desktop's ``sudo`` takes (OSWorld's
         ``{CLIENT_PASSWORD}``; ``VMEnv`` fills the placeholder with it).
+      max_processes, cpus: the desktop's process (task) budget and CPU-core quota, in a cgroup
+        of its own where the machine allows one (``envs.vm.limits``; ``limits_mode`` says which
+        applied); everything in it is killed when the desktop stops or resets, background
+        processes included. A fork bomb then fails to fork inside its desktop; a busy loop
+        gets at most ``cpus`` cores and dies with its episode. None: no cap.
+      command_cpu_s: the CPU seconds each command the server starts may use (the server's
+        ``--command-cpu-s``, ``RLIMIT_CPU``; works without a cgroup). None: no cap.
     """
 
     def __init__(
@@ -162,6 +170,9 @@ class LocalDesktop:
         warm_pyautogui: bool = True,
         memory_mb: int | None = None,
         client_password: str = "password",
+        max_processes: int | None = 4096,
+        cpus: float | None = None,
+        command_cpu_s: float | None = None,
     ):
         if width < 64 or height < 64:
             raise ValueError(f"LocalDesktop screen {width}x{height} is too small (min 64x64)")
@@ -178,6 +189,14 @@ class LocalDesktop:
             raise ValueError(f"LocalDesktop memory_mb must be >= 256 (MiB), got {memory_mb}")
         self.memory_mb = memory_mb
         self.client_password = client_password
+        if command_cpu_s is not None and not 1 <= command_cpu_s <= 86400:
+            raise ValueError(
+                f"LocalDesktop command_cpu_s must be in [1, 86400], got {command_cpu_s}"
+            )
+        self.max_processes, self.cpus, self.command_cpu_s = max_processes, cpus, command_cpu_s
+        DesktopLimits("check", max_processes=max_processes, cpus=cpus)  # bad values fail here
+        self._limits: DesktopLimits | None = None
+        self.limits_mode = "none"  # set by start(): "cgroup v2" | "cgroup v1" | "rlimit" | "none"
         self._name = name
         self.display: str | None = None
         self.home: Path | None = None
@@ -232,7 +251,11 @@ class LocalDesktop:
         (bin_dir / "sudo").chmod(0o755)
         self.tmp = self._root / "tmp"  # a private /tmp: parallel desktops never see each other
         self.tmp.mkdir()
+        self._limits = DesktopLimits(
+            self._root.name, max_processes=self.max_processes, cpus=self.cpus
+        )
         try:
+            self.limits_mode = await asyncio.to_thread(self._limits.create)
             await self._start_xvfb()
             env = self._child_env()
             if self.window_manager:
@@ -244,6 +267,7 @@ class LocalDesktop:
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
                     start_new_session=True,
+                    preexec_fn=self._limits.preexec(),
                 )
             await self._start_server(env)
             if self.window_manager:
@@ -273,6 +297,7 @@ class LocalDesktop:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
+                preexec_fn=self._limits.preexec() if self._limits else None,
             )
         finally:
             os.close(w)
@@ -344,6 +369,8 @@ class LocalDesktop:
         ]
         if not self.warm_pyautogui:
             cmd.append("--no-warm-pyautogui")
+        if self.command_cpu_s is not None:
+            cmd += ["--command-cpu-s", str(self.command_cpu_s)]
         env = {**env, "CUA_VM_TOKEN": self.token}  # not on the command line (ps shows it)
         self._server = subprocess.Popen(
             cmd,
@@ -353,7 +380,7 @@ class LocalDesktop:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_address_space_limit(self.memory_mb) if self.memory_mb else None,
+            preexec_fn=self._limits.preexec(memory_mb=self.memory_mb) if self._limits else None,
         )
         try:
             line = await asyncio.wait_for(
@@ -394,6 +421,9 @@ class LocalDesktop:
         for p in (self._server, self._wm, self._xvfb):
             await _reap(p)
         self._server = self._wm = self._xvfb = None
+        if self._limits is not None:  # what left the process groups (setsid, nohup ... &)
+            await asyncio.to_thread(self._limits.remove)
+            self._limits = None
         if self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
             self._root = None
@@ -606,17 +636,6 @@ class DesktopPool:
             "episodes": {s.desktop.name: s.episodes for s in self._slots},
             "faults": {s.desktop.name: s.faults for s in self._slots},
         }
-
-
-def _address_space_limit(memory_mb: int) -> Callable[[], None]:
-    """A ``preexec_fn`` that caps the child's address space (its children inherit the cap)."""
-    import resource  # noqa: PLC0415
-
-    def apply() -> None:
-        n = int(memory_mb) * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (n, n))
-
-    return apply
 
 
 def _read_line_fd(fd: int) -> str:

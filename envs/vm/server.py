@@ -26,7 +26,9 @@ Differences from OSWorld's server, all on the safe side:
   command, 16 MiB for a script, 1 GiB for ``/setup/upload`` (``--max-upload-bytes``).
 * Command run time is capped (``--exec-limit``, 120 s like OSWorld); a command past its limit is
   killed with its whole process group and answered with HTTP 500 ``{"status": "error",
-  "message": "... timed out after N seconds", "timed_out": true}``.
+  "message": "... timed out after N seconds", "timed_out": true}``. ``--command-cpu-s N`` caps
+  the CPU seconds of each command it starts (``RLIMIT_CPU``: also what a command leaves running
+  in the background, which the process-group kill misses).
 * File endpoints (``/file``, ``/setup/upload``, ``/list_directory``, ``/setup/open_file``) only
   touch paths inside the allowed roots (default: ``$HOME`` and ``/tmp``) after resolving ``..``
   and symlinks; anything else is 403.
@@ -58,6 +60,7 @@ from typing import Any
 
 from aiohttp import web
 
+from envs.vm import server_exec
 from envs.vm.server_exec import (
     DEFAULT_EXEC_LIMIT_S,
     RUN_BASH_DEFAULT_S,
@@ -598,6 +601,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=UPLOAD_MAX_BYTES,
         help=f"the largest /setup/upload body (default {UPLOAD_MAX_BYTES}, 1 GiB)",
     )
+    p.add_argument(
+        "--command-cpu-s",
+        type=float,
+        default=None,
+        help="CPU seconds each command it starts may use (RLIMIT_CPU; default: no cap)",
+    )
     p.add_argument("--display", default=None, help="X display (default $DISPLAY)")
     p.add_argument(
         "--no-warm-pyautogui",
@@ -612,6 +621,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--port {args.port} must be in [0, 65535] (0 picks a free one)")
     if not (math.isfinite(args.exec_limit) and 0 < args.exec_limit <= MAX_EXEC_LIMIT_S):
         p.error(f"--exec-limit {args.exec_limit} must be in (0, {MAX_EXEC_LIMIT_S:g}] seconds")
+    if args.command_cpu_s is not None and not (
+        math.isfinite(args.command_cpu_s) and 1 <= args.command_cpu_s <= 86400
+    ):
+        p.error(f"--command-cpu-s {args.command_cpu_s} must be in [1, 86400] seconds")
     if not 1 <= args.max_upload_bytes <= MAX_UPLOAD_CAP:
         p.error(f"--max-upload-bytes {args.max_upload_bytes} must be in [1, {MAX_UPLOAD_CAP}]")
     if args.no_token and args.token is not None:
@@ -687,6 +700,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    server_exec.COMMAND_CPU_S = args.command_cpu_s
     os.environ.pop("CUA_VM_TOKEN", None)  # commands run in the desktop do not inherit it
     asyncio.run(serve(args))
 

@@ -21,6 +21,25 @@ RUN_BASH_DEFAULT_S = 100.0  # OSWorld's /run_bash_script default timeout
 # read and dropped, so the command runs as it would (a full pipe would stall it): `yes` for the
 # 120 s limit would otherwise be tens of GB in the server. Replies then say "truncated": true.
 MAX_OUTPUT_BYTES = 8 * 1024**2
+# The CPU seconds each command the server starts may use (RLIMIT_CPU: SIGXCPU, then SIGKILL at
+# the hard limit one second later); None: no cap. `--command-cpu-s` sets it. A busy loop a task
+# leaves behind (`nohup sh -c 'while :; do :; done' &`) escapes the run-time limit's killpg, not
+# this; works in any desktop (a VM, a container, a LocalDesktop), root or not.
+COMMAND_CPU_S: float | None = None
+
+
+def command_preexec() -> Any:
+    """The ``preexec_fn`` of the commands the server starts (None: no cap set)."""
+    if COMMAND_CPU_S is None:
+        return None
+    import resource  # noqa: PLC0415 -- POSIX only, as preexec_fn itself
+
+    soft = max(1, int(COMMAND_CPU_S))
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, soft + 1))
+
+    return apply
 
 
 def expand_home(command: Any, shell: bool) -> Any:
@@ -61,6 +80,7 @@ async def spawn_detached(command: str | list[str], *, shell: bool) -> asyncio.su
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL,
         start_new_session=True,
+        preexec_fn=command_preexec(),
     )
     if shell:
         cmd = command if isinstance(command, str) else shlex.join(command)
@@ -129,6 +149,7 @@ async def run_capped(
         stdin=asyncio.subprocess.DEVNULL,
         cwd=cwd,
         start_new_session=True,
+        preexec_fn=command_preexec(),
     )
     if shell:
         cmd = command if isinstance(command, str) else shlex.join(command)

@@ -310,6 +310,8 @@ def test_cli_bounds_are_one_line_and_exit_2(capsys):
         ("--port", "99999"): "--port 99999 must be in [0, 65535]",
         ("--port", "-2"): "--port -2 must be in",
         ("--host", "0.0.0.0", "--token", "T"): "at least 16 characters",
+        ("--command-cpu-s", "0"): "--command-cpu-s 0.0 must be in [1, 86400]",
+        ("--command-cpu-s", "inf"): "--command-cpu-s inf must be in",
     }
     for argv, message in bad.items():
         with pytest.raises(SystemExit) as exc:
