@@ -9,6 +9,7 @@ check_database(engine)             # raises NotACuaDatabase for a database witho
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import sqlalchemy as sa
@@ -81,6 +82,9 @@ def make_engine(url: str, *, connect_timeout_s: float = 5.0, **kwargs: Any) -> E
     return sa.create_engine(url, pool_pre_ping=True, connect_args=connect_args, **kwargs)
 
 
+_MIGRATE_LOCK = threading.Lock()
+
+
 def migrate(engine: Engine) -> None:
     """Upgrades the schema to the newest migration (creates it in an empty database)."""
     from alembic import command
@@ -88,7 +92,9 @@ def migrate(engine: Engine) -> None:
 
     cfg = Config()
     cfg.set_main_option("script_location", MIGRATIONS_DIR)
-    with engine.begin() as conn:
+    # Alembic keeps its context in module globals: one migration at a time in a process (the
+    # writers of several processes of a job may share one; tests run them as threads).
+    with _MIGRATE_LOCK, engine.begin() as conn:
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
 

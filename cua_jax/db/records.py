@@ -27,6 +27,9 @@ from cua_jax.rl.advantages import group_advantages
 from cua_jax.rl.trajectory import MIN_LIVE_EPISODES, Trajectory, live_episodes
 
 SCREENS_DIR = "screens"
+# Multi-host runs: process p's groups of a step take indices [p * PROCESS_STRIDE, (p + 1) *
+# PROCESS_STRIDE), so every process writes its own rows and none replaces another's.
+PROCESS_STRIDE = 100_000
 # Typed Step columns and the metrics they copy.
 STEP_COLUMNS = {
     "reward": "rollout/reward",
@@ -343,7 +346,7 @@ def apply_record(session: Session, rec: dict[str, Any], lost: Sequence[str] = ()
         if run is None:
             run = Run(uid=rec["uid"], started_at=t, config={}, status="running")
             session.add(run)
-        elif rec.get("attach"):  # an eval joining a run: leaves the run as it is
+        elif rec.get("attach") or rec.get("process", 0):  # an eval or another process joining
             return
         run.name, run.kind, run.workdir = rec["name"], rec["kind"], rec["workdir"]
         run.config = rec["config"] or run.config or {}
@@ -352,7 +355,9 @@ def apply_record(session: Session, rec: dict[str, Any], lost: Sequence[str] = ()
         return
     run_id = run_id_of(session, rec["uid"])
     touch = {"updated_at": t}
-    if op == "truncate":
+    if op == "truncate" and rec.get("process", 0):
+        pass  # process 0's truncate drops every process's rows (a resume restarts all of them)
+    elif op == "truncate":
         after = int(rec["after"])
         _delete_rollouts(session, (Rollout.run_id == run_id) & (Rollout.step > after))
         for model in (Group, Eval, Step):
@@ -360,18 +365,27 @@ def apply_record(session: Session, rec: dict[str, Any], lost: Sequence[str] = ()
         last = session.scalar(sa.select(sa.func.max(Step.step)).where(Step.run_id == run_id))
         touch["last_step"] = last
     elif op == "step":
-        step = rec["step"]
-        row = session.scalar(sa.select(Step).where((Step.run_id == run_id) & (Step.step == step)))
-        if row is None:
-            row = Step(run_id=run_id, step=step, created_at=t, metrics={})
-            session.add(row)
-        row.metrics = {**(row.metrics or {}), **rec["metrics"]}  # step 0: eval, then SFT row
-        for col, key in STEP_COLUMNS.items():
-            setattr(row, col, _num(row.metrics.get(key)))
-        if "groups" in rec:
-            where = (Rollout.run_id == run_id) & (Rollout.step == step) & (Rollout.kind == "train")
-            _delete_rollouts(session, where)
-            session.execute(sa.delete(Group).where((Group.run_id == run_id) & (Group.step == step)))
+        step, process = rec["step"], int(rec.get("process", 0))
+        if process == 0:  # the job's metrics row is process 0's
+            row = session.scalar(
+                sa.select(Step).where((Step.run_id == run_id) & (Step.step == step))
+            )
+            if row is None:
+                row = Step(run_id=run_id, step=step, created_at=t, metrics={})
+                session.add(row)
+            row.metrics = {**(row.metrics or {}), **rec["metrics"]}  # step 0: eval, then SFT
+            for col, key in STEP_COLUMNS.items():
+                setattr(row, col, _num(row.metrics.get(key)))
+        if "groups" in rec:  # replaces this process's groups of the step, no other's
+            lo, hi = process * PROCESS_STRIDE, (process + 1) * PROCESS_STRIDE
+            mine = (
+                (Group.run_id == run_id)
+                & (Group.step == step)
+                & (Group.index >= lo)
+                & (Group.index < hi)
+            )
+            _delete_rollouts(session, Rollout.group_id.in_(sa.select(Group.id).where(mine)))
+            session.execute(sa.delete(Group).where(mine))
             groups = rec["groups"]
             if groups:
                 table = Group.__table__
@@ -381,6 +395,7 @@ def apply_record(session: Session, rec: dict[str, Any], lost: Sequence[str] = ()
                         [
                             {
                                 **{k: v for k, v in g.items() if k != "rollouts"},
+                                "index": lo + g["index"],
                                 "run_id": run_id,
                                 "step": step,
                             }
@@ -396,8 +411,9 @@ def apply_record(session: Session, rec: dict[str, Any], lost: Sequence[str] = ()
                     for r in g["rollouts"]
                 ]
                 _insert_rollouts(session, run_id, step, "train", pairs)
-        last = session.scalar(sa.select(Run.last_step).where(Run.id == run_id))
-        touch["last_step"] = step if last is None else max(last, step)
+        if process == 0:
+            last = session.scalar(sa.select(Run.last_step).where(Run.id == run_id))
+            touch["last_step"] = step if last is None else max(last, step)
     elif op == "eval":
         step, tag = rec["step"], rec["tag"]
         old = session.scalar(
@@ -436,7 +452,7 @@ def apply_record(session: Session, rec: dict[str, Any], lost: Sequence[str] = ()
             )
         )
     elif op == "close":
-        if not rec.get("attach"):
+        if not rec.get("attach") and not rec.get("process", 0):
             status = rec["status"]
             if lost:
                 status += f"; lost {len(lost)} records: " + ", ".join(lost[:20])

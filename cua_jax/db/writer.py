@@ -14,9 +14,12 @@ database is unreachable the record goes to WORKDIR/trajectories.spill.jsonl inst
 writer logs it once and retries every `retry_s`; when the database answers again, the spill
 file is written first, in order. A spill file left by a process that ended while the database
 was away is written by the next `open_run` of the same workdir. Records are idempotent (a step
-rewritten replaces its rows), so a replay never duplicates. Only a full queue (the writer far
+rewritten replaces its rows), so a replay never duplicates. A full queue (the writer far
 behind) or a record the database refuses loses data: each is named in the log and, at close,
-in `runs.status` ("finished; lost 2 records: step 7, step 8").
+in `runs.status` ("finished; lost 2 records: step 7, step 8"). A process killed outright
+(SIGKILL) loses what was queued; the next open of a training run's workdir backfills it from
+the run's own files (`cua_jax.db.backfill`: metrics.jsonl and, with rl.persist_rollouts, the
+groups of those steps).
 """
 
 from __future__ import annotations
@@ -115,11 +118,18 @@ class TrajectoryDB:
         queue_size: int = 64,
         retry_s: float = 5.0,
         close_timeout_s: float = 30.0,
+        process_index: int = 0,
+        backfill: bool = False,
     ) -> None:
         self.url, self.workdir, self.uid = url, os.path.abspath(workdir), uid
+        self.process = int(process_index)
+        self.backfilled: dict[str, int] = {}  # what the last backfill wrote (backfill.py)
+        self._backfill_due = backfill
         self.decode, self.advantage = decode, advantage
         self.retry_s, self.close_timeout_s = retry_s, close_timeout_s
-        self.spill_path = os.path.join(self.workdir, SPILL_FILE)
+        # each process of a multi-host job spills to its own file
+        spill = SPILL_FILE if not self.process else SPILL_FILE.replace(".", f".p{self.process}.", 1)
+        self.spill_path = os.path.join(self.workdir, spill)
         self.lost: list[str] = []  # records that never reached the database
         self.written = 0  # records written (replays included)
         self.down = False  # the database did not answer the last try
@@ -130,7 +140,7 @@ class TrajectoryDB:
         self._migrated = False
         self._last_try = 0.0
         self._closed = False
-        self._q.put_nowait(("record", open_record))
+        self._q.put_nowait(("record", self._stamp(open_record)))
         self._thread = threading.Thread(target=self._run, name="trajectory-db", daemon=True)
         self._thread.start()
         _OPEN.add(self)
@@ -234,7 +244,7 @@ class TrajectoryDB:
         self._closed = True
         _OPEN.discard(self)
         try:  # the end of the run may wait for the queue (never the steps)
-            self._q.put(("make", "close", lambda: rec), timeout=self.close_timeout_s)
+            self._q.put(("make", "close", lambda: self._stamp(rec)), timeout=self.close_timeout_s)
             self._q.put(_STOP, timeout=self.close_timeout_s)
         except queue.Full:
             with self._lock:
@@ -273,12 +283,20 @@ class TrajectoryDB:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.close("finished" if exc is None else f"failed: {type(exc).__name__}: {exc}")
 
+    def _stamp(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """Marks a record with its process (multi-host: `records.PROCESS_STRIDE`)."""
+        if self.process:
+            rec["process"] = self.process
+            if rec.get("op") == "eval":  # each process's share of an eval is its own row
+                rec["tag"] = f"{rec['tag']}/p{self.process}"
+        return rec
+
     def _submit(self, name: str, make: Callable[[], dict], *_keep: Any) -> None:
         if self._closed:
             logging.warning("trajectory database: %s logged after close(); dropped", name)
             return
         try:
-            self._q.put_nowait(("make", name, make))
+            self._q.put_nowait(("make", name, lambda: self._stamp(make())))
         except queue.Full:
             with self._lock:
                 self.lost.append(name)
@@ -308,6 +326,8 @@ class TrajectoryDB:
                     self._try_recover()
                 if isinstance(item, tuple):
                     self._handle(item)
+                if self._backfill_due and not self.down and item is not None:
+                    self._backfill()
             except Exception:  # noqa: BLE001 -- the writer outlives any one failure
                 logging.exception("trajectory database writer: unexpected error (it goes on)")
             finally:
@@ -349,7 +369,13 @@ class TrajectoryDB:
         if self._engine is None:
             self._engine = make_engine(self.url)
         if not self._migrated:
-            migrate(self._engine)
+            try:
+                migrate(self._engine)
+            except (sa.exc.ProgrammingError, sa.exc.IntegrityError):
+                # another process of the job created the schema at the same moment: its
+                # tables now exist, and a second upgrade finds them at head
+                time.sleep(1.0)
+                migrate(self._engine)
             self._migrated = True
         with Session(self._engine) as session, session.begin():
             with self._lock:
@@ -371,6 +397,44 @@ class TrajectoryDB:
             with self._lock:
                 self.lost.append(records.describe(rec))
         return False
+
+    def _backfill(self) -> None:
+        """Writes what the run's own files hold and the database lacks (`backfill.py`): after
+        the open record, before the trainer's first truncate, so steps a resume redoes are
+        dropped again by it."""
+        from cua_jax.db import backfill  # noqa: PLC0415 -- reads tensorstore arrays, rarely
+
+        if self._engine is None:
+            return
+        try:
+            with Session(self._engine) as session:
+                recs = backfill.missing_records(
+                    session,
+                    self.uid,
+                    self.workdir,
+                    self.process,
+                    decode=self.decode,
+                    advantage=self.advantage,
+                )
+        except CONNECTION_ERRORS as e:
+            self._went_down(e)
+            return
+        except Exception:  # noqa: BLE001 -- a backfill never stops the writer
+            logging.exception("trajectory database: backfill from %s failed", self.workdir)
+            self._backfill_due = False
+            return
+        self._backfill_due = False
+        for rec in recs:
+            if not self._write_or_spill(self._stamp(rec)):
+                break
+            kind = "groups" if rec.get("groups") else "steps"
+            self.backfilled[kind] = self.backfilled.get(kind, 0) + 1
+        if recs:
+            logging.warning(
+                "trajectory database: backfilled %s from %s (records a crash kept from it)",
+                ", ".join(records.describe(r) for r in recs[:20]),
+                self.workdir,
+            )
 
     def _went_down(self, e: BaseException) -> None:
         self._last_try = time.monotonic()
@@ -473,13 +537,21 @@ def open_run(
     decode: Callable[[list[int]], str] | None = None,
     advantage: Any = None,
     enabled: bool = True,
+    process_index: int = 0,
     **writer_kwargs: Any,
 ) -> TrajectoryDB | NullDB:
     """The run's database writer (module docstring). The run row is WORKDIR's: reopening the
     same workdir (a resumed run) continues it. kind="eval" on a workdir that already holds a
     run (tools/eval.py --workdir) adds its evals to that run and leaves the run's status alone.
     The database itself is opened, and migrated, in the writer thread: an unreachable one never
-    delays or fails this call."""
+    delays or fails this call.
+
+    A training run backfills at open what its files hold and the database does not (a crash
+    lost the queue): steps of WORKDIR/metrics.jsonl, and the groups of those steps that
+    `rl.persist_rollouts` wrote (`cua_jax.db.backfill`). `process_index` > 0 (multi-host, one
+    writer a process, one database): that process's groups and eval shares are rows of their
+    own (`records.PROCESS_STRIDE`, eval tags "TAG/pN"); process 0 writes the step's metrics,
+    the run's status and the truncate of a resume."""
     if not enabled:
         return NullDB()
     if "://" in os.fspath(workdir):  # gs://...: the run id, screenshots and spill file are files
@@ -490,7 +562,20 @@ def open_run(
         )
         return NullDB()
     workdir = os.path.abspath(workdir)
-    uid, existed = run_uid(workdir)
+    uid, existed = run_uid(workdir, create=process_index == 0)
+    deadline = time.monotonic() + 120
+    while process_index and not existed and time.monotonic() < deadline:  # process 0 makes it
+        time.sleep(0.2)
+        uid, existed = run_uid(workdir, create=False)
+    if process_index and not existed:
+        logging.error(
+            "trajectory database: process %d found no %s in %s after 120 s (process 0 writes "
+            "it); this process's groups are not recorded",
+            process_index,
+            RUN_FILE,
+            workdir,
+        )
+        return NullDB()
     resolved = resolve_url(workdir, url)
     rec = {
         "op": "open",
@@ -505,6 +590,14 @@ def open_run(
         "attach": kind == "eval" and existed,
     }
     logging.info("trajectory database: %s (run %s)", safe_url(resolved), uid)
+    writer_kwargs.setdefault("backfill", kind == "train")
     return TrajectoryDB(
-        resolved, workdir, uid, rec, decode=decode, advantage=advantage, **writer_kwargs
+        resolved,
+        workdir,
+        uid,
+        rec,
+        decode=decode,
+        advantage=advantage,
+        process_index=process_index,
+        **writer_kwargs,
     )
