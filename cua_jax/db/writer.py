@@ -563,14 +563,15 @@ def open_run(
         return NullDB()
     workdir = os.path.abspath(workdir)
     uid, existed = run_uid(workdir, create=process_index == 0)
-    deadline = time.monotonic() + 120
-    while process_index and not existed and time.monotonic() < deadline:  # process 0 makes it
+    # process 0 makes the run file; the others read it (a workdir shared by the job's hosts)
+    deadline = time.monotonic() + 30
+    while process_index and not existed and time.monotonic() < deadline:
         time.sleep(0.2)
         uid, existed = run_uid(workdir, create=False)
     if process_index and not existed:
         logging.error(
-            "trajectory database: process %d found no %s in %s after 120 s (process 0 writes "
-            "it); this process's groups are not recorded",
+            "trajectory database: process %d found no %s in %s after 30 s (process 0 writes "
+            "it there: the job's processes need a shared workdir); its groups are not recorded",
             process_index,
             RUN_FILE,
             workdir,
