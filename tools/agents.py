@@ -94,7 +94,9 @@ class AgentError(RuntimeError):
 class Agent(Protocol):
     name: str
 
-    async def act(self, turn: AgentTurn) -> AgentReply: ...
+    async def act(self, turn: AgentTurn) -> AgentReply:
+        """One turn: the agent's reply (its text and parsed action) to the transcript so far."""
+        ...
 
 
 def transcript_messages(turn: AgentTurn, image_part: Callable[[np.ndarray], dict]) -> list[dict]:
@@ -146,6 +148,7 @@ class CheckpointAgent:
         self.stop_ids = tuple(processor.tokenizer.stop_ids)
 
     async def act(self, turn: AgentTurn) -> AgentReply:
+        """Generates the reply with the checkpoint's engine from the rendered transcript."""
         from cua_jax.sampler import SamplingParams
 
         images: list[np.ndarray] = []
@@ -232,9 +235,11 @@ class OpenAIAgent:
         self._http = _Sessions(timeout_s)
 
     async def close(self) -> None:
+        """Closes the HTTP session."""
         await self._http.close()
 
     def request_body(self, turn: AgentTurn) -> dict[str, Any]:
+        """The chat-completions request body for this turn."""
         body: dict[str, Any] = {
             "messages": openai_messages(turn),
             "temperature": self.temperature,
@@ -247,6 +252,8 @@ class OpenAIAgent:
         return body
 
     async def act(self, turn: AgentTurn) -> AgentReply:
+        """Posts the turn to the chat-completions endpoint (retrying 5xx answers up to `retries`
+        times) and parses the reply."""
         import aiohttp
 
         headers = {"Content-Type": "application/json"}
@@ -323,6 +330,7 @@ class AnthropicAgent:
         self._http = _Sessions(timeout_s)
 
     async def close(self) -> None:
+        """Closes the HTTP session."""
         await self._http.close()
 
     # ---- translation -------------------------------------------------------------------------
@@ -413,6 +421,8 @@ class AnthropicAgent:
     # ---- requests ----------------------------------------------------------------------------
 
     def request_body(self, turn: AgentTurn) -> dict[str, Any]:
+        """The Messages API request body for this turn: the transcript with the `computer` tool, the
+        last `max_history_images` screenshots as images."""
         fmt = A.get_format(turn.action_format)
         h, w = np.asarray(turn.screenshots[-1]).shape[:2]
         n = len(turn.screenshots)
@@ -474,6 +484,8 @@ class AnthropicAgent:
         }
 
     async def act(self, turn: AgentTurn) -> AgentReply:
+        """Posts the turn to the Messages API and turns its tool call into an action; an answer
+        other than 200 is an AgentError."""
         import aiohttp
 
         headers = {"Content-Type": "application/json", "anthropic-version": self.API_VERSION}
@@ -536,6 +548,7 @@ class AgentPolicy:
         self.versions: list[int] = []
 
     async def act(self, ctx: TurnContext) -> Reply | Stop:
+        """Asks the agent for this turn's action, with the feedback and screenshots so far."""
         self.feedback.append(_FEEDBACK.get() if ctx.turn else "")
         self.screens.append(ctx.screenshot)
         s = self.loop.settings
@@ -569,6 +582,7 @@ class AgentPolicy:
         return Reply(ids, lps)
 
     def finish(self) -> int:
+        """The oldest policy version any turn of the episode used (0 when none was recorded)."""
         return min(self.versions) if self.versions else 0
 
 
@@ -581,6 +595,7 @@ class AgentEvalLoop(AgentLoop):
         super().__init__(engine, processor, settings)
 
     def feedback_for(self, results):
+        """The loop's feedback text, also handed to the agent's next turn."""
         text = super().feedback_for(results)
         _FEEDBACK.set(text)
         return text

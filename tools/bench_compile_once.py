@@ -15,13 +15,12 @@ step's cost depends on shapes, not on values). One process: "before" first, then
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools import bench_setup
+
+bench_setup.cpu_unless_set()
 
 import numpy as np  # noqa: E402
 
@@ -32,6 +31,8 @@ from cua_jax.rl.trajectory import Trajectory, Turn  # noqa: E402
 
 
 def make_groups(rng, cfg, model_cfg, grid, n_groups, group_size):
+    """`n_groups` random GRPO groups of `group_size` episodes, each 1..max_turns turns of one screen
+    of `grid` patches, random prompt and generated tokens."""
     v = model_cfg.vision
     unit = grid[0] * grid[1] * grid[2]
     dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
@@ -60,6 +61,9 @@ def make_groups(rng, cfg, model_cfg, grid, n_groups, group_size):
 
 
 def run(label, config, steps, seed, fixed):
+    """Trains `steps` random batches through the config's learner and prints one table row: warm-up,
+    per-step seconds, compiles and the share of wall time spent compiling. `fixed`: the shape set
+    compiled up front."""
     mesh = shd.make_mesh(1, 1, 1)
     model, processor = builders.build_model_and_processor(config, mesh, shd.DEFAULT_RULES)
     learner = builders.build_learner(model, config, mesh, shd.DEFAULT_RULES, sft=False)
@@ -109,6 +113,7 @@ def run(label, config, steps, seed, fixed):
 
 
 def main() -> None:
+    """The command line: runs what the module docstring describes."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)

@@ -17,28 +17,16 @@ import argparse
 import functools
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
+from tools import bench_setup
 
 print = functools.partial(print, flush=True)  # noqa: A001 -- progress shows at once
 
 
-def _median_ms(fn, n: int = 5) -> float:
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
-
-
 def main(argv: list[str] | None = None) -> None:
+    """The command line: runs what the module docstring describes."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--groups", type=int, default=8)
@@ -109,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     for url, what in pages.items():
         r = client.get(url)
         assert r.status_code == 200, (url, r.status_code)
-        ms = _median_ms(lambda url=url: client.get(url))
+        ms = bench_setup.median_s(lambda url=url: client.get(url), 5) * 1e3
         print(f"  {what:32s} {ms:8.1f} ms  {len(r.content) / 1e3:8.1f} kB  {url}")
 
     if args.browser:

@@ -14,21 +14,18 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from envs.screenshots import decode_screenshot, decode_with_pillow  # noqa: E402
+from envs.screenshots import decode_screenshot, decode_with_pillow
 
 TEMPLATES = ("click-button", "nav-tabs", "radio-pick")
 
 
 async def browser_screens(viewports: list[tuple[int, int]]) -> dict[str, bytes]:
+    """PNG screenshots of a few built-in task pages at each viewport, taken through a real
+    browser."""
     from envs.browser import BrowserPool, suite
 
     out = {}
@@ -41,6 +38,7 @@ async def browser_screens(viewports: list[tuple[int, int]]) -> dict[str, bytes]:
 
 
 def cpu_ms(fn, data: bytes, n: int) -> float:
+    """Mean CPU milliseconds (process time) of `fn(data)` over `n` calls."""
     t0 = time.process_time()
     for _ in range(n):
         fn(data)
@@ -48,6 +46,7 @@ def cpu_ms(fn, data: bytes, n: int) -> float:
 
 
 def main() -> None:
+    """The command line: runs what the module docstring describes."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--viewports", default="640x480,1280x720")
     ap.add_argument("--files", nargs="*", default=[])

@@ -49,6 +49,8 @@ async def _rate(seconds: float, fns) -> float:
 
 
 async def bench(host: BrowserHost, n: int, seconds: float, rounds: int, viewport) -> None:
+    """Steps/s of `n` concurrent raw-page screenshot loops vs `n` BrowserEnv step loops on one host;
+    prints one row (medians over `rounds`)."""
     w, h = viewport
     ctxs, pages = [], []
     for i in range(n):
@@ -316,6 +318,7 @@ async def _kill_run(fleet, victim, args, signal) -> None:
 
 
 async def main() -> None:
+    """The command line: runs what the module docstring describes."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--seconds", type=float, default=5.0)

@@ -15,36 +15,41 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
 
 import numpy as np
 
+from tools import bench_setup
 
-def hf_model(family: str):
-    import torch
-    from transformers import (
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen3VLConfig,
-        Qwen3VLForConditionalGeneration,
-    )
 
+def hf_dicts(family: str) -> tuple[dict, dict, dict]:
+    """The benchmark's transformers config of `family` (text hidden 512, 4 layers, GQA 8/4 heads;
+    vision hidden 256, 4 blocks), as (special token ids, text_config, vision_config) dicts."""
     V = 4096
     ids = dict(
-        image_token_id=V - 4, video_token_id=V - 3, vision_start_token_id=V - 6,
+        image_token_id=V - 4,
+        video_token_id=V - 3,
+        vision_start_token_id=V - 6,
         vision_end_token_id=V - 5,
-    )  # fmt: skip
+    )
     text = dict(
-        vocab_size=V, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-6,
-    )  # fmt: skip
+        vocab_size=V,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        rms_norm_eps=1e-6,
+    )
     vision = dict(
-        depth=4, hidden_size=256, intermediate_size=512, num_heads=4, out_hidden_size=512,
-        spatial_merge_size=2, temporal_patch_size=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
+        depth=4,
+        hidden_size=256,
+        intermediate_size=512,
+        num_heads=4,
+        out_hidden_size=512,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
     if family == "qwen2_5_vl":
         text["rope_parameters"] = {
             "rope_type": "default",
@@ -54,18 +59,40 @@ def hf_model(family: str):
         vision.update(
             patch_size=14, hidden_act="silu", window_size=112, fullatt_block_indexes=[1, 3]
         )
-        cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
-        model = Qwen2_5_VLForConditionalGeneration(cfg)
     else:
         text.update(head_dim=64)
         text["rope_parameters"] = {
-            "rope_type": "default", "rope_theta": 5e6, "mrope_section": [12, 10, 10],
+            "rope_type": "default",
+            "rope_theta": 5e6,
+            "mrope_section": [12, 10, 10],
             "mrope_interleaved": True,
-        }  # fmt: skip
+        }
         vision.update(
-            patch_size=16, hidden_act="gelu_pytorch_tanh", num_position_embeddings=256,
+            patch_size=16,
+            hidden_act="gelu_pytorch_tanh",
+            num_position_embeddings=256,
             deepstack_visual_indexes=[0, 1, 2],
-        )  # fmt: skip
+        )
+    return ids, text, vision
+
+
+def hf_model(family: str):
+    """A random transformers model of `family` (`hf_dicts`) in f32 eval mode, with its image,
+    vision-start and vision-end token ids."""
+    import torch
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+    )
+
+    ids, text, vision = hf_dicts(family)
+    torch.manual_seed(0)
+    if family == "qwen2_5_vl":
+        cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+        model = Qwen2_5_VLForConditionalGeneration(cfg)
+    else:
         cfg = Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
         model = Qwen3VLForConditionalGeneration(cfg)
     return (
@@ -77,13 +104,18 @@ def hf_model(family: str):
 
 
 def inputs(family: str, image_id: int, start_id: int, end_id: int):
+    """One 280x392 random image and text around it: (input ids [1, ~300], pixel values, image
+    grid)."""
     from transformers import Qwen2VLImageProcessor
 
     patch = 14 if family == "qwen2_5_vl" else 16
     proc = Qwen2VLImageProcessor(
-        patch_size=patch, temporal_patch_size=2, merge_size=2, min_pixels=56 * 56,
+        patch_size=patch,
+        temporal_patch_size=2,
+        merge_size=2,
+        min_pixels=56 * 56,
         max_pixels=28 * 28 * 1280,
-    )  # fmt: skip
+    )
     rng = np.random.default_rng(0)
     img = rng.integers(0, 256, (280, 392, 3), dtype=np.uint8)
     out = proc(images=[img], return_tensors="np")
@@ -96,9 +128,9 @@ def inputs(family: str, image_id: int, start_id: int, end_id: int):
 
 
 def bench(family: str, iters: int) -> dict:
-    import jax
+    """Times both forwards for `family` on $BENCH_THREADS threads; a dict of compile time, median
+    milliseconds, their ratio and the logits' max difference."""
     import torch
-    from flax import nnx
 
     from cua_jax.models import qwen_vl
 
@@ -109,33 +141,12 @@ def bench(family: str, iters: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
         model = qwen_vl.from_pretrained(d)
-
-    t_ids = torch.as_tensor(ids)
-    kw = dict(
-        input_ids=t_ids, pixel_values=torch.as_tensor(pv), image_grid_thw=torch.as_tensor(grid),
-        mm_token_type_ids=(t_ids == image_id).int(),
-    )  # fmt: skip
-    # cua_jax: host side computes positions + vision layout; the device runs one jitted forward
-    pos = model.position_ids_for(ids, None, grid)
-    meta = qwen_vl.vision_metadata(model.config, grid)
-    fwd = nnx.jit(
-        lambda m, ids, pv, pos, meta: m(ids, pixel_values=pv, position_ids=pos, vision_meta=meta)
-    )
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(fwd(model, ids, pv, pos, meta))
-    first = time.perf_counter() - t0
+    hf_call, jax_call, first, out = bench_setup.forward_pair(hf, model, ids, pv, grid, image_id)
     with torch.no_grad():
-        ref = hf(**kw).logits.numpy()  # warm-up too
+        ref = hf_call().logits.numpy()  # warm-up too
         # Alternate the two so both see the same background load on a shared machine.
-        hf_times, jax_times = [], []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            hf(**kw)
-            hf_times.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            jax.block_until_ready(fwd(model, ids, pv, pos, meta))
-            jax_times.append(time.perf_counter() - t0)
-    hf_med, jax_med = statistics.median(hf_times), statistics.median(jax_times)
+        med = bench_setup.timed_rounds({"transformers": hf_call, "jax": jax_call}, iters)
+    hf_med, jax_med = med["transformers"], med["jax"]
     return dict(
         family=family,
         tokens=ids.shape[1],
@@ -150,6 +161,7 @@ def bench(family: str, iters: int) -> dict:
 
 
 def main() -> None:
+    """The command line: runs what the module docstring describes."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--family", default="both", choices=["qwen2_5_vl", "qwen3_vl", "both"])
     ap.add_argument("--iters", type=int, default=10)
@@ -157,14 +169,8 @@ def main() -> None:
         "--threads", type=int, default=0, help="threads for both (0 = all cores, XLA's default)"
     )
     args = ap.parse_args()
-    threads = args.threads or os.cpu_count() or 1
+    threads = bench_setup.pin_cpu_threads(args.threads)
     os.environ["BENCH_THREADS"] = str(threads)
-    if args.threads:  # XLA's CPU client: one intra-op thread pool; pin it like torch's
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "")
-            + f" --xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'}"
-            + f" intra_op_parallelism_threads={threads}"
-        )
     fams = ["qwen2_5_vl", "qwen3_vl"] if args.family == "both" else [args.family]
     import jax
 

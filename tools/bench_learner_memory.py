@@ -14,22 +14,21 @@ Loss and gradient norm are printed: they must agree across chunk sizes.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools import bench_setup
+
+bench_setup.cpu_unless_set()
 
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from cua_jax.models import qwen_vl  # noqa: E402
 from cua_jax.rl.learner import Learner, OptimizerConfig  # noqa: E402
-from tools._learner_step import compile_and_time  # noqa: E402
 from tools.bench_train import make_config, make_groups  # noqa: E402
 
 
 def main() -> None:
+    """The command line: runs what the module docstring describes."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--hidden", type=int, default=256)
@@ -42,9 +41,12 @@ def main() -> None:
 
     cfg = make_config(args.layers, args.hidden, args.vocab)
     groups = make_groups(2, 2, args.row_len, args.vocab)
-    print(f"jax {jax.__version__}, {jax.devices()[0].platform}; vocab {args.vocab}, hidden "
-          f"{args.hidden}, {args.layers} layers; f32 logits of one row: "
-          f"{args.row_len * args.vocab * 4 / 2**30:.2f} GiB", flush=True)  # fmt: skip
+    logits_gib = args.row_len * args.vocab * 4 / 2**30
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].platform}; vocab {args.vocab}, hidden "
+        f"{args.hidden}, {args.layers} layers; f32 logits of one row: {logits_gib:.2f} GiB",
+        flush=True,
+    )
     print("| logits_chunk | step scratch (temp) | compile | step (median) | loss | grad norm |")
     print("| --- | --- | --- | --- | --- | --- |")
     for chunk in (int(c) for c in args.chunks.split(",")):
@@ -55,10 +57,12 @@ def main() -> None:
             logits_chunk=chunk,
         )
         batch, _ = learner.prepare_batch(groups, num_rows=args.rows)
-        temp, t_compile, t_step, m = compile_and_time(learner, batch, args.steps)
-        print(f"| {chunk or 'off'} | {temp / 2**30:.2f} GiB | {t_compile:.1f} s | "
-              f"{t_step:.2f} s | {m['loss']:.6f} | {m['grad_norm']:.6f} |",
-              flush=True)  # fmt: skip
+        temp, t_compile, t_step, m = bench_setup.compile_and_time(learner, batch, args.steps)
+        print(
+            f"| {chunk or 'off'} | {temp / 2**30:.2f} GiB | {t_compile:.1f} s | "
+            f"{t_step:.2f} s | {m['loss']:.6f} | {m['grad_norm']:.6f} |",
+            flush=True,
+        )
         del learner
 
 

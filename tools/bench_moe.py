@@ -21,61 +21,36 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools import bench_setup
 
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=352, decoder_sparse_step=1)
 
 
 def hf_moe_model():
+    """A random transformers Qwen3-VL MoE model: bench_forward's Qwen3-VL config with 8 experts,
+    top-2, in every layer; with its image, vision-start and vision-end token ids."""
     import torch
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
-    V = 4096
-    ids = dict(
-        image_token_id=V - 4, video_token_id=V - 3, vision_start_token_id=V - 6,
-        vision_end_token_id=V - 5,
-    )  # fmt: skip
-    text = dict(
-        vocab_size=V, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-6, head_dim=64,
-        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [12, 10, 10],
-                         "mrope_interleaved": True},
-        **MOE,
-    )  # fmt: skip
-    vision = dict(
-        depth=4, hidden_size=256, intermediate_size=512, num_heads=4, out_hidden_size=512,
-        spatial_merge_size=2, temporal_patch_size=2, patch_size=16,
-        hidden_act="gelu_pytorch_tanh", num_position_embeddings=256,
-        deepstack_visual_indexes=[0, 1, 2],
-    )  # fmt: skip
+    from tools.bench_forward import hf_dicts
+
+    ids, text, vision = hf_dicts("qwen3_vl")
+    text.update(MOE)
     torch.manual_seed(0)
     cfg = Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids)
     model = Qwen3VLMoeForConditionalGeneration(cfg).float().eval()
     return model, ids["image_token_id"], ids["vision_start_token_id"], ids["vision_end_token_id"]
 
 
-def _timed_rounds(fns: dict, rounds: int) -> dict[str, float]:
-    """Median seconds of each fn over `rounds` rounds; every round runs each fn once, in turn."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def bench_forward(rounds: int) -> dict:
-    import jax
+    """The MoE model's forward through transformers and cua_jax (bench_forward's inputs); compile
+    time, median milliseconds, their ratio and the logits' difference."""
     import torch
-    from flax import nnx
 
     from cua_jax.models import qwen_vl
     from tools.bench_forward import inputs
@@ -86,28 +61,10 @@ def bench_forward(rounds: int) -> dict:
         hf.save_pretrained(d)
         model = qwen_vl.from_pretrained(d)
     assert model.config.text.num_experts == MOE["num_experts"]
-    t_ids = torch.as_tensor(ids)
-    kw = dict(
-        input_ids=t_ids, pixel_values=torch.as_tensor(pv), image_grid_thw=torch.as_tensor(grid),
-        mm_token_type_ids=(t_ids == image_id).int(),
-    )  # fmt: skip
-    pos = model.position_ids_for(ids, None, grid)
-    meta = qwen_vl.vision_metadata(model.config, grid)
-    fwd = nnx.jit(
-        lambda m, ids, pv, pos, meta: m(ids, pixel_values=pv, position_ids=pos, vision_meta=meta)
-    )
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(fwd(model, ids, pv, pos, meta))
-    first = time.perf_counter() - t0
+    hf_call, jax_call, first, out = bench_setup.forward_pair(hf, model, ids, pv, grid, image_id)
     with torch.no_grad():
-        ref = hf(**kw).logits.numpy()  # warm-up too
-        med = _timed_rounds(
-            {
-                "transformers": lambda: hf(**kw),
-                "jax": lambda: jax.block_until_ready(fwd(model, ids, pv, pos, meta)),
-            },
-            rounds,
-        )
+        ref = hf_call().logits.numpy()  # warm-up too
+        med = bench_setup.timed_rounds({"transformers": hf_call, "jax": jax_call}, rounds)
     return dict(
         tokens=ids.shape[1],
         compile_s=first - med["jax"],
@@ -134,6 +91,7 @@ def dense_all_experts(x_ND, gate_DE, gate_up, down, top_k):
 
 
 def grouped(x_ND, gate_DE, gate_up, down, top_k):
+    """The routed experts through `moe.expert_mlp` (the layer's own dispatch)."""
     from cua_jax.models.qwen_vl import moe
 
     w_NK, e_NK = moe.route(x_ND @ gate_DE, top_k)
@@ -141,6 +99,8 @@ def grouped(x_ND, gate_DE, gate_up, down, top_k):
 
 
 def bench_dispatch(rounds: int, tokens: int, dim: int, width: int, cases) -> list[dict]:
+    """Grouped dispatch vs every expert on every token, for each (experts, top_k) of `cases`: one
+    dict a case with median milliseconds, compile seconds and their max difference."""
     import functools
 
     import jax
@@ -163,7 +123,7 @@ def bench_dispatch(rounds: int, tokens: int, dim: int, width: int, cases) -> lis
             compile_s[E, K, name] = time.perf_counter() - t0
             fns[E, K, name] = functools.partial(lambda f, a: jax.block_until_ready(f(*a)), f, a)
             args[E, K, name] = a
-    med = _timed_rounds(fns, rounds)
+    med = bench_setup.timed_rounds(fns, rounds)
     rows = []
     for E, K in cases:
         g, d = med[E, K, "grouped"], med[E, K, "dense"]
@@ -180,12 +140,13 @@ def bench_dispatch(rounds: int, tokens: int, dim: int, width: int, cases) -> lis
                 compile_grouped_s=compile_s[E, K, "grouped"],
                 compile_dense_s=compile_s[E, K, "dense"],
                 max_abs_diff=float(np.abs(outs[E, K, "grouped"] - outs[E, K, "dense"]).max()),
-            )  # fmt: skip
+            )
         )
     return rows
 
 
 def main() -> None:
+    """The command line: runs what the module docstring describes."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="threads for both (0 = all cores)")
@@ -194,17 +155,13 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--width", type=int, default=256, help="dispatch: expert MLP width")
     args = ap.parse_args()
-    threads = args.threads or os.cpu_count() or 1
-    if args.threads:  # XLA's CPU client: one intra-op thread pool; pin it like torch's
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "")
-            + f" --xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'}"
-            + f" intra_op_parallelism_threads={threads}"
-        )
+    threads = bench_setup.pin_cpu_threads(args.threads)
     import jax
 
-    print(f"jax {jax.__version__} devices={jax.devices()} cpu_count={os.cpu_count()} "
-          f"threads={threads} rounds={args.rounds}")  # fmt: skip
+    print(
+        f"jax {jax.__version__} devices={jax.devices()} cpu_count={os.cpu_count()} "
+        f"threads={threads} rounds={args.rounds}"
+    )
     if not args.skip_hf:
         import torch
         import transformers

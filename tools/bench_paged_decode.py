@@ -167,6 +167,8 @@ def _short(opts) -> str:
 
 # --------------------------------------------------------------------------------- bandwidth
 def config_2b(size: str):
+    """Qwen3-VL 2B's text shape (28 layers, hidden 2048); `size` "2b" keeps its vocabulary, else a
+    4096 one."""
     from cua_jax.models import qwen_vl
 
     base = qwen_vl.tiny("qwen3_vl", vocab_size=151936 if size == "2b" else 4096)
@@ -276,6 +278,9 @@ _WIDTHS = (10, 10, 9, 8, 8, 12, 8, 7, 6, 11)
 
 
 def bench_bandwidth(args, best_spec: str | None = None) -> None:
+    """Decodes with the 2B-shaped model through an Engine per `--backends` entry and prints a
+    table: ms/step, tokens/s, the bytes read per step (weights + K/V) over the step time, and
+    that as a share of the device's measured copy bandwidth."""
     from flax import nnx
 
     from cua_jax.models import qwen_vl
@@ -342,6 +347,7 @@ def bench_bandwidth(args, best_spec: str | None = None) -> None:
 
 
 def main() -> None:
+    """The command line: runs what the module docstring describes."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", default="kernel,bandwidth")
     ap.add_argument("--size", choices=("2b", "small"), default="2b")

@@ -27,15 +27,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(mode: str, src: str, steps: int, extra: list[str]) -> list[dict]:
+    """Runs the smoke preset for `steps` steps in `mode` from a copy of the workdir `src`; its
+    metrics rows after step 0."""
     wd = tempfile.mkdtemp(prefix=f"bench_{mode}_")
     shutil.rmtree(wd)
     shutil.copytree(src, wd, ignore=shutil.ignore_patterns("episodes", "tb"))
-    cmd = [
-        sys.executable, os.path.join(ROOT, "launch", "tpu.py"),
-        "--config=configs/qwen3vl_grpo.py:smoke", f"--config.rl.mode={mode}",
-        f"--config.total_steps={steps}", f"--config.log.eval_every={10 * steps}",
-        "--config.log.progress=False", f"--workdir={wd}", *extra,
-    ]  # fmt: skip
+    overrides = {
+        "rl.mode": mode,
+        "total_steps": steps,
+        "log.eval_every": 10 * steps,
+        "log.progress": False,
+    }
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "tpu.py")]
+    cmd += ["--config=configs/qwen3vl_grpo.py:smoke"]
+    cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
+    cmd += [f"--workdir={wd}", *extra]
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
     print(f"{mode}: {time.perf_counter() - t0:.0f} s in all (startup + final eval included)")
@@ -46,14 +52,17 @@ def run(mode: str, src: str, steps: int, extra: list[str]) -> list[dict]:
 
 
 def main() -> None:
+    """The command line: runs what the module docstring describes."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--from_workdir", required=True, help="a workdir holding a checkpoint")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--extra", nargs="*", default=[], help="more --config.* overrides")
     args = ap.parse_args()
     print(f"load average before: {os.getloadavg()}")
-    print("| mode | s / step (steps 2..) | rollout s | train s | learner idle share | "
-          "staleness max | dropped stale / put | rollout success |")  # fmt: skip
+    print(
+        "| mode | s / step (steps 2..) | rollout s | train s | learner idle share | "
+        "staleness max | dropped stale / put | rollout success |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for mode in ("sync", "async"):
         rows = run(mode, args.from_workdir, args.steps, args.extra)

@@ -33,6 +33,7 @@ def _loadavg() -> str:
 
 
 def small_config(family: str, hidden: int, layers: int, vocab: int):
+    """A small `family` config (`hidden`, `layers`, `vocab`) for the sampler benchmarks."""
     from cua_jax.models import qwen_vl
 
     cfg = qwen_vl.tiny(family, vocab_size=vocab)
@@ -50,6 +51,8 @@ def small_config(family: str, hidden: int, layers: int, vocab: int):
 
 
 def bench_decode(model, hf_dir, batches, prompt_len, new_tokens, threads, family, repeats=5):
+    """Batched greedy decode through our Engine vs transformers' generate for each batch size;
+    prints a row each."""
     import torch
     import transformers
 
@@ -121,6 +124,7 @@ def bench_decode(model, hf_dir, batches, prompt_len, new_tokens, threads, family
 
 
 def multi_turn_workload(n_episodes, turns, vocab, seed=0):
+    """`n_episodes` episodes of `turns` (new prompt ids, tokens to generate) pairs."""
     rng = np.random.default_rng(seed)
     eps = []
     for _ in range(n_episodes):
@@ -134,6 +138,8 @@ def multi_turn_workload(n_episodes, turns, vocab, seed=0):
 
 
 async def run_episodes(engine, episodes):
+    """Plays every episode on `engine` concurrently, each turn extending its transcript by the new
+    ids and the reply."""
     from cua_jax.sampler import SamplingParams
 
     async def episode(i, turns):
@@ -153,6 +159,9 @@ async def run_episodes(engine, episodes):
 
 
 def bench_batching(model, slots, n_episodes, turns):
+    """The multi-turn workload through a `slots`-slot engine with static vs continuous batching
+    (after a compiling warm-up, best of two each): wall time, useful tokens/s, padding
+    efficiency; prints a row each and whether both give the same transcripts."""
     from cua_jax.sampler import Engine
 
     V = model.config.text.vocab_size
@@ -203,6 +212,8 @@ def bench_batching(model, slots, n_episodes, turns):
 
 
 def bench_prefix(model, family, group=8):
+    """A group of `group` samples of one screenshot prompt with and without prefix sharing: prefill
+    tokens, vision-encoder runs and wall time."""
     from cua_jax.sampler import Engine, SamplingParams
 
     cfg = model.config
@@ -274,6 +285,7 @@ def bench_prefix(model, family, group=8):
 
 
 def main():
+    """The command line: runs what the module docstring describes."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default="decode,batching,prefix")
     ap.add_argument("--family", default="qwen2_5_vl")

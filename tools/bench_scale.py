@@ -166,6 +166,7 @@ CONFIGS = {
 
 
 def main() -> None:
+    """The command line: runs what the module docstring describes."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--fsdp", type=int, default=1)

@@ -21,18 +21,17 @@ the timed passes alternate (direct, server, ...). Prints generated tokens/s of e
 from __future__ import annotations
 
 import os
-import sys
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
 
-import numpy as np  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from tools import bench_setup
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(_ROOT, "configs", "qwen3vl_grpo.py") + ":smoke", "Config + preset."
+    "config",
+    os.path.join(bench_setup.ROOT, "configs", "qwen3vl_grpo.py") + ":smoke",
+    "Config + preset.",
 )
 _REQUESTS = flags.DEFINE_integer("requests", 64, "Concurrent requests per pass.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 32, "Generated tokens per request.")
@@ -100,6 +99,7 @@ async def _post_all(url: str, bodies: list[bytes]) -> int:
 
 
 def main(argv: list[str]) -> None:
+    """The command line: runs what the module docstring describes."""
     import asyncio
     import contextlib
     import json

@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import sys
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools import bench_setup
+
+bench_setup.cpu_unless_set()
 
 from configs.common import load_run_config  # noqa: E402
 from cua_jax import builders  # noqa: E402
@@ -25,10 +25,10 @@ from cua_jax import sharding as shd  # noqa: E402
 from cua_jax.models.qwen_vl import vision  # noqa: E402
 from cua_jax.rl.store import TrajectoryReader  # noqa: E402
 from cua_jax.rl.trajectory import trajectory_to_samples  # noqa: E402
-from tools._learner_step import compile_and_time  # noqa: E402
 
 
 def main() -> None:
+    """The command line: runs what the module docstring describes."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--episodes", type=int, default=32)
@@ -57,7 +57,7 @@ def main() -> None:
             for s in trajectory_to_samples(demos[i], 1.0 if i % 2 else -1.0, pos)
         ]
         batch = learner.pack(samples)
-        temp, _, t_step, m = compile_and_time(learner, batch, args.steps)
+        temp, _, t_step, m = bench_setup.compile_and_time(learner, batch, args.steps)
         ((_, _, pixels),) = learner.compiled_shapes  # (mode, batch shape, padded patches)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         cells = [

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from tools import bench_setup
+
+bench_setup.cpu_unless_set()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -30,6 +31,8 @@ from cua_jax.rl.trajectory import Trajectory, Turn  # noqa: E402
 
 
 def make_config(layers: int, hidden: int, vocab: int) -> qwen_vl.QwenVLConfig:
+    """A Qwen3-VL config with a text model of `layers` x `hidden` (64-wide heads, GQA 2:1) and
+    `vocab`."""
     base = qwen_vl.tiny("qwen3_vl", vocab_size=vocab)
     heads = hidden // 64
     text = dataclasses.replace(
@@ -47,6 +50,8 @@ def make_config(layers: int, hidden: int, vocab: int) -> qwen_vl.QwenVLConfig:
 
 
 def make_groups(n_groups: int, group_size: int, max_len: int, vocab: int, seed: int = 0):
+    """`n_groups` GRPO groups of `group_size` one-turn text episodes, lengths log-uniform in
+    [max_len/16, max_len), from `seed`."""
     rng = np.random.default_rng(seed)
     groups = []
     for g in range(n_groups):
@@ -55,14 +60,17 @@ def make_groups(n_groups: int, group_size: int, max_len: int, vocab: int, seed: 
             # log-uniform lengths in [max_len / 16, max_len): short and long episodes mixed
             total = int(np.exp(rng.uniform(np.log(max_len / 16), np.log(max_len))))
             p = int(rng.integers(total // 3, 2 * total // 3))
-            t = Turn(rng.integers(0, vocab - 16, p), rng.integers(0, vocab - 16, total - p),
-                     -rng.random(total - p))  # fmt: skip
+            prompt = rng.integers(0, vocab - 16, p)
+            completion = rng.integers(0, vocab - 16, total - p)  # drawn in this order
+            t = Turn(prompt, completion, -rng.random(total - p))
             grp.append(Trajectory("t", f"g{g}", [t], reward=float(rng.random())))
         groups.append(grp)
     return groups
 
 
 def torch_step_fn(cfg: qwen_vl.QwenVLConfig, batch: packing.PackedBatch, lr: float):
+    """A transformers model of `cfg` with torch AdamW and a step on `batch` (the same clipped
+    policy-gradient loss); returns (step, parameter count)."""
     import torch
     import transformers
 
@@ -94,6 +102,7 @@ def torch_step_fn(cfg: qwen_vl.QwenVLConfig, batch: packing.PackedBatch, lr: flo
 
 
 def main() -> None:
+    """The command line: runs what the module docstring describes."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=256)
@@ -121,11 +130,16 @@ def main() -> None:
     one_per_row = packing.unpacked(samples, seq_len_buckets=(args.row_len,))
     real_tokens = int((batch.segment_ids > 0).sum())
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(learner.model, nnx.Param)))
-    print(f"config: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
-          f"{n_params / 1e6:.1f}M params; batch {batch.shape[0]} rows x {batch.shape[1]} "
-          f"({len(samples)} samples, {real_tokens} real tokens)")  # fmt: skip
-    print(f"padding share: packed {batch.padding_share:.3f} vs one sample per row "
-          f"{one_per_row.padding_share:.3f} ({one_per_row.shape[0]} rows)", flush=True)  # fmt: skip
+    print(
+        f"config: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
+        f"{n_params / 1e6:.1f}M params; batch {batch.shape[0]} rows x {batch.shape[1]} "
+        f"({len(samples)} samples, {real_tokens} real tokens)"
+    )
+    print(
+        f"padding share: packed {batch.padding_share:.3f} vs one sample per row "
+        f"{one_per_row.padding_share:.3f} ({one_per_row.shape[0]} rows)",
+        flush=True,
+    )
 
     t0 = time.perf_counter()
     learner.train_step(batch)

@@ -110,6 +110,7 @@ async def breakdown(desk: LocalDesktop, n: int, via: str) -> dict[str, float]:
 
 
 async def main(args: argparse.Namespace) -> None:
+    """Runs what the module docstring describes with the parsed `args`."""
     missing = missing_programs(("Xvfb", "openbox", "xdotool", "wmctrl", "xterm"))
     if missing:
         raise SystemExit(f"missing {missing}: run `make apt`")

@@ -69,6 +69,8 @@ def mean_curves(runs: Sequence[dict[str, list[float]]]) -> dict[str, list[float]
 
 
 def plot(runs: dict[str, dict[str, list[float]]], path: str) -> None:
+    """Each run's eval success against RL steps, rollouts and minutes (three panels sharing the
+    y axis; the lowest-highest band where several seeds were averaged), saved to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,6 +97,7 @@ def plot(runs: dict[str, dict[str, list[float]]], path: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """The command line: runs what the module docstring describes."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", help="NAME=WORKDIR or NAME=WORKDIR1,WORKDIR2,...")
     ap.add_argument("--out", required=True, help="the PNG to write")

@@ -119,6 +119,7 @@ def check_args(workdir: str, out: str, step: int | None) -> None:
 
 
 def main(argv: list[str]) -> None:
+    """The command line: runs what the module docstring describes."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     verbose = flags.FLAGS.verbosity >= 1

@@ -156,6 +156,7 @@ def train(seed: int = SEED) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line: runs what the module docstring describes."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="verify the shipped file only")
     parser.add_argument("--out", type=pathlib.Path, default=OUT)

@@ -37,6 +37,7 @@ class MonitorError(SystemExit):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The monitor's command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--db",
@@ -92,6 +93,7 @@ def open_database(db: str):
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The command line: runs what the module docstring describes."""
     args = parse_args(argv)
     if not args.db:
         raise MonitorError("pass --db=WORKDIR (its trajectories.sqlite) or a database URL")

@@ -42,11 +42,14 @@ _OUT = flags.DEFINE_string("out", None, "Write the report here as JSON.")
 
 
 def fail(msg: str):
+    """One error line on stderr and exit status 2."""
     print(f"tools/offline_eval.py: error: {msg}", file=sys.stderr)
     raise SystemExit(2)
 
 
 def format_report(report, title: str) -> str:
+    """The report as text: overall accuracy with its interval, then by action kind and, when few
+    enough, by task."""
     from cua_jax.evaluation import stats
 
     lo, hi = report.interval
@@ -62,6 +65,7 @@ def format_report(report, title: str) -> str:
 
 
 def main(argv: list[str]) -> None:
+    """The command line: runs what the module docstring describes."""
     import asyncio
     import json
 

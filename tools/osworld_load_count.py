@@ -58,6 +58,7 @@ def count(root: Path) -> tuple[list[str], dict[str, list[str]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line: runs what the module docstring describes."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("root", type=Path, help="OSWorld's evaluation_examples/examples")
     ap.add_argument("--names", action="store_true", help="list the task ids of each reason")

@@ -71,6 +71,7 @@ def _define_flags():
 
 
 def main(argv: list[str]) -> None:
+    """The command line: runs what the module docstring describes."""
     from absl import flags, logging
 
     f = flags.FLAGS

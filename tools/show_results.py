@@ -68,6 +68,7 @@ def outcomes(result_dir: str) -> dict[str, bool]:
 
 
 def compare(a_dir: str, b_dir: str) -> str:
+    """Two result directories' success on their shared tasks, paired (McNemar exact test)."""
     a, b = outcomes(a_dir), outcomes(b_dir)
     c = S.compare_paired(a, b)
     only_a = sorted(t for t in set(a) & set(b) if a[t] and not b[t])
@@ -85,6 +86,7 @@ def compare(a_dir: str, b_dir: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line: runs what the module docstring describes."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("result_dir")
     p.add_argument("--compare", help="a second result directory (same tasks)")

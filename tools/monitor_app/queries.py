@@ -29,6 +29,7 @@ def _age(t: dt.datetime | None) -> str:
 
 
 def run_dict(run: Run) -> dict[str, Any]:
+    """A run's row as the pages and JSON show it."""
     return {
         "id": run.id,
         "name": run.name,
@@ -46,10 +47,12 @@ def run_dict(run: Run) -> dict[str, Any]:
 
 
 def runs(session: Session) -> list[dict[str, Any]]:
+    """Every run, newest first."""
     return [run_dict(r) for r in session.scalars(sa.select(Run).order_by(Run.id.desc()))]
 
 
 def get_run(session: Session, run_id: int) -> Run:
+    """The run `run_id`, or NotFound."""
     run = session.get(Run, run_id)
     if run is None:
         raise NotFound(f"no run {run_id}")
@@ -89,6 +92,7 @@ def steps(
 
 
 def evals(session: Session, run_id: int) -> list[dict[str, Any]]:
+    """A run's evals by step."""
     rows = session.scalars(
         sa.select(Eval).where(Eval.run_id == run_id).order_by(Eval.step, Eval.created_at)
     )
@@ -99,6 +103,7 @@ def evals(session: Session, run_id: int) -> list[dict[str, Any]]:
 
 
 def sft(session: Session, run_id: int) -> dict[str, Any] | None:
+    """A run's SFT warm-up phase, or None when it had none."""
     p = session.scalar(sa.select(SftPhase).where(SftPhase.run_id == run_id))
     if p is None:
         return None
@@ -112,6 +117,8 @@ def sft(session: Session, run_id: int) -> dict[str, Any] | None:
 
 
 def step_page(session: Session, run_id: int, step: int) -> dict[str, Any]:
+    """What a step's page shows: its metrics, its groups with their rollouts and turns, and the
+    previous and next step; NotFound when the run has no such step."""
     row = session.scalar(sa.select(Step).where((Step.run_id == run_id) & (Step.step == step)))
     if row is None:
         raise NotFound(f"run {run_id} has no step {step}")
@@ -137,6 +144,7 @@ def step_page(session: Session, run_id: int, step: int) -> dict[str, Any]:
 
 
 def rollout(session: Session, rollout_id: int) -> Rollout:
+    """The rollout `rollout_id` with its turns and group, or NotFound."""
     r = session.scalar(
         sa.select(Rollout)
         .where(Rollout.id == rollout_id)
@@ -148,6 +156,7 @@ def rollout(session: Session, rollout_id: int) -> Rollout:
 
 
 def eval_at(session: Session, run_id: int, step: int, tag: str | None = None) -> Eval:
+    """The run's eval at `step` (the latest with `tag` when given), or NotFound."""
     q = sa.select(Eval).where((Eval.run_id == run_id) & (Eval.step == step))
     if tag:
         q = q.where(Eval.tag == tag)

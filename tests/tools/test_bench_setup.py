@@ -1,0 +1,86 @@
+"""tools/bench_setup.py, the set-up the benchmark scripts share, against hand numbers; and every
+bench script still imports (their set-up now comes from that one module)."""
+
+import importlib
+import os
+import pathlib
+from types import SimpleNamespace
+
+import pytest
+
+from tools import bench_setup
+
+TOOLS = pathlib.Path(__file__).resolve().parents[2] / "tools"
+
+
+class FakeClock:
+    """A perf_counter whose every second call (a timing's end) is the next of `durations` later."""
+
+    def __init__(self, durations):
+        self.now, self.durations, self.started = 0.0, list(durations), False
+
+    def __call__(self):
+        if self.started:
+            self.now += self.durations.pop(0)
+        self.started = not self.started
+        return self.now
+
+
+def test_timed_rounds_interleaves_and_takes_medians(monkeypatch):
+    calls = []
+    # Round 1: a 1 s, b 5 s; round 2: a 3 s, b 4 s; round 3: a 2 s, b 9 s.
+    monkeypatch.setattr(bench_setup.time, "perf_counter", FakeClock([1, 5, 3, 4, 2, 9]))
+    med = bench_setup.timed_rounds(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3
+    )
+    assert calls == ["a", "b"] * 3
+    assert med == {"a": 2.0, "b": 5.0}
+
+
+def test_median_s(monkeypatch):
+    monkeypatch.setattr(bench_setup.time, "perf_counter", FakeClock([0.5, 0.1, 0.3, 0.9]))
+    assert bench_setup.median_s(lambda: None, 4) == pytest.approx(0.4)
+
+
+def test_compile_and_time_reads_scratch_and_skips_the_first_call(monkeypatch):
+    steps = []
+    compiled = SimpleNamespace(memory_analysis=lambda: SimpleNamespace(temp_size_in_bytes=1234))
+    learner = SimpleNamespace(
+        lower_step=lambda batch: SimpleNamespace(compile=lambda: compiled),
+        train_step=lambda batch: steps.append(batch) or {"loss": len(steps)},
+    )
+    # compile 7 s, then steps of 10 s (first), 1, 3, 2 s.
+    monkeypatch.setattr(bench_setup.time, "perf_counter", FakeClock([7, 10, 1, 3, 2]))
+    temp, compile_s, step_s, metrics = bench_setup.compile_and_time(learner, "B", 3)
+    assert (temp, compile_s, step_s, metrics) == (1234, 7, 2, {"loss": 4})
+    assert steps == ["B"] * 4
+
+
+def test_pin_cpu_threads(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--before")
+    assert bench_setup.pin_cpu_threads(0) == (os.cpu_count() or 1)
+    assert os.environ["XLA_FLAGS"] == "--before"  # all cores: XLA's default, nothing pinned
+    assert bench_setup.pin_cpu_threads(3) == 3
+    flags = os.environ["XLA_FLAGS"].split()
+    assert flags == [
+        "--before",
+        "--xla_cpu_multi_thread_eigen=true",
+        "intra_op_parallelism_threads=3",
+    ]
+    monkeypatch.setenv("XLA_FLAGS", "")
+    bench_setup.pin_cpu_threads(1)
+    assert "--xla_cpu_multi_thread_eigen=false" in os.environ["XLA_FLAGS"]
+
+
+def test_cpu_unless_set(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+    bench_setup.cpu_unless_set()
+    assert os.environ["JAX_PLATFORMS"] == "tpu"
+    monkeypatch.delenv("JAX_PLATFORMS")
+    bench_setup.cpu_unless_set()
+    assert os.environ["JAX_PLATFORMS"] == "cpu"
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in TOOLS.glob("bench_*.py")))
+def test_every_bench_script_imports(name):
+    importlib.import_module(f"tools.{name}")
