@@ -221,6 +221,18 @@ def base_config(family: str) -> ConfigDict:
     # self-teacher then knows how to read feedback. For rl.algorithm="sdpo"; oracle source only.
     c.sft.feedback_share = 0.0
 
+    # ---- grounding mid-training (before the SFT warm-up, with the SFT learner and rate) -------
+    # Synthetic screens streamed from shard directories (tools/make_grounding_data.py,
+    # cua_jax.data.shards): one-turn click demonstrations; the held-out grounding curve goes
+    # to WORKDIR/mid_curve.jsonl. A shard directory also works as config.sft.source.
+    c.mid = ConfigDict()
+    c.mid.steps = 0  # 0 = none
+    c.mid.batch_size = 16  # demonstrations a step
+    c.mid.source = ""  # the training screens' shard directory
+    c.mid.heldout = ""  # held-out screens ("--split=heldout"); "" = no grounding eval
+    c.mid.eval_every = 0  # a held-out eval every this many steps (0: at the start and end only)
+    c.mid.eval_samples = 128  # held-out screens per eval
+
     # ---- environment -------------------------------------------------------------------------
     c.env = ConfigDict()
     c.env.kind = "browser"  # "browser" | "vm"

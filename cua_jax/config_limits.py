@@ -156,6 +156,10 @@ LIMITS: dict[str, Limit] = {
     "sft.num_tasks": _int(0, why="0: every training task"),
     "sft.recovery_share": _float(0, 1),
     "sft.feedback_share": _float(0, 1),
+    "mid.steps": _int(0, why="0: no mid-training"),
+    "mid.batch_size": _int(1),
+    "mid.eval_every": _int(0, why="0: at the start and end only"),
+    "mid.eval_samples": _int(1),
     # ---- env
     "env.concurrency": _int(1),
     "env.max_turns": _int(1),

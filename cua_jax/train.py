@@ -36,6 +36,8 @@ from cua_jax import metrics as metrics_lib
 from cua_jax.builders import init_model_weights
 from cua_jax.checkpoint.orbax_io import Checkpointer
 from cua_jax.config_checks import ConfigError, validate_config
+from cua_jax.data import sft as sft_lib
+from cua_jax.data import shards
 from cua_jax.env_api import Task
 from cua_jax.rl import entropulse, sdpo, sft_data
 from cua_jax.rl.learner import check_finite
@@ -54,6 +56,7 @@ def main(
     """Runs the job described by `config` in `workdir`; returns the last eval metrics."""
     validate_config(config)
     check_levers(config)
+    check_mid(config)
     tasks = load_tasks([dict(t) for t in config.tasks])
     eval_tasks = load_tasks([dict(t) for t in config.eval_tasks])
     _warn_if_turns_cut(tasks + eval_tasks, config.env.max_turns)
@@ -99,7 +102,9 @@ async def run(
     # is the SFT one; the RL learner is built after it (fresh optimizer, SFT policy as the KL
     # reference).
     resume_from = _resume_source(config, ckpt)
-    run_sft = resume_from is None and config.sft.steps > 0
+    # the grounding mid-training (config.mid) and the SFT warm-up share the SFT learner
+    run_mid = resume_from is None and config.mid.steps > 0
+    run_sft = resume_from is None and (config.sft.steps > 0 or run_mid)
     learner = builders.build_learner(model, config, mesh, rules, sft=run_sft)
     use_advantage_estimator(learner, config)
     del model
@@ -181,13 +186,17 @@ async def run(
                 writer.write(0, {**last_eval, "phase_sft": 0.0})
                 db.log_step(0, {**last_eval, "phase_sft": 0.0})
 
-            # ---- SFT warm-up -------------------------------------------------------------------
+            # ---- grounding mid-training, then the SFT warm-up ----------------------------------
             if run_sft:
                 await asyncio.to_thread(warm.wait, compiles)
-                sft_tasks = tasks[: config.sft.num_tasks or None]
-                sft_metrics = await _sft_warmup(
-                    config, learner, agent, pool, multihost.task_share(sft_tasks), workdir
-                )
+                sft_metrics = {}
+                if run_mid:
+                    sft_metrics = await _mid_training(config, learner, agent, engine, workdir)
+                if config.sft.steps > 0:
+                    sft_tasks = tasks[: config.sft.num_tasks or None]
+                    sft_metrics |= await _sft_warmup(
+                        config, learner, agent, pool, multihost.task_share(sft_tasks), workdir
+                    )
                 sft_metrics = _job_metrics(sft_metrics)
                 policy = learner.model
                 del learner  # its optimizer state goes before the RL learner makes its own
@@ -691,6 +700,17 @@ async def _sft_warmup(
             feedback_share=sc.feedback_share,
             feedback_kinds=sdpo.feedback_kinds(config.rl.sdpo_feedback),
         )
+    elif shards.is_shard_dir(sc.source):  # grounding screens (tools/make_grounding_data.py)
+        source = shards.GroundingDemos(shards.GroundingShards(sc.source), agent)
+        ds = sft_lib.sft_dataset(
+            source,
+            learner.pack,
+            batch_size=config.rl.rows_per_step,
+            position_fn=learner.position_fn(),
+            seed=config.seed,
+            num_epochs=None,
+        )
+        batches, info = sft_lib.batch_iterator(ds), {"sft/demos": float(len(source))}
     else:
         batches, info = sft_data.sft_file_batches(
             sc.source, learner, batch_size=config.rl.rows_per_step, seed=config.seed
@@ -711,6 +731,83 @@ async def _sft_warmup(
         "sft/loss_first": float(losses[0]) if losses else float("nan"),
         "sft/loss_last": float(losses[-1]) if losses else float("nan"),
         "time/sft": time.perf_counter() - t0,
+    }
+
+
+def check_mid(config: Any) -> None:
+    """Mid-training's shard directories exist (a ConfigError naming the key, before any work)."""
+    mc = config.mid
+    keys = [("source", mc.source)] if mc.steps > 0 else []
+    keys += [("heldout", mc.heldout)] if mc.steps > 0 and mc.heldout else []
+    for key, path in keys:
+        if not shards.is_shard_dir(path):
+            raise ConfigError(
+                f"config.mid.{key}={path!r} is not a grounding shard directory; write one with "
+                "tools/make_grounding_data.py --out=DIR --num=N"
+            )
+
+
+async def _mid_training(
+    config: Any, learner: Any, agent: AgentLoop, engine: Any, workdir: str
+) -> dict[str, float]:
+    """Grounding mid-training, the ladder's rung before SFT: `mid.steps` steps of the SFT
+    learner on `mid.batch_size` one-turn click demonstrations a step, synthetic screens streamed
+    from the shard directory `mid.source` by grain (`cua_jax.data.shards`: this process's share,
+    reshuffled each epoch). Every `mid.eval_every` steps and at the end, greedy clicks on the
+    first `mid.eval_samples` screens of `mid.heldout` are scored (inside the target box): the
+    held-out grounding curve against samples seen, one JSON line per eval in
+    WORKDIR/mid_curve.jsonl, with the data iterator's state (`iterator.set_state` resumes it)."""
+    mc = config.mid
+    source = shards.GroundingDemos(shards.GroundingShards(mc.source), agent)
+    ds = sft_lib.sft_dataset(
+        source,
+        learner.pack,
+        batch_size=mc.batch_size,
+        position_fn=learner.position_fn(),
+        seed=config.seed,
+        num_epochs=None,
+    )
+    it = sft_lib.batch_iterator(ds)
+    heldout = []
+    if mc.heldout:
+        hs = shards.GroundingShards(mc.heldout)
+        heldout = [hs[i] for i in range(min(mc.eval_samples, len(hs)))]
+    is_main = jax.process_index() == 0
+    curve_path = os.path.join(workdir, "mid_curve.jsonl")
+    out: dict[str, float] = {"mid/samples_available": float(len(source))}
+
+    async def grounding(step: int, loss: float) -> None:
+        if not heldout:
+            return
+        engine.update_params(builders.sampler_params(learner), learner.version)
+        m = await asyncio.to_thread(shards.grounding_accuracy, engine, agent, heldout)
+        row = {"step": step, "samples": step * mc.batch_size, "loss": loss, **m}
+        out.update({f"mid/{k.split('/')[-1]}": v for k, v in m.items()})
+        if is_main:
+            with open(curve_path, "a") as f:
+                f.write(json.dumps({**row, "data_state": it.get_state()}, default=str) + "\n")
+        logging.info("mid-training step %d: held-out grounding %s", step, m)
+
+    t0, losses = time.perf_counter(), []
+    bar = metrics_lib.Progress(mc.steps, desc="mid", enabled=config.log.progress and is_main)
+    await grounding(0, float("nan"))
+    for i in range(mc.steps):
+        m = await asyncio.to_thread(learner.sft_step, next(it))
+        check_finite(m, step=i + 1, phase="mid-training", last_checkpoint=None)
+        losses.append(float(m.get("loss", np.nan)))
+        rate = (i + 1) * mc.batch_size / (time.perf_counter() - t0)
+        bar.update(1, loss=losses[-1], samples_s=round(rate, 1))
+        if mc.eval_every and (i + 1) % mc.eval_every == 0 and i + 1 < mc.steps:
+            await grounding(i + 1, losses[-1])
+    await grounding(mc.steps, losses[-1] if losses else float("nan"))
+    bar.close()
+    return {
+        **out,
+        "mid/steps": float(len(losses)),
+        "mid/samples": float(len(losses) * mc.batch_size),
+        "mid/loss_first": losses[0] if losses else float("nan"),
+        "mid/loss_last": losses[-1] if losses else float("nan"),
+        "time/mid": time.perf_counter() - t0,
     }
 
 
