@@ -1,5 +1,6 @@
-"""Qwen2.5-VL / Qwen3-VL (dense and MoE) in Flax NNX with Hugging Face import/export (see
-model.py; the MoE block, routing replay and aux loss in moe.py)."""
+"""Qwen2.5-VL / Qwen3-VL / Qwen3.5 (dense and MoE) in Flax NNX with Hugging Face import/export
+(see model.py; the MoE block, routing replay and aux loss in moe.py; Qwen3.5's hybrid decoder in
+qwen35.py, its Gated DeltaNet in gated_deltanet.py)."""
 
 from cua_jax.models.qwen_vl.config import (
     PUBLISHED,
@@ -8,7 +9,10 @@ from cua_jax.models.qwen_vl.config import (
     VisionConfig,
     published_config,
     tiny,
+    tiny_qwen35,
+    tiny_qwen35_moe,
 )
+from cua_jax.models.qwen_vl.gated_deltanet import LinearAttnState
 from cua_jax.models.qwen_vl.model import QwenVL, init_random
 from cua_jax.models.qwen_vl.moe import (
     RoutingInfo,
@@ -17,6 +21,12 @@ from cua_jax.models.qwen_vl.moe import (
     set_expert_mesh,
 )
 from cua_jax.models.qwen_vl.params import from_pretrained, save_pretrained
+from cua_jax.models.qwen_vl.qwen35 import (
+    RowAttnFn,
+    full_attention_layers,
+    initial_linear_states,
+    linear_attention_layers,
+)
 from cua_jax.models.qwen_vl.rope import get_rope_index
 from cua_jax.models.qwen_vl.text import make_attention_mask, make_dense_attn_fn
 from cua_jax.models.qwen_vl.vision import VisionMeta, vision_metadata
@@ -24,14 +34,19 @@ from cua_jax.models.qwen_vl.vision import VisionMeta, vision_metadata
 __all__ = [
     "PUBLISHED",
     "QwenVL",
+    "LinearAttnState",
     "QwenVLConfig",
     "RoutingInfo",
+    "RowAttnFn",
     "TextConfig",
     "VisionConfig",
     "VisionMeta",
     "from_pretrained",
+    "full_attention_layers",
     "get_rope_index",
     "init_random",
+    "initial_linear_states",
+    "linear_attention_layers",
     "load_balancing_loss",
     "make_attention_mask",
     "make_dense_attn_fn",
@@ -40,5 +55,7 @@ __all__ = [
     "save_pretrained",
     "set_expert_mesh",
     "tiny",
+    "tiny_qwen35",
+    "tiny_qwen35_moe",
     "vision_metadata",
 ]

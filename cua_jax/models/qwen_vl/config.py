@@ -1,5 +1,5 @@
-"""Typed configuration for Qwen2.5-VL and Qwen3-VL (dense and MoE), read from and written to HF
-config.json.
+"""Typed configuration for Qwen2.5-VL, Qwen3-VL and Qwen3.5 (dense and MoE), read from and written
+to HF config.json.
 
 `QwenVLConfig` is a frozen dataclass with a text and a vision sub-config whose field names equal
 the Hugging Face names, so `from_hf_dict(json.load(...))` and `to_hf_dict()` stay a thin layer.
@@ -10,6 +10,12 @@ the same object but are never exported.
 "qwen3_vl"). Qwen3-VL-MoE (HF model_type "qwen3_vl_moe", e.g. Qwen3-VL-30B-A3B) shares all of
 those with Qwen3-VL and differs only in its decoder MLPs, so it is family "qwen3_vl" with
 `text.num_experts > 0`; `QwenVLConfig.model_type` gives the HF name.
+
+Qwen3.5 (HF model_type "qwen3_5", MoE "qwen3_5_moe") is family "qwen3_5": Qwen3-VL's vision
+tower without DeepStack, and a hybrid decoder whose `text.layer_types` mix Gated DeltaNet
+("linear_attention") and gated full-attention layers with partial rotary
+(`text.partial_rotary_factor`); its MoE layers add a shared expert
+(`text.shared_expert_intermediate_size`).
 """
 
 from __future__ import annotations
@@ -17,20 +23,35 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-Family = Literal["qwen2_5_vl", "qwen3_vl"]
+Family = Literal["qwen2_5_vl", "qwen3_vl", "qwen3_5"]
 
-FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "qwen3_vl")
+FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
 ARCHITECTURES = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
-# HF model_type -> family (the MoE variant shares Qwen3-VL's vision, rotary and template).
-MODEL_TYPES = {"qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl"}
+# HF model_type -> family (a MoE variant shares its dense family's vision, rotary and template).
+MODEL_TYPES = {
+    "qwen2_5_vl": "qwen2_5_vl",
+    "qwen3_vl": "qwen3_vl",
+    "qwen3_vl_moe": "qwen3_vl",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5",
+}
+LAYER_TYPES = ("linear_attention", "full_attention")
+LINEAR_DIMS = (
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+)
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots")
 ATTN_IMPLS = ("xla", "splash")
-_DEFAULT_MROPE = {"qwen2_5_vl": (16, 24, 24), "qwen3_vl": (24, 20, 20)}
+_DEFAULT_MROPE = {"qwen2_5_vl": (16, 24, 24), "qwen3_vl": (24, 20, 20), "qwen3_5": (11, 11, 10)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,10 +86,30 @@ class TextConfig:
     # norm_topk_prob switch); False keeps the raw softmax probabilities (Qwen2-MoE style).
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = 0.001  # HF field; the learner's coefficient is its own option
+    # --- Qwen3.5 (family "qwen3_5"); the defaults leave the other families unchanged ---
+    # one of LAYER_TYPES per decoder layer; () means every layer is full attention
+    layer_types: tuple[str, ...] = ()
+    partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims of q/k
+    attn_output_gate: bool = False  # q_proj also gives a per-channel sigmoid gate on the output
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    shared_expert_intermediate_size: int = 0  # Qwen3.5-MoE: a gated shared expert per layer
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each q/k head get rotary (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_type(self, i: int) -> str:
+        """Decoder layer i's token mixer: "linear_attention" or "full_attention"."""
+        return self.layer_types[i] if self.layer_types else "full_attention"
 
     def is_sparse_layer(self, i: int) -> bool:
         """Whether decoder layer i has the sparse MoE block (transformers' rule)."""
@@ -134,8 +175,14 @@ class QwenVLConfig:
 
     @property
     def model_type(self) -> str:
-        """The HF model_type: the family, or "qwen3_vl_moe" for a Qwen3-VL MoE decoder."""
-        return "qwen3_vl_moe" if self.text.is_moe else self.family
+        """The HF model_type: the family, or "<family>_moe" ("qwen3_vl_moe", "qwen3_5_moe") for a
+        MoE decoder."""
+        return f"{self.family}_moe" if self.text.is_moe else self.family
+
+    @property
+    def vision_family(self) -> str:
+        """The vision tower's layout: Qwen3.5 uses Qwen3-VL's (without DeepStack)."""
+        return "qwen3_vl" if self.family == "qwen3_5" else self.family
 
     @property
     def vision_placeholder_ids(self) -> tuple[int, int, int, int]:
@@ -164,9 +211,11 @@ class QwenVLConfig:
                 f"num_attention_heads={t.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={t.num_key_value_heads}"
             )
-        if sum(t.mrope_section) != t.head_dim // 2:
+        if sum(t.mrope_section) != t.rotary_dim // 2:
             raise ValueError(
-                f"mrope_section={list(t.mrope_section)} must sum to head_dim/2={t.head_dim // 2}"
+                f"mrope_section={list(t.mrope_section)} must sum to the rotary dim / 2 = "
+                f"{t.rotary_dim // 2} (head_dim={t.head_dim} x partial_rotary_factor="
+                f"{t.partial_rotary_factor})"
             )
         if v.hidden_size % v.num_heads or v.head_dim % 4:
             raise ValueError(
@@ -177,7 +226,7 @@ class QwenVLConfig:
             raise ValueError(
                 f"vision out_hidden_size={v.out_hidden_size} != text hidden_size={t.hidden_size}"
             )
-        if self.family == "qwen3_vl":
+        if self.vision_family == "qwen3_vl":
             if v.num_position_embeddings <= 0 or int(v.num_position_embeddings**0.5) ** 2 != (
                 v.num_position_embeddings
             ):
@@ -189,13 +238,49 @@ class QwenVLConfig:
         for idx in (*v.fullatt_block_indexes, *v.deepstack_visual_indexes):
             if not 0 <= idx < v.depth:
                 raise ValueError(f"vision block index {idx} out of range for depth={v.depth}")
+        if self.family == "qwen3_5":
+            self._check_hybrid()
+        elif t.layer_types or t.attn_output_gate or t.partial_rotary_factor != 1.0:
+            raise ValueError(
+                f"layer_types / attn_output_gate / partial_rotary_factor are Qwen3.5 fields; "
+                f"family={self.family!r} has plain full-attention layers"
+            )
         if t.is_moe:
             self._check_moe()
 
+    def _check_hybrid(self) -> None:
+        t = self.text
+        if len(t.layer_types) != t.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(t.layer_types)} entries for num_hidden_layers="
+                f"{t.num_hidden_layers}"
+            )
+        for lt in t.layer_types:
+            if lt not in LAYER_TYPES:
+                raise ValueError(f"layer_types has {lt!r}; use one of {LAYER_TYPES}")
+        if "linear_attention" in t.layer_types:
+            for name in LINEAR_DIMS:
+                if getattr(t, name) <= 0:
+                    raise ValueError(f"text_config.{name}={getattr(t, name)} must be > 0")
+            if t.linear_num_value_heads % t.linear_num_key_heads:
+                raise ValueError(
+                    f"linear_num_value_heads={t.linear_num_value_heads} must be a multiple of "
+                    f"linear_num_key_heads={t.linear_num_key_heads}"
+                )
+        if self.vision.deepstack_visual_indexes:
+            raise ValueError("Qwen3.5's vision tower has no DeepStack (deepstack_visual_indexes)")
+        if t.rotary_dim % 2 or t.rotary_dim <= 0:
+            raise ValueError(
+                f"head_dim={t.head_dim} x partial_rotary_factor={t.partial_rotary_factor} must "
+                "give an even rotary dim > 0"
+            )
+
     def _check_moe(self) -> None:
         t = self.text
-        if self.family != "qwen3_vl":
-            raise ValueError(f"num_experts={t.num_experts}: MoE decoders exist for qwen3_vl only")
+        if self.family not in ("qwen3_vl", "qwen3_5"):
+            raise ValueError(
+                f"num_experts={t.num_experts}: MoE decoders exist for qwen3_5 and qwen3_vl only"
+            )
         if not 1 <= t.num_experts_per_tok <= t.num_experts:
             raise ValueError(
                 f"num_experts_per_tok={t.num_experts_per_tok} must be in [1, num_experts="
@@ -203,6 +288,11 @@ class QwenVLConfig:
             )
         if t.moe_intermediate_size <= 0:
             raise ValueError(f"moe_intermediate_size={t.moe_intermediate_size} must be > 0")
+        if self.family == "qwen3_5" and t.shared_expert_intermediate_size <= 0:
+            raise ValueError(
+                f"shared_expert_intermediate_size={t.shared_expert_intermediate_size}: every "
+                "Qwen3.5-MoE layer has a shared expert (> 0)"
+            )
         if t.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step={t.decoder_sparse_step} must be >= 1")
         for i in t.mlp_only_layers:
@@ -230,7 +320,8 @@ class QwenVLConfig:
                 f"{tuple(MODEL_TYPES)}"
             )
         family: Family = MODEL_TYPES[model_type]  # type: ignore[assignment]
-        moe = model_type == "qwen3_vl_moe"
+        moe = model_type.endswith("_moe")
+        q35 = family == "qwen3_5"
         archs = d.get("architectures") or [ARCHITECTURES[model_type]]
         for arch in archs:
             if arch != ARCHITECTURES[model_type]:
@@ -249,7 +340,7 @@ class QwenVLConfig:
                 if td.get(moe_key):
                     raise ValueError(
                         f"text_config.{moe_key} is set but model_type={model_type!r} is dense; "
-                        "a Qwen3-VL MoE checkpoint has model_type 'qwen3_vl_moe'"
+                        f"a MoE checkpoint has model_type '{model_type}_moe'"
                     )
         if td.get("use_sliding_window"):
             raise ValueError("text_config.use_sliding_window=true is not supported")
@@ -267,8 +358,8 @@ class QwenVLConfig:
                 "(only default M-RoPE)"
             )
         rope_theta = rope.get("rope_theta", td.get("rope_theta", d.get("rope_theta")))
-        if rope_theta is None:
-            rope_theta = 1000000.0 if family == "qwen2_5_vl" else 500000.0
+        if rope_theta is None:  # transformers' defaults
+            rope_theta = {"qwen2_5_vl": 1000000.0, "qwen3_vl": 500000.0, "qwen3_5": 10000.0}[family]
         mrope = tuple(rope.get("mrope_section") or _DEFAULT_MROPE[family])
         hidden = req(td, "hidden_size", "text_config")
         heads = req(td, "num_attention_heads", "text_config")
@@ -285,20 +376,21 @@ class QwenVLConfig:
             rms_norm_eps=float(td.get("rms_norm_eps", 1e-5 if family == "qwen2_5_vl" else 1e-6)),
             rope_theta=float(rope_theta),
             mrope_section=mrope,
-            mrope_interleaved=family == "qwen3_vl",
+            mrope_interleaved=family != "qwen2_5_vl",
             attention_bias=(family == "qwen2_5_vl") or bool(td.get("attention_bias", False)),
-            qk_norm=family == "qwen3_vl",
+            qk_norm=family != "qwen2_5_vl",
             hidden_act=td.get("hidden_act", "silu"),
             max_position_embeddings=td.get("max_position_embeddings", 128000),
             bos_token_id=td.get("bos_token_id", d.get("bos_token_id")),
             eos_token_id=td.get("eos_token_id", d.get("eos_token_id")),
             pad_token_id=td.get("pad_token_id", d.get("pad_token_id")),
             **(_moe_fields(td) if moe else {}),
+            **(_hybrid_fields(td, rope) if q35 else {}),
         )
         if text.hidden_act != "silu":
             raise ValueError(f"text_config.hidden_act={text.hidden_act!r}: only 'silu' supported")
-        if family == "qwen3_vl" and text.attention_bias:
-            raise ValueError("text_config.attention_bias=true is not supported for qwen3_vl")
+        if family != "qwen2_5_vl" and text.attention_bias:
+            raise ValueError(f"text_config.attention_bias=true is not supported for {family}")
         vrope = vd.get("rope_parameters") or {}
         vision = VisionConfig(
             depth=req(vd, "depth", "vision_config"),
@@ -318,7 +410,8 @@ class QwenVLConfig:
             fullatt_block_indexes=tuple(vd.get("fullatt_block_indexes") or ()),
             tokens_per_second=vd.get("tokens_per_second", 2),
             num_position_embeddings=vd.get("num_position_embeddings", 0),
-            deepstack_visual_indexes=tuple(vd.get("deepstack_visual_indexes") or ()),
+            # Qwen3.5's tower has no DeepStack (transformers drops the field)
+            deepstack_visual_indexes=() if q35 else tuple(vd.get("deepstack_visual_indexes") or ()),
         )
         if family == "qwen2_5_vl" and not vision.fullatt_block_indexes:
             raise ValueError("vision_config.fullatt_block_indexes is missing (required)")
@@ -351,6 +444,8 @@ class QwenVLConfig:
         }
         if t.mrope_interleaved:
             rope["mrope_interleaved"] = True
+        if self.family == "qwen3_5":
+            rope["partial_rotary_factor"] = t.partial_rotary_factor
         text = {
             "model_type": f"{self.family}_text",
             "vocab_size": t.vocab_size,
@@ -368,9 +463,13 @@ class QwenVLConfig:
             "pad_token_id": t.pad_token_id,
             "tie_word_embeddings": self.tie_word_embeddings,
         }
-        if self.family == "qwen3_vl":
+        if self.family != "qwen2_5_vl":
             text["head_dim"] = t.head_dim
             text["attention_bias"] = False
+        if self.family == "qwen3_5":
+            text["layer_types"] = list(t.layer_types)
+            text["linear_conv_kernel_dim"] = t.linear_conv_kernel_dim
+            text.update({k: getattr(t, k) for k in LINEAR_DIMS})
         vision: dict[str, Any] = {
             "model_type": f"{self.family}_vision",
             "depth": v.depth,
@@ -392,21 +491,25 @@ class QwenVLConfig:
                 tokens_per_second=v.tokens_per_second,
             )
         else:
-            vision.update(
-                num_position_embeddings=v.num_position_embeddings,
-                deepstack_visual_indexes=list(v.deepstack_visual_indexes),
-            )
+            vision["num_position_embeddings"] = v.num_position_embeddings
+            if self.family == "qwen3_vl":
+                vision["deepstack_visual_indexes"] = list(v.deepstack_visual_indexes)
         if t.is_moe:
             text.update(
-                model_type="qwen3_vl_moe_text",
+                model_type=f"{self.model_type}_text",
                 num_experts=t.num_experts,
                 num_experts_per_tok=t.num_experts_per_tok,
                 moe_intermediate_size=t.moe_intermediate_size,
-                decoder_sparse_step=t.decoder_sparse_step,
-                mlp_only_layers=list(t.mlp_only_layers),
                 router_aux_loss_coef=t.router_aux_loss_coef,
             )
-            vision["model_type"] = "qwen3_vl_moe_vision"
+            if self.family == "qwen3_5":  # every layer sparse, each with a shared expert
+                text["shared_expert_intermediate_size"] = t.shared_expert_intermediate_size
+            else:
+                text.update(
+                    decoder_sparse_step=t.decoder_sparse_step,
+                    mlp_only_layers=list(t.mlp_only_layers),
+                )
+            vision["model_type"] = f"{self.model_type}_vision"
         return {
             "architectures": [ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,
@@ -439,8 +542,49 @@ def _moe_fields(td: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-# tiny(moe=True): 8 experts, top-2, every layer sparse.
+def _hybrid_fields(td: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """The Qwen3.5 fields of a `text_config` (layer pattern, Gated DeltaNet sizes, partial
+    rotary, output gate, shared expert), with transformers' defaults."""
+    n = td.get("num_hidden_layers")
+    types = td.get("layer_types")
+    if types is None:  # transformers' default pattern
+        interval = int(td.get("full_attention_interval", 4))
+        types = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(int(n or 0))
+        ]
+    out: dict[str, Any] = dict(
+        layer_types=tuple(types),
+        partial_rotary_factor=float(
+            rope.get("partial_rotary_factor", td.get("partial_rotary_factor", 0.25))
+        ),
+        attn_output_gate=True,
+        linear_conv_kernel_dim=int(td.get("linear_conv_kernel_dim", 4)),
+        # transformers' defaults (Qwen3_5TextConfig) when config.json omits them
+        linear_key_head_dim=int(td.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(td.get("linear_value_head_dim", 128)),
+        linear_num_key_heads=int(td.get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(td.get("linear_num_value_heads", 32)),
+    )
+    if td.get("num_experts") or td.get("num_local_experts"):
+        out["shared_expert_intermediate_size"] = int(td.get("shared_expert_intermediate_size") or 0)
+    return out
+
+
+# tiny(moe=True): 8 experts, top-2, every layer sparse (Qwen3.5: each with a shared expert).
 TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+TINY_SHARED_EXPERT = dict(shared_expert_intermediate_size=96)
+# tiny("qwen3_5"): Gated DeltaNet sizes (2 q/k heads of 32, 4 value heads of 16, conv width 4),
+# rotary on half of each 32-dim head, and linear / full attention layers alternating.
+TINY_HYBRID = dict(
+    partial_rotary_factor=0.5,
+    attn_output_gate=True,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
 
 
 def tiny(
@@ -462,15 +606,19 @@ def tiny(
     Special token ids default to the top of the vocabulary; `overrides` replaces any top-level
     field (token ids, tie_word_embeddings, dtype, remat ...) and the text config's
     bos/eos/pad_token_id (written to generation_config.json on export).
-    `moe=True` (qwen3_vl only) makes every decoder layer a sparse MoE block (`TINY_MOE`: 8
-    experts, top-2, expert width 64); a dict overrides those text fields, e.g.
-    `moe=dict(num_experts=4, mlp_only_layers=(1,))`.
+    `moe=True` (qwen3_vl, qwen3_5) makes every decoder layer a sparse MoE block (`TINY_MOE`: 8
+    experts, top-2, expert width 64; Qwen3.5 adds a shared expert of width 96); a dict
+    overrides those text fields, e.g. `moe=dict(num_experts=4, mlp_only_layers=(1,))`.
+    Qwen3.5 (`TINY_HYBRID`) alternates Gated DeltaNet and full-attention layers (linear
+    first), with rotary on half of each head; `layer_types=(...)` among `overrides` sets
+    another pattern.
     """
     if family not in FAMILIES:
         raise ValueError(f"family={family!r}: use one of {FAMILIES}")
     if scale < 1:
         raise ValueError(f"scale={scale} must be >= 1")
-    q3 = family == "qwen3_vl"
+    q35 = family == "qwen3_5"
+    q3 = family in ("qwen3_vl", "qwen3_5")  # Qwen3.5 takes Qwen3-VL's tower and rotary layout
     k = scale
     text = TextConfig(
         vocab_size=vocab_size,
@@ -482,7 +630,7 @@ def tiny(
         head_dim=32,
         rms_norm_eps=1e-6,
         rope_theta=5000000.0 if q3 else 1000000.0,
-        mrope_section=(6, 5, 5) if q3 else (4, 6, 6),
+        mrope_section=(4, 2, 2) if q35 else (6, 5, 5) if q3 else (4, 6, 6),
         mrope_interleaved=q3,
         attention_bias=not q3,
         qk_norm=q3,
@@ -502,8 +650,15 @@ def tiny(
         window_size=112 if q3 else 56,  # Qwen2.5: 56 // 2 // 14 = 2 merged tokens a side
         fullatt_block_indexes=() if q3 else tuple(range(1, 2 * k, 2)),
         num_position_embeddings=16 * k * k if q3 else 0,
-        deepstack_visual_indexes=(2 * k - 2, 2 * k - 1) if q3 else (),
+        deepstack_visual_indexes=(2 * k - 2, 2 * k - 1) if q3 and not q35 else (),
     )
+    if q35:
+        pattern = overrides.pop("layer_types", None) or tuple(
+            ("linear_attention", "full_attention")[i % 2] for i in range(text.num_hidden_layers)
+        )
+        text = dataclasses.replace(
+            text, rope_theta=10000000.0, layer_types=tuple(pattern), **TINY_HYBRID
+        )
     ids = dict(
         vision_start_token_id=vocab_size - 6,
         vision_end_token_id=vocab_size - 5,
@@ -514,9 +669,22 @@ def tiny(
                 if k in overrides}  # fmt: skip
     text = dataclasses.replace(text, **text_ids)
     if moe:
-        text = dataclasses.replace(text, **{**TINY_MOE, **(moe if isinstance(moe, dict) else {})})
+        base = {**TINY_MOE, **(TINY_SHARED_EXPERT if q35 else {})}
+        text = dataclasses.replace(text, **{**base, **(moe if isinstance(moe, dict) else {})})
     ids.update(overrides)
     return QwenVLConfig(family=family, text=text, vision=vision, **ids)
+
+
+def tiny_qwen35(vocab_size: int = 512, **overrides: Any) -> QwenVLConfig:
+    """The tiny dense Qwen3.5 (`tiny("qwen3_5")`): 2 layers, Gated DeltaNet then gated full
+    attention, Qwen3-VL's tower without DeepStack."""
+    return tiny("qwen3_5", vocab_size, **overrides)
+
+
+def tiny_qwen35_moe(vocab_size: int = 512, **overrides: Any) -> QwenVLConfig:
+    """The tiny Qwen3.5-MoE (`tiny("qwen3_5", moe=True)`): as `tiny_qwen35`, every MLP a sparse
+    block of 8 experts (top-2) plus a gated shared expert."""
+    return tiny("qwen3_5", vocab_size, moe=True, **overrides)
 
 
 # ---------------------------------------------------------------- published checkpoints

@@ -38,6 +38,12 @@ i32[L, B, T, K] of the L sparse layers); `routes=` i32[L, B, T, K] replays given
 (routing replay: the learner reuses the sampler's choices). `moe.load_balancing_loss` turns the
 router logits into the auxiliary loss.
 
+Qwen3.5 (family "qwen3_5", dense and MoE; qwen35.py): `model.language_model` is the hybrid
+decoder (Gated DeltaNet and gated full-attention layers). `decode` also takes `segment_ids` /
+`attention_mask` for the linear layers (by default those of the `qwen35.RowAttnFn` that
+`model.attn_fn` returns) and `linear_states` (one `LinearAttnState` per linear layer, to
+continue an earlier call); `return_linear_states=True` appends their new states to the result.
+
 Random init (tiny / smoke presets): `QwenVL(config, rngs=nnx.Rngs(seed))` or `init_random`.
 """
 
@@ -49,7 +55,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from cua_jax.models.qwen_vl import qwen35
 from cua_jax.models.qwen_vl.config import QwenVLConfig
+from cua_jax.models.qwen_vl.gated_deltanet import LinearAttnState
 from cua_jax.models.qwen_vl.moe import RoutingInfo
 from cua_jax.models.qwen_vl.rope import get_rope_index, mrope_cos_sin, text_positions
 from cua_jax.models.qwen_vl.text import (
@@ -68,11 +76,12 @@ def _is_tracer(x) -> bool:
 
 
 class Model(nnx.Module):
-    """HF `model`: `visual` + `language_model`."""
+    """HF `model`: `visual` + `language_model` (Qwen3.5: the hybrid decoder)."""
 
     def __init__(self, cfg: QwenVLConfig, *, rngs: nnx.Rngs):
         self.visual = VisionModel(cfg, rngs=rngs)
-        self.language_model = TextModel(cfg, rngs=rngs)
+        text_cls = qwen35.HybridTextModel if cfg.family == "qwen3_5" else TextModel
+        self.language_model = text_cls(cfg, rngs=rngs)
 
 
 class QwenVL(nnx.Module):
@@ -103,12 +112,14 @@ class QwenVL(nnx.Module):
         self, attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None
     ) -> AttnFn:
         """The full-sequence causal attention of the config (`attn_impl`, `attn_block`) on the
-        model's mesh: what __call__, the learner and the SDPO teacher decode with."""
+        model's mesh: what __call__, the learner and the SDPO teacher decode with. It carries
+        the mask and segment ids (`qwen35.RowAttnFn`) for Qwen3.5's linear layers."""
         cfg = self.config
-        return make_dense_attn_fn(
+        fn = make_dense_attn_fn(
             attention_mask, segment_ids, cfg.attn_block, cfg.attn_impl,
             self.attn_mesh, self.attn_rules,
         )  # fmt: skip
+        return qwen35.RowAttnFn(fn, attention_mask, segment_ids)
 
     # ------------------------------------------------------------------------------ embed
     def embed(
@@ -188,12 +199,33 @@ class QwenVL(nnx.Module):
         *,
         routes: jax.Array | None = None,
         return_routing: bool = False,
-    ) -> jax.Array | tuple[jax.Array, RoutingInfo]:
+        segment_ids: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,
+        linear_states: list[LinearAttnState] | None = None,
+        return_linear_states: bool = False,
+    ):
         """Decoder layers + final norm. DeepStack features are added after layers 0..k-1.
 
         MoE only: `routes` i32[L, B, T, K] replays the experts of the L sparse layers;
-        `return_routing` returns (hidden, RoutingInfo)."""
+        `return_routing` returns (hidden, RoutingInfo). Qwen3.5 only: `segment_ids`,
+        `attention_mask`, `linear_states`, and `return_linear_states` (appends the list of
+        new linear states to the result); see the module docstring."""
         t = self.config.text
+        if self.config.family == "qwen3_5":
+            if deepstack_embeds is not None:
+                raise ValueError("Qwen3.5 has no DeepStack features (deepstack_embeds)")
+            if return_routing and not t.is_moe:
+                raise ValueError("return_routing needs a MoE model (text.num_experts > 0)")
+            h, routing, states = qwen35.decode(
+                self.model.language_model, inputs_embeds_BTD, position_ids_3BT, attn_fn,
+                routes=routes, segment_ids=segment_ids, attention_mask=attention_mask,
+                linear_states=linear_states,
+            )  # fmt: skip
+            out = (h, routing) if return_routing else (h,)
+            out = (*out, states) if return_linear_states else out
+            return out if len(out) > 1 else h
+        if return_linear_states or linear_states is not None:
+            raise ValueError("linear_states are for Qwen3.5 (family 'qwen3_5') only")
         lm = self.model.language_model
         sparse = [i for i in range(t.num_hidden_layers) if t.is_sparse_layer(i)]
         if (routes is not None or return_routing) and not sparse:

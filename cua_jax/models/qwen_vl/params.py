@@ -11,11 +11,14 @@ do). Then `TABLE` maps each name to a module path and the array transform:
              <-> [E, D, 2, F];  "experts_down": `mlp.experts.down_proj` [E, D, F] <-> [E, F, D]
   * None:    same array (biases, norm weights, embeddings, pos_embed)
 
-MoE expert tensors are written as transformers 5 saves them ([E, 2F, D], [E, D, F]: its
-module layout). The published Qwen3-VL-MoE checkpoints store them transposed ([E, D, 2F],
-[E, F, D]); both load, told apart by shape as transformers' own conversion does (when D == 2F,
-resp. D == F, the shapes coincide and the transformers-5 layout is assumed, as transformers
-assumes).
+Qwen3.5-MoE's experts are one tensor per expert (`mlp.experts.{e}.gate_proj.weight` [F, D],
+`up_proj` [F, D], `down_proj` [D, F]: what transformers 5 writes for it and reads with its
+qwen2_moe conversion); they are stacked on load into the arrays below and split again on
+export (`PER_EXPERT`). Other MoE expert tensors are written as transformers 5 saves them
+([E, 2F, D], [E, D, F]: its module layout). The published Qwen3-VL-MoE checkpoints store them
+transposed ([E, D, 2F], [E, F, D]); both load, told apart by shape as transformers' own
+conversion does (when D == 2F, resp. D == F, the shapes coincide and the transformers-5 layout
+is assumed, as transformers assumes).
 
 `from_pretrained` streams tensor by tensor and places each one directly with its target
 NamedSharding (each device reads only its own slice through safetensors' lazy slices), so a
@@ -50,7 +53,9 @@ from cua_jax.models.qwen_vl.moe import set_expert_mesh
 # Modules that are torch nn.Linear in transformers (their `weight` is transposed to `kernel`).
 _LINEAR = "|".join(
     ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv", "proj",
-     "linear_fc1", "linear_fc2", r"mlp\.0", r"mlp\.2", r"mlp\.gate")
+     "linear_fc1", "linear_fc2", r"mlp\.0", r"mlp\.2", r"mlp\.gate",
+     # Qwen3.5: Gated DeltaNet projections and the MoE shared expert's gate
+     "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "shared_expert_gate")
 )  # fmt: skip
 
 
@@ -93,7 +98,52 @@ LEGACY_RENAMES: tuple[tuple[str, str], ...] = (
 EXPORT_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
     "qwen2_5_vl": ((r"^model\.visual\.", "visual."), (r"^model\.language_model\.", "model.")),
     "qwen3_vl": (),
+    "qwen3_5": (),
 }
+
+# One tensor per expert (Qwen3.5-MoE): merged into / split from our stacked expert arrays.
+PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+PER_EXPERT_FAMILIES = ("qwen3_5",)
+
+
+def _per_expert_target(m: re.Match) -> tuple[str, int, str]:
+    """(our stacked array's path, expert index, part) of a per-expert HF tensor name."""
+    prefix, e, part = m.group(1), int(m.group(2)), m.group(3)
+    return f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}", e, part
+
+
+def _stack_expert(buf: np.ndarray, e: int, part: str, w: np.ndarray, name: str) -> None:
+    """Write HF expert tensor `w` (gate/up [F, D], down [D, F]) into stacked `buf` (gate_up
+    [E, D, 2, F], down [E, F, D])."""
+    if e >= buf.shape[0]:
+        raise ValueError(f"tensor {name!r}: expert {e} but the config has {buf.shape[0]} experts")
+    want = buf.shape[1:][::-1] if part == "down_proj" else (buf.shape[3], buf.shape[1])
+    if tuple(w.shape) != tuple(want):
+        raise ValueError(
+            f"tensor {name!r} has shape {tuple(w.shape)} but the config expects {tuple(want)}; "
+            "check config.json matches the weights"
+        )
+    if part == "down_proj":
+        buf[e] = w.T
+    else:
+        buf[e, :, 0 if part == "gate_proj" else 1, :] = w.T
+
+
+def _split_experts(name: str, kind: str, ours: np.ndarray) -> dict[str, np.ndarray]:
+    """Our stacked expert array -> per-expert HF tensors (inverse of `_stack_expert`)."""
+    prefix = name.rsplit(".", 1)[0]
+    if kind == "experts_down":  # [E, F, D] -> E x [D, F]
+        return {f"{prefix}.{e}.down_proj.weight": ours[e].T for e in range(ours.shape[0])}
+    out = {}
+    for e in range(ours.shape[0]):  # [E, D, 2, F] -> E x ([F, D], [F, D])
+        out[f"{prefix}.{e}.gate_proj.weight"] = ours[e, :, 0, :].T
+        out[f"{prefix}.{e}.up_proj.weight"] = ours[e, :, 1, :].T
+    return out
+
+
+# Tensors a checkpoint may carry that the policy does not use: Qwen3.5's multi-token-prediction
+# head (`mtp.*`, skipped by transformers' Qwen3.5 models too).
+IGNORED_ON_LOAD: dict[str, str] = {"qwen3_5": r"^mtp\."}
 
 
 def export_hf_name(path: str, family: str) -> tuple[str, str | None]:
@@ -225,7 +275,7 @@ def from_pretrained(
     compute_dtype: str | None = None,
     remat: str = "none",
 ) -> QwenVL:
-    """Load a local HF Qwen2.5-VL / Qwen3-VL directory into a `QwenVL`.
+    """Load a local HF Qwen2.5-VL / Qwen3-VL / Qwen3.5 directory (dense or MoE) into a `QwenVL`.
 
     `dtype` is the parameter dtype ("float32" | "bfloat16"), `compute_dtype` the activation
     dtype (default: `dtype`). With `mesh`, each tensor is created with its NamedSharding under
@@ -243,9 +293,40 @@ def from_pretrained(
     targets = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(state)}
     np_dtype = _np_dtype(dtype)
     loaded: dict[str, jax.Array] = {}
+
+    def place(ours: str, var, read) -> jax.Array:
+        shape = tuple(var.get_value().shape)
+        if mesh is None:
+            return jnp.asarray(read(tuple(slice(None) for _ in shape)).astype(np_dtype))
+        sharding = shd.named_sharding(shd.logical_axes(var), shape, mesh, rules, ours)
+        return jax.make_array_from_callback(shape, sharding, lambda idx: read(idx).astype(np_dtype))
+
+    # per-expert tensors being stacked: our path -> (host buffer, (expert, part) pairs seen);
+    # a stack is placed (and its buffer dropped) as soon as its last expert arrives
+    stacks: dict[str, tuple[np.ndarray, set]] = {}
     for file in _checkpoint_files(path):
         with safe_open(file, framework="np") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                ignored = IGNORED_ON_LOAD.get(cfg.family)
+                if ignored and re.match(ignored, name):
+                    continue
+                per_expert = PER_EXPERT.match(canonical_hf_name(name))
+                if per_expert and cfg.family in PER_EXPERT_FAMILIES:
+                    ours, e, part = _per_expert_target(per_expert)
+                    if ours not in targets:
+                        raise ValueError(
+                            f"unexpected tensor {name!r} in {file}: this {cfg.family} config "
+                            f"has no {ours!r}; check config.json matches the weights"
+                        )
+                    var = targets[ours]
+                    shape = tuple(var.get_value().shape)
+                    buf, seen = stacks.setdefault(ours, (np.zeros(shape, np_dtype), set()))
+                    _stack_expert(buf, e, part, f.get_tensor(name), name)
+                    seen.add((e, part))
+                    if len(seen) == shape[0] * (1 if part == "down_proj" else 2):
+                        loaded[ours] = place(ours, var, lambda idx, buf=buf: buf[idx])
+                        del stacks[ours]
+                    continue
                 ours, kind = hf_to_ours(name)
                 if ours not in targets:
                     if ours == "lm_head.kernel" and cfg.tie_word_embeddings:
@@ -266,16 +347,15 @@ def from_pretrained(
                         f"tensor {name!r} has shape {got} but the config expects {want}; "
                         "check config.json matches the weights"
                     )
-                read = _reader(sl, kind)
-                if mesh is None:
-                    full = read(tuple(slice(None) for _ in shape)).astype(np_dtype)
-                    arr = jnp.asarray(full)
-                else:
-                    sharding = shd.named_sharding(shd.logical_axes(var), shape, mesh, rules, ours)
-                    arr = jax.make_array_from_callback(
-                        shape, sharding, lambda idx, read=read: read(idx).astype(np_dtype)
-                    )
-                loaded[ours] = arr
+                loaded[ours] = place(ours, var, _reader(sl, kind))
+    for ours, (buf, seen) in stacks.items():
+        E = buf.shape[0]
+        parts = ("down_proj",) if ours.endswith("down_proj") else ("gate_proj", "up_proj")
+        absent = sorted(f"{e}.{p}" for e in range(E) for p in parts if (e, p) not in seen)
+        raise ValueError(
+            f"checkpoint {path} is missing {len(absent)} per-expert tensor(s) of "
+            f"{ours.rsplit('.', 1)[0]}: experts {absent[:10]}{' ...' if len(absent) > 10 else ''}"
+        )
     missing = sorted(set(targets) - set(loaded))
     if missing:
         names = [export_hf_name(m, cfg.family)[0] for m in missing]
@@ -328,7 +408,12 @@ def save_pretrained(
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         ours = ".".join(map(str, path))
         name, kind = export_hf_name(ours, cfg.family)
-        tensors[name] = np.ascontiguousarray(hf_array(_to_host(var.get_value()), kind, cfg))
+        host = _to_host(var.get_value())
+        if cfg.family in PER_EXPERT_FAMILIES and kind in ("experts_gate_up", "experts_down"):
+            split = _split_experts(name, kind, host)
+            tensors.update({n: np.ascontiguousarray(a) for n, a in split.items()})
+            continue
+        tensors[name] = np.ascontiguousarray(hf_array(host, kind, cfg))
     if jax.process_index() != 0:
         return
     os.makedirs(out_dir, exist_ok=True)

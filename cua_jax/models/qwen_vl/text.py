@@ -362,20 +362,16 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). `intermediate_size` (default: the config's) sets
+    the width, e.g. Qwen3.5-MoE's shared expert."""
 
-    def __init__(self, cfg: QwenVLConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: QwenVLConfig, *, rngs: nnx.Rngs, intermediate_size: int | None = None):
         t = cfg.text
+        F = intermediate_size or t.intermediate_size
         kw = dict(rngs=rngs, param_dtype=jdtype(cfg.param_dtype), dtype=jdtype(cfg.dtype))
-        self.gate_proj = Linear(
-            t.hidden_size, t.intermediate_size, ("embed", "mlp"), bias=False, **kw
-        )
-        self.up_proj = Linear(
-            t.hidden_size, t.intermediate_size, ("embed", "mlp"), bias=False, **kw
-        )
-        self.down_proj = Linear(
-            t.intermediate_size, t.hidden_size, ("mlp", "embed"), bias=False, **kw
-        )
+        self.gate_proj = Linear(t.hidden_size, F, ("embed", "mlp"), bias=False, **kw)
+        self.up_proj = Linear(t.hidden_size, F, ("embed", "mlp"), bias=False, **kw)
+        self.down_proj = Linear(F, t.hidden_size, ("mlp", "embed"), bias=False, **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -147,7 +147,9 @@ def vision_metadata(cfg: QwenVLConfig, image_grid_thw: np.ndarray) -> VisionMeta
         interp_idx=interp_idx,
         interp_w=interp_w,
         full_keys=_chunk_keys(full_seg, full_chunk),
-        window_keys=None if cfg.family == "qwen3_vl" else _chunk_keys(window_seg, window_chunk),
+        window_keys=None
+        if cfg.vision_family == "qwen3_vl"
+        else _chunk_keys(window_seg, window_chunk),
         full_chunk=full_chunk,
         window_chunk=window_chunk,
     )
@@ -376,7 +378,7 @@ class VisionModel(nnx.Module):
     def __init__(self, cfg: QwenVLConfig, *, rngs: nnx.Rngs):
         v = cfg.vision
         self.cfg = cfg
-        q3 = cfg.family == "qwen3_vl"
+        q3 = cfg.vision_family == "qwen3_vl"
         self.patch_embed = PatchEmbed(cfg, bias=q3, rngs=rngs)
         if q3:
             w = (
@@ -397,7 +399,7 @@ class VisionModel(nnx.Module):
         v = self.cfg.vision
         dt = jdtype(self.cfg.dtype)
         x = self.patch_embed(pixel_values_PC.astype(dt))
-        if self.cfg.family == "qwen3_vl":
+        if self.cfg.vision_family == "qwen3_vl":
             table = self.pos_embed.weight[...]
             pe = (jnp.take(table, meta.interp_idx, axis=0) * meta.interp_w[..., None]).sum(1)
             x = x + pe.astype(x.dtype)
@@ -405,7 +407,7 @@ class VisionModel(nnx.Module):
         cos, sin = vision_cos_sin(meta.pos_hw, v.head_dim, v.rope_theta)
         deepstack = []
         for i, blk in enumerate(self.blocks):
-            full = self.cfg.family == "qwen3_vl" or i in v.fullatt_block_indexes
+            full = self.cfg.vision_family == "qwen3_vl" or i in v.fullatt_block_indexes
             if full:
                 args = (meta.full_seg, meta.full_keys, meta.full_chunk)
             else:
