@@ -2,6 +2,8 @@
 processes without overlap; the renderer's targets lie inside the named element; a demo is the
 agent's own first-turn prompt plus a click that lands in the target."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from PIL import Image, ImageDraw
@@ -23,6 +25,7 @@ from cua_jax.data.shards import (
     GroundingShards,
     decode,
     encode,
+    grounding_accuracy,
     grounding_dataset,
     write_shards,
 )
@@ -169,3 +172,36 @@ def test_sft_batches_from_shards_resume_through_the_bounded_read_ahead(shard_dir
     seen = [t for b in first + rest for t in b]
     assert len(set(seen[:39])) == 39  # no repeats within an epoch (13 whole batches)
     assert all(t.startswith("grounding-") for t in seen)
+
+
+class _ScriptedEngine:
+    """Answers each request with the click the test chose for its screen (by prompt order)."""
+
+    def __init__(self, agent, samples, where):
+        self.agent, self.samples, self.where = agent, samples, where
+        self.requests = []
+
+    def generate_batch(self, reqs):
+        self.requests += reqs
+        outs = []
+        assert len(reqs) == len(self.samples)
+        for s, kind in zip(self.samples, self.where, strict=True):
+            space = self.agent.space_for(s.screen)
+            if kind == "bad":
+                text = "click somewhere nice"
+            else:
+                x0, y0, x1, y1 = s.box
+                x, y = s.target if kind == "hit" else (x1 + 3 if x1 + 3 < 384 else x0 - 3, y0)
+                text = self.agent.fmt.format(A.Click(x, y), space)
+            outs.append(SimpleNamespace(tokens=self.agent.tokenizer.encode(text)))
+        return outs
+
+
+def test_grounding_accuracy_scores_clicks_in_the_box(agent):
+    samples = [render_sample(HELDOUT_SEED + i, kind=KINDS[i % 4]) for i in range(8)]
+    where = ["hit", "hit", "miss", "bad", "hit", "miss", "hit", "hit"]
+    eng = _ScriptedEngine(agent, samples, where)
+    m = grounding_accuracy(eng, agent, samples)
+    assert m["grounding/accuracy"] == 5 / 8 and m["grounding/invalid"] == 1 / 8
+    assert m["grounding/label"] == 1.0 and m["grounding/color"] == 0.5  # seeds 1, 5: hit, miss
+    assert all(r["params"].temperature == 0.0 for r in eng.requests)  # greedy
