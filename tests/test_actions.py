@@ -777,7 +777,7 @@ def test_hostile_mib_strings_parse_as_invalid(shape, monkeypatch):
             chars[0] += len(s)
             return super().raw_decode(s, idx)
 
-    monkeypatch.setattr(A, "_JSON_DECODER", CountingDecoder())
+    monkeypatch.setattr(A.qwen, "_JSON_DECODER", CountingDecoder())
     space = CoordinateSpace.relative(*SCREEN)
     for fmt in A.FORMATS:
         (a,) = A.parse_action(text, fmt, space)

@@ -38,19 +38,28 @@ def test_every_server_uses_the_one_rule():
 
 
 def _guest_cua_files() -> tuple[list[str], list[str]]:
+    """What each recipe copies of cua_jax/: file names, and folders as "name/"."""
     with open(os.path.join(ROOT, "tools", "build_vm_image.sh")) as f:
-        (brace,) = re.findall(r'cp "\$REPO"/cua_jax/\{([^}]*)\}', f.read())
+        script = f.read()
+    (brace,) = re.findall(r'cp "\$REPO"/cua_jax/\{([^}]*)\}', script)
+    folders = re.findall(r'cp -r "\$REPO/cua_jax/(\w+)"', script)
+    image = sorted([*brace.split(","), *(f"{d}/" for d in folders)])
     with open(os.path.join(ROOT, "envs", "docker", "Dockerfile")) as f:
-        (copy,) = [line.split()[1:-1] for line in f if line.startswith("COPY cua_jax/")]
-    return sorted(brace.split(",")), sorted(p.removeprefix("cua_jax/") for p in copy)
+        copies = [line.split()[1:-1] for line in f if line.startswith("COPY cua_jax/")]
+    docker = sorted(p.removeprefix("cua_jax/") for c in copies for p in c)
+    return image, docker
 
 
 def test_the_vm_guests_cua_jax_files_start_its_server(tmp_path):
     image_files, docker_files = _guest_cua_files()
     assert image_files == docker_files  # the two guest recipes copy the same files
+    assert "actions/" in image_files and "hosts.py" in image_files
     (tmp_path / "cua_jax").mkdir()
     for name in image_files:
-        shutil.copy(os.path.join(ROOT, "cua_jax", name), tmp_path / "cua_jax" / name)
+        if name.endswith("/"):
+            shutil.copytree(os.path.join(ROOT, "cua_jax", name), tmp_path / "cua_jax" / name)
+        else:
+            shutil.copy(os.path.join(ROOT, "cua_jax", name), tmp_path / "cua_jax" / name)
     shutil.copytree(os.path.join(ROOT, "envs", "vm"), tmp_path / "envs" / "vm")
     for name in ("__init__.py", "tasks.py"):
         shutil.copy(os.path.join(ROOT, "envs", name), tmp_path / "envs" / name)
@@ -58,7 +67,7 @@ def test_the_vm_guests_cua_jax_files_start_its_server(tmp_path):
     # out is a ModuleNotFoundError here as it would be in the guest.
     code = (
         "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'Editable' not in repr(f)];"
-        "import envs.vm.server, cua_jax.hosts;"
+        "import envs.vm.server, cua_jax.hosts, cua_jax.actions;"
         f"assert cua_jax.hosts.__file__.startswith({str(tmp_path)!r}), cua_jax.hosts.__file__"
     )
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}

@@ -258,7 +258,8 @@ in_root systemd-machine-id-setup >/dev/null 2>&1 || true
 
 log "this checkout's envs/ -> /opt/cua"
 mkdir -p "$ROOT/opt/cua/cua_jax" "$ROOT/opt/cua/envs"
-cp "$REPO"/cua_jax/{__init__.py,actions.py,env_api.py,hosts.py} "$ROOT/opt/cua/cua_jax/"
+cp "$REPO"/cua_jax/{__init__.py,env_api.py,hosts.py} "$ROOT/opt/cua/cua_jax/"
+cp -r "$REPO/cua_jax/actions" "$ROOT/opt/cua/cua_jax/actions"
 cp "$REPO"/envs/{__init__.py,tasks.py} "$ROOT/opt/cua/envs/"
 cp -r "$REPO/envs/vm" "$ROOT/opt/cua/envs/vm"
 find "$ROOT/opt/cua" -name __pycache__ -prune -exec rm -rf {} +
