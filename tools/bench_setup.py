@@ -28,9 +28,12 @@ def cpu_unless_set() -> None:
 
 
 def pin_cpu_threads(threads: int) -> int:
-    """The thread count for a CPU comparison: `threads`, or all cores for 0. A nonzero `threads`
-    also pins XLA's CPU client (one intra-op pool) to it, as torch.set_num_threads pins torch;
-    call it before jax is imported."""
+    """The thread count for a CPU comparison: `threads`, or all cores for 0; call it before jax
+    is imported. A nonzero `threads` sets XLA_FLAGS as bench_forward and bench_moe always have:
+    `--xla_cpu_multi_thread_eigen=false` for 1 makes XLA:CPU single-threaded, as
+    torch.set_num_threads(1) does torch. For 2 or more, XLA takes every core whatever the flags
+    say: the `intra_op_parallelism_threads=N` word is not an XLA flag (no leading --) and XLA
+    ignores it; it is kept so the scripts measure what their published figures measured."""
     n = threads or os.cpu_count() or 1
     if threads:
         os.environ["XLA_FLAGS"] = (
