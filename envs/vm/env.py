@@ -343,6 +343,8 @@ class VMEnv:
         (``LocalDesktop.client_password``), else OSWorld's "password".
       strict_setup: any non-zero exit of a setup command is a fault (default: the exits that
         say a program is missing; see ``envs.vm.osworld_setup``).
+      chrome_port: the DevTools port of the desktop's Chrome that ``chrome_open_tabs`` and
+        OSWorld's Chrome getters use (OSWorld's VMs: 9222, its tasks' socat forward).
     """
 
     def __init__(
@@ -356,6 +358,7 @@ class VMEnv:
         cache: osworld.ContentCache | str | None = None,
         client_password: str | None = None,
         strict_setup: bool = False,
+        chrome_port: int = 9222,
     ):
         self._pool = target if isinstance(target, DesktopPool) else None
         self._desktop: Desktop | None = (
@@ -371,6 +374,7 @@ class VMEnv:
             self.cache = osworld.ContentCache(cache)
         self.client_password = client_password
         self.strict_setup = strict_setup
+        self.chrome_port = int(chrome_port)
         self._setup = osworld.SetupOptions()
         self._work_dir: str | None = None
         self._task: Task | None = None
@@ -649,6 +653,7 @@ class VMEnv:
             cache=self.cache,
             work_dir=self._work_dir,
             strict=self.strict_setup,
+            chrome_port=self.chrome_port,
         )
 
     def _drop_work_dir(self) -> None:

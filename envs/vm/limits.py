@@ -38,7 +38,8 @@ CFS_PERIOD_US = 100_000
 _warned: set[str] = set()
 
 
-def _warn_once(msg: str) -> None:
+def warn_once(msg: str) -> None:
+    """Logs `msg` once a process (a condition every desktop of the machine shares)."""
     if msg not in _warned:
         _warned.add(msg)
         logging.warning("%s", msg)
@@ -101,7 +102,7 @@ class DesktopLimits:
             self._nproc = _user_tasks(os.getuid()) + self.max_processes
             self.mode = "rlimit"
         else:
-            _warn_once(
+            warn_once(
                 "desktop limits: no writable cgroup on this machine and RLIMIT_NPROC does not "
                 "bind root: the desktops' process count is not capped (run as a user, or give "
                 "the trainer a delegated cgroup)"

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Protocol
 
 from envs.vm.client import VMClient, VMError, VMGoneError
-from envs.vm.limits import DesktopLimits
+from envs.vm.limits import DesktopLimits, warn_once
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]  # so the server imports this checkout's envs
 
@@ -99,6 +99,107 @@ exec "$@"
 """
 
 
+# OSWorld's tasks name their files by absolute paths in the VM user's home (/home/user/...).
+# A LocalDesktop's home is a fresh directory per desktop; everything its server starts sees it
+# at /home/user as well, in a private mount namespace: a tmpfs over /home (the host's other
+# homes are hidden, nothing on the host changes) with the desktop's home bound at /home/user.
+# Root needs `unshare -m`; another user a user namespace that maps it to root (`-r`).
+HOME_ALIAS_SCRIPT = (
+    'set -e; mount -t tmpfs -o mode=755 cua-home "${CUA_ALIAS%/*}"; mkdir "$CUA_ALIAS"; '
+    'mount --bind "$CUA_HOME" "$CUA_ALIAS"; exec "$@"'
+)
+_unshare_argv: list[str] | None = None
+
+
+def _home_alias_argv() -> list[str]:
+    """The `unshare` prefix that gives the desktop's processes a private /home ([] where this
+    machine allows no mount namespace: no unshare, no privilege, no user namespaces)."""
+    global _unshare_argv
+    if _unshare_argv is None:
+        argv = ["unshare", "-m", "--propagation", "private"]
+        if os.geteuid() != 0:
+            argv.insert(1, "-r")
+        ok = shutil.which("unshare") is not None
+        if ok:
+            probe = "mount -t tmpfs cua-probe /home"
+            try:
+                ok = (
+                    subprocess.run(
+                        [*argv, "sh", "-c", probe],
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                        timeout=10,
+                        check=False,
+                    ).returncode
+                    == 0
+                )
+            except (OSError, subprocess.SubprocessError):
+                ok = False
+        _unshare_argv = argv if ok else []
+    return list(_unshare_argv)
+
+
+# OSWorld's Chrome tasks launch `google-chrome --remote-debugging-port=1337` and forward its
+# DevTools port with `socat tcp-listen:9222,fork tcp:localhost:1337`. Where the machine has
+# Debian's Chromium and no Chrome (or no socat), a LocalDesktop's bin holds stand-ins: Chromium
+# with Chrome's profile directory (OSWorld reads ~/.config/google-chrome/Default/...), and a TCP
+# forwarder for the one socat form OSWorld uses.
+CHROME_SHIM = """#!/bin/sh
+exec @CHROMIUM@ --no-first-run --no-default-browser-check --password-store=basic \
+  --user-data-dir="$HOME/.config/google-chrome" @NO_SANDBOX@"$@"
+"""
+SOCAT_SHIM = r"""#!/usr/bin/env python3
+# socat's one form in OSWorld's tasks: socat tcp-listen:PORT[,fork,...] tcp:HOST:PORT
+import socket, sys, threading
+if len(sys.argv) != 3 or not sys.argv[1].lower().startswith("tcp-listen:") or not (
+    sys.argv[2].lower().startswith("tcp:")
+):
+    sys.exit("socat (this desktop's stand-in) takes: tcp-listen:PORT[,fork] tcp:HOST:PORT")
+port = int(sys.argv[1].split(":", 1)[1].split(",")[0])
+host, to = sys.argv[2].split(":", 1)[1].rsplit(":", 1)
+def pipe(a, b):
+    try:
+        while data := a.recv(65536):
+            b.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (a, b):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+srv = socket.create_server(("127.0.0.1", port))
+while True:
+    c, _ = srv.accept()
+    try:
+        u = socket.create_connection((host, int(to)), timeout=10)
+    except OSError:
+        c.close()
+        continue
+    u.settimeout(None)
+    threading.Thread(target=pipe, args=(c, u), daemon=True).start()
+    threading.Thread(target=pipe, args=(u, c), daemon=True).start()
+"""
+
+
+def _write_app_shims(bin_dir: Path) -> None:
+    """Chrome and socat stand-ins for OSWorld's Chrome tasks, where the real ones are missing."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium and not (shutil.which("google-chrome") or shutil.which("google-chrome-stable")):
+        text = CHROME_SHIM.replace("@CHROMIUM@", chromium).replace(
+            "@NO_SANDBOX@",
+            "--no-sandbox " if os.geteuid() == 0 else "",  # root: Chromium asks
+        )
+        for name in ("google-chrome", "google-chrome-stable"):
+            (bin_dir / name).write_text(text)
+            (bin_dir / name).chmod(0o755)
+    if not shutil.which("socat"):
+        (bin_dir / "socat").write_text(SOCAT_SHIM)
+        (bin_dir / "socat").chmod(0o755)
+
+
 def missing_programs(
     programs: Iterable[str] = ("Xvfb", "openbox", "xdotool", "wmctrl"),
 ) -> list[str]:
@@ -154,6 +255,11 @@ class LocalDesktop:
         gets at most ``cpus`` cores and dies with its episode. None: no cap.
       command_cpu_s: the CPU seconds each command the server starts may use (the server's
         ``--command-cpu-s``, ``RLIMIT_CPU``; works without a cgroup). None: no cap.
+      home_alias: where the server and everything it starts also see the desktop's home, and
+        their $HOME (OSWorld's "/home/user": its tasks' paths, a model typing them). A private
+        mount namespace per desktop (``HOME_ALIAS_SCRIPT``), so parallel desktops each have
+        their own; where the machine allows none (``home_alias_active`` False, a warning),
+        $HOME is the desktop's own directory and /home/user paths do not resolve. None: off.
     """
 
     def __init__(
@@ -173,6 +279,7 @@ class LocalDesktop:
         max_processes: int | None = 4096,
         cpus: float | None = None,
         command_cpu_s: float | None = None,
+        home_alias: str | None = "/home/user",
     ):
         if width < 64 or height < 64:
             raise ValueError(f"LocalDesktop screen {width}x{height} is too small (min 64x64)")
@@ -196,6 +303,12 @@ class LocalDesktop:
         self.max_processes, self.cpus, self.command_cpu_s = max_processes, cpus, command_cpu_s
         DesktopLimits("check", max_processes=max_processes, cpus=cpus)  # bad values fail here
         self._limits: DesktopLimits | None = None
+        if home_alias is not None:
+            parts = Path(home_alias).parts
+            if len(parts) != 3 or parts[:2] != ("/", "home") or parts[2] in (".", ".."):
+                raise ValueError(f"LocalDesktop home_alias must be /home/NAME, got {home_alias!r}")
+        self.home_alias = home_alias
+        self.home_alias_active = False  # set by start()
         self.limits_mode = "none"  # set by start(): "cgroup v2" | "cgroup v1" | "rlimit" | "none"
         self._name = name
         self.display: str | None = None
@@ -249,6 +362,7 @@ class LocalDesktop:
         digest = hashlib.sha256(self.client_password.encode()).hexdigest()
         (bin_dir / "sudo").write_text(SUDO_SHIM.replace("@SHA256@", digest))
         (bin_dir / "sudo").chmod(0o755)
+        _write_app_shims(bin_dir)
         self.tmp = self._root / "tmp"  # a private /tmp: parallel desktops never see each other
         self.tmp.mkdir()
         self._limits = DesktopLimits(
@@ -372,6 +486,18 @@ class LocalDesktop:
         if self.command_cpu_s is not None:
             cmd += ["--command-cpu-s", str(self.command_cpu_s)]
         env = {**env, "CUA_VM_TOKEN": self.token}  # not on the command line (ps shows it)
+        prefix = _home_alias_argv() if self.home_alias else []
+        self.home_alias_active = bool(prefix)
+        if prefix:
+            cmd = [*prefix, "sh", "-c", HOME_ALIAS_SCRIPT, "sh", *cmd, "--allow-root"]
+            cmd.append(self.home_alias)
+            env.update(HOME=self.home_alias, CUA_HOME=str(self.home), CUA_ALIAS=self.home_alias)
+        elif self.home_alias:
+            warn_once(
+                f"LocalDesktop: this machine allows no mount namespace (unshare), so "
+                f"{self.home_alias} paths of OSWorld's tasks do not resolve on local desktops "
+                "(their home is a directory of their own)"
+            )
         self._server = subprocess.Popen(
             cmd,
             env=env,

@@ -5,8 +5,8 @@ scripted solution (actions through ``VMEnv.step``); and 20 of desktop-env's metr
 here, each once where it must give 1 and once where it must not (the comparison README reports
 between this venv's pandas 3 / numpy 2 and desktop-env's own pins).
 
-The tasks are OSWorld's own files, with two changes: ``/home/user`` is ``~`` (a LocalDesktop's
-home is made anew on every reset), and
+The tasks are OSWorld's own files, their ``/home/user/...`` paths as OSWorld wrote them (a
+LocalDesktop shows its fresh home there, ``home_alias``), with one change:
 the steps that start, open, focus or wait for the task's app (``open``, ``launch``,
 ``activate_window``, ``close_window``, ``sleep``) are dropped, since LibreOffice, GIMP and VS Code
 are not on this machine. Their downloads and ``cloud_file`` golds come from an offline cache
@@ -466,8 +466,8 @@ def _cases() -> dict[str, TaskCase]:
 
 
 def _on_this_desktop(raw: dict[str, Any]) -> dict[str, Any]:
-    """The task with /home/user -> ``~`` and the app steps dropped (see the docstring)."""
-    task = json.loads(json.dumps(raw).replace("/home/user", "~"))
+    """The task with the app steps dropped (see the docstring); /home/user paths kept."""
+    task = json.loads(json.dumps(raw))
     task["config"] = [s for s in task["config"] if s["type"] not in APP_STEPS]
     ev = task["evaluator"]
     ev["postconfig"] = [s for s in ev.get("postconfig", []) if s["type"] not in APP_STEPS]

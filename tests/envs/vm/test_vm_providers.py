@@ -249,3 +249,36 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is gone
     except FileNotFoundError:
         return False
+
+
+def test_osworld_home_paths_are_each_desktops_own_home(xserver, aio):
+    """OSWorld's tasks write /home/user/...: each LocalDesktop's processes see their own fresh
+    home there (a private mount namespace), the host's /home is untouched, and home_alias=None
+    keeps $HOME at the desktop's own directory."""
+    host_home = sorted(os.listdir("/home"))
+
+    async def go():
+        async with (
+            LocalDesktop(320, 240, window_manager=None) as a,
+            LocalDesktop(320, 240, window_manager=None) as b,
+            LocalDesktop(320, 240, window_manager=None, home_alias=None) as plain,
+        ):
+            if not (a.home_alias_active and b.home_alias_active):
+                pytest.skip("this machine allows no mount namespace (unshare)")
+            for d, word in ((a, "a"), (b, "b")):
+                await d.client.execute(f"echo {word} > /home/user/Desktop/mark", shell=True)
+            seen = [
+                (await d.client.execute("cat /home/user/Desktop/mark; echo $HOME", shell=True))[
+                    "output"
+                ]
+                for d in (a, b)
+            ]
+            files = [(d.home / "Desktop" / "mark").read_text() for d in (a, b)]
+            via_file_api = await a.client.download("/home/user/Desktop/mark")
+            home = (await plain.client.execute("echo $HOME", shell=True))["output"].strip()
+            return seen, files, via_file_api, home, str(plain.home)
+
+    seen, files, via_file_api, home, plain_home = aio(go())
+    assert seen == ["a\n/home/user\n", "b\n/home/user\n"] and files == ["a\n", "b\n"]
+    assert via_file_api == b"a\n"
+    assert home == plain_home and sorted(os.listdir("/home")) == host_home
