@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 from configs.qwen3vl_grpo import get_config  # noqa: E402
 from cua_jax import builders, compile_stats  # noqa: E402
 from cua_jax import sharding as shd  # noqa: E402
+from cua_jax.rl.shapes import ShapeSet, screen_grid  # noqa: E402
 from cua_jax.rl.trajectory import Trajectory, Turn  # noqa: E402
 
 
@@ -67,8 +68,6 @@ def run(label, config, steps, seed, fixed):
     mesh = shd.make_mesh(1, 1, 1)
     model, processor = builders.build_model_and_processor(config, mesh, shd.DEFAULT_RULES)
     learner = builders.build_learner(model, config, mesh, shd.DEFAULT_RULES, sft=False)
-    from cua_jax.rl.shapes import ShapeSet, screen_grid
-
     ic = processor.image_config
     grid = screen_grid(config.env.viewport_width, config.env.viewport_height, ic)
     stats = compile_stats.install()

@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 from tools import bench_setup
+from tools.bench_forward import hf_dicts, inputs
 
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=352, decoder_sparse_step=1)
 
@@ -36,8 +37,6 @@ def hf_moe_model():
     top-2, in every layer; with its image, vision-start and vision-end token ids."""
     import torch
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
-
-    from tools.bench_forward import hf_dicts
 
     ids, text, vision = hf_dicts("qwen3_vl")
     text.update(MOE)
@@ -53,7 +52,6 @@ def bench_forward(rounds: int) -> dict:
     import torch
 
     from cua_jax.models import qwen_vl
-    from tools.bench_forward import inputs
 
     hf, image_id, start_id, end_id = hf_moe_model()
     ids, pv, grid = inputs("qwen3_vl", image_id, start_id, end_id)

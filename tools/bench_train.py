@@ -27,7 +27,7 @@ from flax import nnx  # noqa: E402
 from cua_jax.models import qwen_vl  # noqa: E402
 from cua_jax.rl import packing  # noqa: E402
 from cua_jax.rl.learner import Learner, OptimizerConfig  # noqa: E402
-from cua_jax.rl.trajectory import Trajectory, Turn  # noqa: E402
+from cua_jax.rl.trajectory import Trajectory, Turn, trajectory_to_samples  # noqa: E402
 
 
 def make_config(layers: int, hidden: int, vocab: int) -> qwen_vl.QwenVLConfig:
@@ -122,8 +122,6 @@ def main() -> None:
     )
     batch, info = learner.prepare_batch(groups)
     samples = []
-    from cua_jax.rl.trajectory import trajectory_to_samples
-
     for g in groups:
         for t in g:
             samples += trajectory_to_samples(t, 0.0)
