@@ -17,6 +17,16 @@ episode goes to it, and a health check (``GET /health`` every ``health_interval_
 back when it answers again. Hosts may join (``add_host``) and leave (``remove_host``) during a
 run. With no host up, ``acquire`` waits up to ``acquire_timeout_s`` for one, then raises
 ``EnvError``.
+
+Faults are attributed to the host *incarnation* that leased the env: a host that comes back
+after being down starts a new ``generation``, and an env leased before that (its lease died with
+the old process) counts against the old incarnation (``fault_log``) without taking the new one
+out. A lost lease (HTTP 404) alone does not take a host out either: it asks for a health check at
+once, which does when the host is really gone. Each leased env counts at most one fault.
+``acquire(avoid=host)`` prefers any other host with a free env: the rollout loop retries an
+episode that a fault ended elsewhere (``cua_jax.rl.rollout``), and ``host_of(env)`` names the
+host an env came from. The Ray backend (``envs.ray_fleet.RayFleet``) is this fleet with hosts
+found, placed, restarted and scaled by Ray.
 """
 
 from __future__ import annotations
@@ -50,10 +60,12 @@ class HostState:
     episodes: int = 0
     last_error: str = ""
     down_since: float | None = None
+    generation: int = 0  # +1 each time the host comes back after being down (a new process)
+    draining: bool = False  # being scaled away: no new episodes
 
     @property
     def free(self) -> int:
-        return self.capacity - self.in_use if self.up else 0
+        return self.capacity - self.in_use if self.up and not self.draining else 0
 
 
 class BrowserFleet:
@@ -70,6 +82,8 @@ class BrowserFleet:
       acquire_timeout_s: how long ``acquire`` waits for a free env while no host is up.
     """
 
+    _finds_hosts = False  # a subclass that discovers its hosts may start with none
+
     def __init__(
         self,
         local: Any = None,
@@ -82,7 +96,7 @@ class BrowserFleet:
         request_timeout_s: float = 60.0,
         acquire_timeout_s: float = 300.0,
     ):
-        if local is None and not endpoints:
+        if local is None and not endpoints and not self._finds_hosts:
             raise ValueError("a BrowserFleet needs a local pool or at least one endpoint")
         self.local = local
         self.token = token
@@ -95,6 +109,11 @@ class BrowserFleet:
         if local is not None:
             self.hosts[LOCAL] = HostState(LOCAL, len(local))
         self._endpoints = list(dict.fromkeys(endpoints))
+        # Every fault of a leased env: host, its generation then, the reason (kept when a host
+        # leaves, so no fault is lost from the counts).
+        self.fault_log: list[dict[str, Any]] = []
+        self.retries = 0  # acquires that asked to avoid a host (retries of faulted episodes)
+        self._leased: dict[int, tuple[str, int]] = {}  # id(env) -> (host, generation)
         self._session: aiohttp.ClientSession | None = None
         self._changed: asyncio.Condition | None = None
         self._health: asyncio.Task | None = None
@@ -156,6 +175,8 @@ class BrowserFleet:
             return
         if not h.up:
             log.warning("browser host %s answers again: back in the fleet", endpoint)
+            if h.down_since is not None or h.last_error:
+                h.generation += 1  # it was down: whatever answers now is a new process
         h.capacity = self.capacity or int(info.get("capacity", 0))
         h.up, h.down_since, h.last_error = h.capacity > 0, None, ""
         await self._notify()
@@ -197,6 +218,15 @@ class BrowserFleet:
             "env_capacity": float(sum(h.capacity for h in up)),
         }
 
+    def fault_counts(self) -> dict[str, Any]:
+        """Faults of leased envs by host and generation (earlier processes included), and the
+        retries asked for: ``{"faults": n, "retries": n, "by_host": {host: {gen: n}}}``."""
+        by_host: dict[str, dict[int, int]] = {}
+        for f in self.fault_log:
+            gens = by_host.setdefault(f["host"], {})
+            gens[f["generation"]] = gens.get(f["generation"], 0) + 1
+        return {"faults": len(self.fault_log), "retries": self.retries, "by_host": by_host}
+
     def report(self) -> dict[str, Any]:
         """Per host: up, capacity, in use, episodes, faults, last error."""
         return {
@@ -206,6 +236,7 @@ class BrowserFleet:
                 "in_use": h.in_use,
                 "episodes": h.episodes,
                 "faults": h.faults,
+                "generation": h.generation,
                 "last_error": h.last_error,
             }
             for n, h in self.hosts.items()
@@ -213,22 +244,28 @@ class BrowserFleet:
 
     # ------------------------------------------------------------------------ acquire
 
-    def _pick(self) -> HostState | None:
-        best = None
-        for h in self.hosts.values():
-            if h.free > 0 and (best is None or h.free > best.free):
-                best = h
-        return best
+    def _pick(self, avoid: str | None = None) -> HostState | None:
+        free = [h for h in self.hosts.values() if h.free > 0]
+        others = [h for h in free if h.name != avoid]
+        return max(others or free, key=lambda h: h.free, default=None)
+
+    def host_of(self, env: Any) -> str | None:
+        """The host an env now leased from this fleet runs on (None: not one of ours)."""
+        got = self._leased.get(id(env))
+        return got[0] if got is not None else None
 
     @contextlib.asynccontextmanager
-    async def acquire(self) -> AsyncIterator[Any]:
-        """An env on the host with the most free capacity, for one ``async with`` block."""
+    async def acquire(self, avoid: str | None = None) -> AsyncIterator[Any]:
+        """An env on the host with the most free capacity, for one ``async with`` block;
+        `avoid`: a host to pass over while another has a free env (a retry after its fault)."""
         if self._changed is None:
             raise RuntimeError("use the fleet inside `async with BrowserFleet(...) as fleet`")
+        if avoid is not None:
+            self.retries += 1
         deadline = time.monotonic() + self.acquire_timeout_s
         while True:
             async with self._changed:
-                h = self._pick()
+                h = self._pick(avoid)
                 while h is None:
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -238,35 +275,68 @@ class BrowserFleet:
                         )
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
-                    h = self._pick()
+                    h = self._pick(avoid)
                 h.in_use += 1
             try:
                 if h.name == LOCAL:
                     async with self.local.acquire() as env:
                         h.episodes += 1
-                        yield env
+                        self._leased[id(env)] = (LOCAL, h.generation)
+                        try:
+                            yield env
+                        finally:
+                            self._leased.pop(id(env), None)
                     return
                 env = await self._lease(h)
                 if env is None:
                     continue  # the host failed to lease: taken out, try another
                 try:
                     h.episodes += 1
+                    self._leased[id(env)] = (h.name, h.generation)
                     yield env
                 finally:
+                    self._leased.pop(id(env), None)
                     await env.close()
                 return
             finally:
                 h.in_use -= 1
                 await self._notify()
 
+    def _on_fault(self, h: HostState, generation: int, reason: str) -> None:
+        """A leased env's call failed: the fault is the incarnation's that leased it. The host
+        is taken out only if that incarnation is the one in the fleet now; a lost lease (404)
+        asks for a health check instead (the lease may have died with an earlier process)."""
+        current = self.hosts.get(h.name) is h and h.generation == generation
+        self.fault_log.append(
+            {
+                "host": h.name,
+                "generation": generation,
+                "current": current,
+                "reason": reason,
+                "t": time.time(),
+            }
+        )
+        if not current:
+            log.warning("browser host %s: a fault of its earlier process: %s", h.name, reason)
+            return
+        h.faults += 1
+        if "HTTP 404" in reason:  # the lease is gone; is the host?
+            with contextlib.suppress(RuntimeError):
+                asyncio.get_running_loop().create_task(self._check(h.name))
+            return
+        self.mark_down(h.name, reason)
+
     async def _lease(self, h: HostState) -> Any:
         from envs.browser.remote import HostUnavailable, RemoteBrowserEnv  # noqa: PLC0415
 
+        generation = h.generation
+        faulted = False
+
         def on_fault(endpoint: str, reason: str) -> None:
-            state = self.hosts.get(endpoint)
-            if state is not None:
-                state.faults += 1
-            self.mark_down(endpoint, reason)
+            nonlocal faulted
+            if not faulted:  # one fault per leased env, however many of its calls fail
+                faulted = True
+                self._on_fault(h, generation, reason)
 
         env = RemoteBrowserEnv(
             h.name,
@@ -274,14 +344,14 @@ class BrowserFleet:
             self.viewport,
             session=self._session,
             timeout_s=self.request_timeout_s,
-            on_fault=on_fault,
         )
         try:
-            await env.lease()
+            await env.lease()  # a failed lease is no episode's fault: the host is taken out
         except HostUnavailable as e:
             if "HTTP 503" in str(e):  # full (another trainer shares it): try again shortly
                 await asyncio.sleep(0.2)
-            else:
+            elif self.hosts.get(h.name) is h:
                 self.mark_down(h.name, str(e))
             return None
+        env.on_fault = on_fault
         return env

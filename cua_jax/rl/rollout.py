@@ -20,7 +20,12 @@ is dropped the prompt no longer extends the previous sequence, the turn is recor
 A model output that does not parse is not an error: the env receives the `InvalidAction`, answers
 with feedback, and the episode goes on (it counts towards `invalid_actions`). Faults of the
 infrastructure (the env, the sampler, the task's checker) end the episode without raising and
-mark it `Trajectory.infra_fault`, so it is neither trained on nor counted as a failure.
+mark it `Trajectory.infra_fault`, so it is neither trained on nor counted as a failure. A
+training episode the env side ended (a dead host, a crashed browser or VM: `env_error`,
+`evaluate_error`) is played again on an env from another host (`RolloutSettings.env_retries`
+times at most; a fleet's `acquire(avoid=host)`), so a group is not lost to one dead browser; the
+attempts are counted (`AgentLoop.env_retries`, `Trajectory.timings["env_attempts"]`), and an
+episode still faulted after the last one is returned as the fault it is, never as a failure.
 """
 
 from __future__ import annotations
@@ -59,11 +64,30 @@ OMITTED_SCREENSHOT = "(an earlier screenshot, omitted)"
 
 
 class EnvPool(Protocol):
-    """What the loop needs from an env pool (envs.browser.BrowserPool, envs.vm pools)."""
+    """What the loop needs from an env pool (envs.browser.BrowserPool, envs.vm pools). A pool
+    that spreads envs over hosts (envs.fleet) also has `host_of(env)` and takes
+    `acquire(avoid=host)`, so a retry goes to another host."""
 
     def acquire(self) -> contextlib.AbstractAsyncContextManager[Env]: ...
 
     def __len__(self) -> int: ...
+
+
+def _acquire(pool: EnvPool, avoid: str | None) -> contextlib.AbstractAsyncContextManager[Env]:
+    if avoid is not None and callable(getattr(pool, "host_of", None)):
+        return pool.acquire(avoid=avoid)  # type: ignore[call-arg]
+    return pool.acquire()
+
+
+def _host_of(pool: EnvPool, env: Env) -> str | None:
+    host_of = getattr(pool, "host_of", None)
+    return host_of(env) if callable(host_of) else None
+
+
+def env_side_fault(traj: Trajectory) -> bool:
+    """The env side ended the episode (`env_error`, `evaluate_error`: a dead host, a crashed
+    browser or VM), not the sampler: playing it again elsewhere can succeed."""
+    return (traj.failure_reason or "").startswith(("env_error", "evaluate_error"))
 
 
 log = logging.getLogger(__name__)
@@ -99,8 +123,13 @@ class RolloutSettings:
     # Keep the screen after a failed episode's last action (`Trajectory.final_screen`), for
     # SDPO's final_screenshot feedback; one more preprocessed image per failed episode.
     keep_final_screen: bool = False
+    # A training episode the env side ended (`env_side_fault`) is played again on an env from
+    # another host, at most this many times; then it is returned as an infrastructure fault.
+    env_retries: int = 2
 
     def __post_init__(self) -> None:
+        if not isinstance(self.env_retries, int) or self.env_retries < 0:
+            raise ValueError(f"env_retries={self.env_retries!r} must be an integer >= 0")
         if self.system_prompt not in ("tools", "compact"):
             raise ValueError(f"system_prompt={self.system_prompt!r}: use 'tools' or 'compact'")
         if self.invalid_action_penalty < 0:
@@ -297,6 +326,7 @@ class AgentLoop:
         self.tokenizer = processor.tokenizer
         self.chat = processor.chat
         self._episodes = 0
+        self.env_retries = 0  # training episodes played again after an env-side fault
 
     # ---- transcript ----------------------------------------------------------------------------
 
@@ -519,7 +549,9 @@ class AgentLoop:
         group_id: str,
         screens: list[list[np.ndarray]] | None = None,
     ) -> list[Trajectory]:
-        """`group_size` episodes of one task (a GRPO group), concurrently.
+        """`group_size` episodes of one task (a GRPO group), concurrently. A member the env
+        side ended (`env_side_fault`) is played again, on another host where the pool has
+        hosts, up to `settings.env_retries` times (the module docstring).
 
         screens: when given, one list of screenshots per member is appended (episode viewer).
         """
@@ -528,14 +560,33 @@ class AgentLoop:
             screens.extend(per_member)
 
         async def one(member: int) -> Trajectory:
-            async with pool.acquire() as env:
-                return await self.run_episode(
-                    env,
-                    task,
-                    seed=episode_seed(seed, member),
-                    group_id=group_id,
-                    screens=None if per_member is None else per_member[member],
+            avoid = None
+            for attempt in range(self.settings.env_retries + 1):
+                if per_member is not None:
+                    per_member[member].clear()
+                async with _acquire(pool, avoid) as env:
+                    avoid = _host_of(pool, env)
+                    traj = await self.run_episode(
+                        env,
+                        task,
+                        seed=episode_seed(seed, member),
+                        group_id=group_id,
+                        screens=None if per_member is None else per_member[member],
+                    )
+                if not env_side_fault(traj) or attempt == self.settings.env_retries:
+                    break
+                self.env_retries += 1
+                log.info(
+                    "%s member %d: %s on host %s; played again elsewhere (attempt %d of %d)",
+                    group_id,
+                    member,
+                    traj.failure_reason,
+                    avoid,
+                    attempt + 2,
+                    self.settings.env_retries + 1,
                 )
+            traj.timings["env_attempts"] = float(attempt + 1)
+            return traj
 
         return list(await asyncio.gather(*(one(m) for m in range(group_size))))
 
@@ -562,10 +613,12 @@ class AgentLoop:
             screens.extend(per_task)
 
         async def one(i: int, task: Task) -> Trajectory:
-            for _ in range(2):  # one retry after an infrastructure fault
+            avoid = None
+            for _ in range(2):  # one retry after an infrastructure fault, on another host
                 if per_task is not None:
                     per_task[i].clear()
-                async with pool.acquire() as env:
+                async with _acquire(pool, avoid) as env:
+                    avoid = _host_of(pool, env)
                     traj = await self.run_episode(
                         env,
                         task,

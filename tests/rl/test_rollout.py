@@ -359,7 +359,8 @@ def test_env_and_checker_faults_are_infra_faults_in_training_and_eval(proc, faul
     info["error"] is an infrastructure fault, never a 0-score failure of the policy; the episode
     never raises out of the loop. Eval retries it once, then reports it apart."""
     engine = ScriptedEngine(proc.tokenizer, _solver(proc))
-    loop = AgentLoop(engine, proc, RolloutSettings(max_turns=4))
+    # env_retries=0: the episode as it faulted (retries: tests/envs/test_fleet_faults.py)
+    loop = AgentLoop(engine, proc, RolloutSettings(max_turns=4, env_retries=0))
     env = FaultyEnv(fault, exc)
     (traj,) = asyncio.run(loop.run_group(OnePool(env), TASK, 1, seed=1, group_id="f"))
     assert traj.failure_reason == reason and traj.infra_fault and not traj.success
