@@ -442,6 +442,12 @@ def same(a, b):
     a, b = urllib.parse.urlparse(a), urllib.parse.urlparse(b)
     return (a.netloc, a.path.rstrip("/")) == (b.netloc, b.path.rstrip("/"))
 if op == "open":
+    # a Chrome just launched answers DevTools a moment before its default tab is listed: wait
+    # for it (at most 5 s), so the first new tab replaces it as in OSWorld
+    settle = min(deadline, time.time() + 5.0)
+    while not pages and time.time() < settle:
+        time.sleep(0.2)
+        pages = [t for t in call("/json/list") if t.get("type") == "page"]
     for i, u in enumerate(urls):
         call("/json/new?" + urllib.parse.quote(u, safe=":/?&=#%+@,;~!$'()*"), "PUT")
         if i == 0 and pages:  # like OSWorld: the first new tab replaces Chrome's default one

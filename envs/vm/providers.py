@@ -145,9 +145,11 @@ def _home_alias_argv() -> list[str]:
 # Debian's Chromium and no Chrome (or no socat), a LocalDesktop's bin holds stand-ins: Chromium
 # with Chrome's profile directory (OSWorld reads ~/.config/google-chrome/Default/...), and a TCP
 # forwarder for the one socat form OSWorld uses.
-CHROME_SHIM = """#!/bin/sh
+CHROME_SHIM = r"""#!/bin/sh
+# Chromium refuses root without --no-sandbox (root here, or root in the desktop's namespace)
+if [ "$(id -u)" = 0 ]; then set -- --no-sandbox "$@"; fi
 exec @CHROMIUM@ --no-first-run --no-default-browser-check --password-store=basic \
-  --user-data-dir="$HOME/.config/google-chrome" @NO_SANDBOX@"$@"
+  --user-data-dir="$HOME/.config/google-chrome" "$@"
 """
 SOCAT_SHIM = r"""#!/usr/bin/env python3
 # socat's one form in OSWorld's tasks: socat tcp-listen:PORT[,fork,...] tcp:HOST:PORT
@@ -188,10 +190,7 @@ def _write_app_shims(bin_dir: Path) -> None:
     """Chrome and socat stand-ins for OSWorld's Chrome tasks, where the real ones are missing."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium and not (shutil.which("google-chrome") or shutil.which("google-chrome-stable")):
-        text = CHROME_SHIM.replace("@CHROMIUM@", chromium).replace(
-            "@NO_SANDBOX@",
-            "--no-sandbox " if os.geteuid() == 0 else "",  # root: Chromium asks
-        )
+        text = CHROME_SHIM.replace("@CHROMIUM@", chromium)
         for name in ("google-chrome", "google-chrome-stable"):
             (bin_dir / name).write_text(text)
             (bin_dir / name).chmod(0o755)
