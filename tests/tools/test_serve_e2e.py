@@ -107,3 +107,68 @@ def test_eval_through_the_server_equals_the_checkpoint_and_show_results_agrees(t
     for dom, d in s.domains.items():
         assert d.successes / d.ran == pytest.approx(ja[f"eval/success/{dom}"])
     assert show_results.main([os.path.join(ckpt, "results")]) == 0
+
+
+@pytest.mark.skipif(
+    os.environ.get("CUA_LONG_TESTS") != "1",
+    reason="serve.py + an OSWorld-meta eval on a LocalDesktop costs ~40 s of CPU: CUA_LONG_TESTS=1",
+)
+def test_an_osworld_meta_eval_through_the_server_writes_what_show_results_reads(tmp_path):
+    """tools/eval.py --agent=openai --osworld_meta against tools/serve.py (token by environment)
+    on a LocalDesktop: one OSWorld-format task whose setup already solves it (the smoke model's
+    actions are noise), so result.txt says 1 only if the episode ran through the server."""
+    from tests.tools.test_eval_osworld_meta import _task
+
+    ev = tmp_path / "evaluation_examples"
+    (ev / "examples" / "os").mkdir(parents=True)
+    task = _task("os-1", "echo hi > /home/user/a", "cat ~/a", "hi\n")
+    (ev / "examples" / "os" / "os-1.json").write_text(json.dumps(task))
+    (ev / "meta.json").write_text(json.dumps({"os": ["os-1"]}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = "a-served-eval-token-0123456789"
+    env = {**_env(), "CUA_SERVE_TOKEN": token, "OPENAI_API_KEY": token}
+    server = subprocess.Popen(
+        [sys.executable, "tools/serve.py", CONFIG, f"--port={port}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    results = tmp_path / "results"
+    try:
+        t0 = time.monotonic()
+        while True:
+            try:
+                req = urllib.request.Request(
+                    f"http://127.0.0.1:{port}/health", headers={"Authorization": f"Bearer {token}"}
+                )
+                with urllib.request.urlopen(req, timeout=2):
+                    break
+            except OSError:
+                assert server.poll() is None, server.stderr.read()[-3000:]
+                assert time.monotonic() - t0 < 120, "tools/serve.py did not come up"
+                time.sleep(0.5)
+        r = subprocess.run(
+            [sys.executable, "tools/eval.py", CONFIG, "--config.env.kind=vm",
+             "--config.env.concurrency=1", "--config.log.db=False", "--agent=openai",
+             f"--base_url=http://127.0.0.1:{port}/v1", "--model=smoke",
+             f"--out={tmp_path / 'out'}", f"--result_dir={results}",
+             f"--osworld_meta={ev / 'meta.json'}"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    finally:
+        server.terminate()
+        server.wait(30)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ep = results / "pyautogui" / "screenshot" / "smoke" / "os" / "os-1"
+    assert (ep / "result.txt").read_text().strip() in ("1", "1.0")
+    steps = [json.loads(x) for x in (ep / "traj.jsonl").read_text().splitlines()]
+    assert steps and all(s["token_ids"] for s in steps)  # replies came from the served engine
+    show = subprocess.run(
+        [sys.executable, "tools/show_results.py", str(results), "--model=smoke"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert show.returncode == 0 and "Score: 1 / 1" in show.stdout, show.stdout + show.stderr
