@@ -8,7 +8,9 @@ with the VM server's port 5000 published on a free loopback port, start it, read
 (``inspect``), and wait for the server; ``reset()`` (before every episode) restarts the
 container, so each episode starts from the image's state (the container's writable layer is
 kept across restarts: the task's own setup steps then prepare the episode, as on OSWorld's
-VMs); ``stop()`` removes it. The token is passed in as ``$CUA_VM_TOKEN``.
+VMs); ``stop()`` removes it. The token is passed in as ``$CUA_VM_TOKEN``. A container holds
+at most ``max_processes`` tasks (4096 by default, Docker's ``--pids-limit``) and, with ``cpus``,
+that many cores (``--cpus``): a fork bomb or busy loop stays in its container.
 """
 
 from __future__ import annotations
@@ -75,7 +77,17 @@ class DockerAPI:
         except (aiohttp.ClientError, OSError) as e:
             raise DockerError(f"docker daemon at {self.host} did not answer: {e}") from e
 
-    async def create(self, image: str, env: dict[str, str], name: str | None = None) -> str:
+    async def create(
+        self,
+        image: str,
+        env: dict[str, str],
+        name: str | None = None,
+        *,
+        pids_limit: int | None = None,
+        cpus: float | None = None,
+    ) -> str:
+        """A container of ``image``; ``pids_limit`` / ``cpus``: Docker's --pids-limit and
+        --cpus (HostConfig PidsLimit, NanoCpus), enforced by the daemon's cgroup."""
         body = {
             "Image": image,
             "Env": [f"{k}={v}" for k, v in env.items()],
@@ -85,6 +97,10 @@ class DockerAPI:
                 "ShmSize": 512 * 1024**2,
             },
         }
+        if pids_limit is not None:
+            body["HostConfig"]["PidsLimit"] = int(pids_limit)
+        if cpus is not None:
+            body["HostConfig"]["NanoCpus"] = int(cpus * 1e9)
         params = {"name": name} if name else None
         out = await self._call("POST", "/containers/create", json=body, params=params)
         return out["Id"]
@@ -120,7 +136,14 @@ class DockerDesktop:
         screen: tuple[int, int] = (1280, 720),
         ready_timeout: float = 120.0,
         name: str | None = None,
+        max_processes: int | None = 4096,
+        cpus: float | None = None,
     ):
+        if max_processes is not None and max_processes < 16:
+            raise ValueError(f"DockerDesktop max_processes must be >= 16, got {max_processes}")
+        if cpus is not None and not cpus > 0:
+            raise ValueError(f"DockerDesktop cpus must be > 0, got {cpus}")
+        self.max_processes, self.cpus = max_processes, cpus
         self.image = image
         self.token = token
         self.screen = screen
@@ -148,7 +171,9 @@ class DockerDesktop:
         env = {"SCREEN": f"{self.screen[0]}x{self.screen[1]}x24"}
         if self.token:
             env["CUA_VM_TOKEN"] = self.token
-        self.cid = await self.api.create(self.image, env, self.container_name)
+        self.cid = await self.api.create(
+            self.image, env, self.container_name, pids_limit=self.max_processes, cpus=self.cpus
+        )
         await self.api.start(self.cid)
         await self._connect()
 

@@ -126,7 +126,9 @@ def test_docker_desktop_lifecycle_against_a_fake_daemon(tmp_path):
             url2 = d.client.base_url
             assert await d.client.ping()  # reconnected to the port after the restart
             await d.stop()
-            bad = DockerDesktop("no-such:image", docker_host=f"unix://{sock}")
+            bad = DockerDesktop(
+                "no-such:image", docker_host=f"unix://{sock}", max_processes=256, cpus=1.5
+            )
             with pytest.raises(VMError, match="No such image"):
                 await bad.start()
             await bad.stop()
@@ -142,6 +144,10 @@ def test_docker_desktop_lifecycle_against_a_fake_daemon(tmp_path):
     ]
     assert calls[4][2] == {"force": "1", "v": "1"}
     assert restarts == 2 and url0 != url2 and not left
+    # Docker's --pids-limit by default (a fork bomb stays in its container), --cpus when given
+    assert body["HostConfig"]["PidsLimit"] == 4096 and "NanoCpus" not in body["HostConfig"]
+    limited = calls[5][2]["HostConfig"]
+    assert limited["PidsLimit"] == 256 and limited["NanoCpus"] == 1_500_000_000
 
 
 def test_docker_revert_hook_restarts_the_named_container(tmp_path, monkeypatch):
