@@ -24,7 +24,11 @@ from flax import nnx  # noqa: E402
 from cua_jax import sharding as shd  # noqa: E402
 from cua_jax.models import qwen_vl  # noqa: E402
 from cua_jax.models.qwen_vl import qwen35  # noqa: E402
-from cua_jax.models.qwen_vl.text import dense_attention, make_attention_mask  # noqa: E402
+from cua_jax.models.qwen_vl.text import (  # noqa: E402
+    dense_attention,
+    make_attention_mask,
+    make_dense_attn_fn,
+)
 from tests.models.hf_tiny import (  # noqa: E402
     IMAGE_TOKEN,
     VISION_END,
@@ -36,9 +40,11 @@ from tests.models.hf_tiny import (  # noqa: E402
 )
 
 TOL = 1e-4
-# The MoE model's packed-row and decode-step checks repeat the dense model's linear-layer code
-# paths with a routed MLP (per token, so packing cannot change it); they cost ~20 s of CPU more
-# and run when CUA_LONG_TESTS=1 (BENCHMARKS lists the run).
+# The MoE model's long-text, image, packed-row and decode-step checks repeat the dense model's
+# code paths (same tower, same linear layers) with a routed MLP (per token, so padding and
+# packing cannot change it); they cost ~25 s of CPU more and run when CUA_LONG_TESTS=1
+# (BENCHMARKS lists the run). By default the MoE model is checked against transformers by
+# `test_routing_replay_and_router_logits_on_moe` (logits and router logits) and the export.
 LONG = os.environ.get("CUA_LONG_TESTS") == "1"
 PAD = VOCAB - 7
 DENSE_LAYERS = ["full_attention", "linear_attention", "linear_attention"]
@@ -183,6 +189,7 @@ def test_config_is_read_as_transformers_reads_it(pair):
 
 def test_text_only_logits(pair):
     hf, ours, _ = pair
+    _long_for_moe(ours)
     ids = np.stack([prompt_ids(None, [70], seed=s) for s in (0, 1)])  # > one 64-token chunk
     ref = hf_logits(hf, ids)
     assert np.abs(ref).max() > 1.0  # non-trivial scale, so 1e-4 is a real check
@@ -192,6 +199,7 @@ def test_text_only_logits(pair):
 def test_images_of_odd_sizes_with_left_and_right_padding(pair):
     """Row 0: one image, left-padded; row 1: two images (tall, wide), right-padded."""
     hf, ours, _ = pair
+    _long_for_moe(ours)
     pv, grid = image_inputs("qwen3_5", [(84, 112), (150, 60), (60, 130)], seed=2)
     a = prompt_ids(grid[:1], [6, 5], seed=3)
     b = prompt_ids(grid[1:], [4, 3, 5], seed=4)
@@ -288,13 +296,15 @@ def test_prefill_then_decode_steps_equal_one_forward(pair):
             )
             return model.logits(h), states
 
-        out, states = step(ids[:, :P], 0, None)
+        out, states = step(ids[:, :P], 0, qwen_vl.initial_linear_states(model.config, 1))
         outs = [out]
         for t in range(P, T):
             out, states = step(ids[:, t : t + 1], t, states)
             outs.append(out)
         return jnp.concatenate(outs, axis=1), states
 
+    with pytest.raises(ValueError, match="needs linear_states"):  # a sampler must carry them
+        ours.decode(*ours.embed(ids)[:1], ours.position_ids_for(ids), make_dense_attn_fn())
     got, states = prefill_then_steps(ours, ids)
     assert len(states) == len(qwen35.linear_attention_layers(ours.config))
     assert _maxdiff(got, run(ours, ids)) <= 1e-5
@@ -312,11 +322,13 @@ def test_routing_replay_and_router_logits_on_moe(pair):
     ids = prompt_ids(None, [20], seed=11)[None]
     logits, info = _routed(ours, ids, None)
     assert info.router_logits.shape == (2, 1, 20, 8) and info.experts.shape == (2, 1, 20, 2)
+    assert np.abs(np.asarray(logits)).max() > 1.0
     replayed, again = _routed(ours, ids, info.experts)
     assert _maxdiff(replayed, logits) == 0.0
     np.testing.assert_array_equal(again.experts, info.experts)
     with torch.no_grad():
         out = hf(input_ids=torch.as_tensor(ids), output_router_logits=True)
+    assert _maxdiff(logits, out.logits.float().numpy()) <= TOL
     ref = np.stack([r.float().numpy() for r in out.router_logits])
     assert _maxdiff(np.asarray(info.router_logits)[:, 0], ref) <= TOL
 
@@ -379,3 +391,18 @@ def test_golden_partition_specs(moe):
     assert got == {k: tuple(v) for k, v in golden.items()}
     unnamed = [k for k, s in specs.items() if s is None]
     assert not unnamed  # every parameter carries logical axis names
+
+
+def test_moe_on_an_8_device_mesh_equals_one_device():
+    """fsdp=2 x tensor=2 x expert=2 (Gated DeltaNet projections, conv and heads split over
+    `tensor`, experts over `expert` inside the MoE block's shard_map, the shared expert as a
+    plain sharded MLP): the same logits as on one device."""
+    if not LONG:
+        pytest.skip("~15 s of CPU (a sharded compile): set CUA_LONG_TESTS=1")
+    assert len(jax.devices()) == 8
+    one = qwen_vl.QwenVL(qwen_vl.tiny_qwen35_moe(), rngs=nnx.Rngs(0))
+    eight = shd.shard_model(nnx.clone(one), shd.make_mesh(1, 2, 2, expert=2))
+    k = eight.model.language_model.layers[0].linear_attn.in_proj_qkv.kernel[...]
+    assert k.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    ids = np.stack([prompt_ids(None, [24], seed=s) for s in (12, 13)])
+    assert _maxdiff(run(eight, ids), run(one, ids)) <= 1e-5

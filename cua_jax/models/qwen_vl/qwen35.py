@@ -295,13 +295,23 @@ def decode(
 
     `segment_ids` / `attention_mask` i32[B, T] default to those of a `RowAttnFn`.
     `linear_states`: one per linear layer (`linear_attention_layers`), continuing an earlier
-    call (zeros when None); a call with T == 1 takes the recurrent (decode) form."""
+    call; None means zeros and is only accepted with a `RowAttnFn` (`QwenVL.attn_fn`: whole
+    sequences), so a KV-cache caller cannot forget them. A call with T == 1 takes the
+    recurrent (decode) form."""
     cfg = lm.cfg
     t = cfg.text
+    linear = linear_attention_layers(cfg)
     if isinstance(attn_fn, RowAttnFn):
         segment_ids = attn_fn.segment_ids if segment_ids is None else segment_ids
         attention_mask = attn_fn.attention_mask if attention_mask is None else attention_mask
-    linear = linear_attention_layers(cfg)
+    elif linear and linear_states is None:
+        # A caller with its own attention (a KV-cache sampler) continues sequences across
+        # calls; without the linear layers' states it would silently restart them every call.
+        raise ValueError(
+            "Qwen3.5 decode with a custom attn_fn needs linear_states (one LinearAttnState per "
+            "linear-attention layer; qwen_vl.initial_linear_states(config, batch) for fresh "
+            "sequences): a sampler must carry them between calls (the hybrid cache)"
+        )
     if linear_states is not None and len(linear_states) != len(linear):
         raise ValueError(
             f"linear_states has {len(linear_states)} entries but the model has {len(linear)} "
