@@ -406,3 +406,24 @@ def test_moe_on_an_8_device_mesh_equals_one_device():
     assert k.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
     ids = np.stack([prompt_ids(None, [24], seed=s) for s in (12, 13)])
     assert _maxdiff(run(eight, ids), run(one, ids)) <= 1e-5
+
+
+def test_checkpoint_extras_and_gaps_are_named(pair, tmp_path):
+    """mtp.* (the multi-token-prediction head) is skipped as transformers skips it; a missing
+    per-expert tensor is named."""
+    from safetensors.numpy import load_file, save_file
+
+    _, ours, d = pair
+    tensors = load_file(os.path.join(d, "model.safetensors"))
+    tensors["mtp.fc.weight"] = np.zeros((4, 4), np.float32)
+    name = "model.language_model.layers.1.mlp.experts.3.up_proj.weight"
+    if ours.config.text.is_moe:
+        del tensors[name]
+    with open(os.path.join(d, "config.json")) as src, open(tmp_path / "config.json", "w") as dst:
+        dst.write(src.read())
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    if not ours.config.text.is_moe:
+        qwen_vl.from_pretrained(str(tmp_path))  # loads: mtp.* skipped
+        return
+    with pytest.raises(ValueError, match=r"missing 1 per-expert tensor.*'3\.up_proj'"):
+        qwen_vl.from_pretrained(str(tmp_path))
