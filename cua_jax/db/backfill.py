@@ -39,25 +39,35 @@ ROLLOUTS_DIR = "rollouts"
 def logged_steps(workdir: str) -> dict[int, dict[str, Any]]:
     """{step: metrics} of WORKDIR/metrics.jsonl (rows of one step merged; a line cut by a
     crash mid-write is skipped)."""
-    path = os.path.join(workdir, METRICS_FILE)
     out: dict[int, dict[str, Any]] = {}
-    if not os.path.exists(path):
-        return out
-    with open(path) as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int):
-                step = row["step"]
-                out[step] = {**out.get(step, {}), **{k: v for k, v in row.items() if k != "step"}}
+    if "://" in workdir:  # gs://...: the trainer writes it there through etils.epath
+        from etils import epath  # noqa: PLC0415 -- object stores only
+
+        remote = epath.Path(workdir) / METRICS_FILE
+        lines = remote.read_text().splitlines() if remote.exists() else []
+    else:
+        path = os.path.join(workdir, METRICS_FILE)
+        if not os.path.exists(path):
+            return out
+        with open(path) as f:
+            lines = f.readlines()
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            step = row["step"]
+            out[step] = {**out.get(step, {}), **{k: v for k, v in row.items() if k != "step"}}
     return out
 
 
 def rollouts_dir(workdir: str, process: int) -> str | None:
     """This process's persisted-rollouts directory (train.py: WORKDIR/rollouts, or
-    WORKDIR/rollouts/pN on multi-host), None when there is none."""
+    WORKDIR/rollouts/pN on multi-host), None when there is none (rl.persist_rollouts writes
+    local files only)."""
+    if "://" in workdir:
+        return None
     base = os.path.join(workdir, ROLLOUTS_DIR)
     for d in (os.path.join(base, f"p{process}"), base):
         if os.path.exists(os.path.join(d, "index.jsonl")):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import hashlib
+import io
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -82,6 +83,16 @@ def save_screenshot(workdir: str, screenshot: np.ndarray) -> tuple[str, int, int
     h, w = arr.shape[:2]
     digest = hashlib.sha256(f"{arr.shape}".encode() + arr.tobytes()).hexdigest()
     rel = f"{SCREENS_DIR}/{digest}.png"
+    if "://" in workdir:  # gs://...: written once through etils.epath
+        from etils import epath  # noqa: PLC0415 -- object stores only
+
+        remote = epath.Path(workdir) / rel
+        if not remote.exists():
+            buf = io.BytesIO()
+            Image.fromarray(arr).save(buf, format="PNG", compress_level=1)
+            remote.parent.mkdir(parents=True, exist_ok=True)
+            remote.write_bytes(buf.getvalue())
+        return rel, int(w), int(h)
     path = os.path.join(workdir, rel)
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)

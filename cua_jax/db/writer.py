@@ -88,8 +88,24 @@ def _light(traj: Any) -> Any:
     return light
 
 
+def is_local(workdir: str) -> bool:
+    """A path on this machine (not gs://... or another object store)."""
+    return "://" not in os.fspath(workdir)
+
+
 def run_uid(workdir: str, *, create: bool = True) -> tuple[str, bool]:
-    """(uid, existed): the uid kept in WORKDIR/trajectories.run, made on the first open."""
+    """(uid, existed): the uid kept in WORKDIR/trajectories.run (a local path or gs://...),
+    made on the first open."""
+    if not is_local(workdir):
+        from etils import epath  # noqa: PLC0415 -- object stores only
+
+        remote = epath.Path(workdir) / RUN_FILE
+        if remote.exists():
+            return json.loads(remote.read_text())["uid"], True
+        uid = uuid.uuid4().hex
+        if create:
+            remote.write_text(json.dumps({"uid": uid}))
+        return uid, False
     path = os.path.join(workdir, RUN_FILE)
     if os.path.exists(path):
         with open(path) as f:
@@ -101,6 +117,12 @@ def run_uid(workdir: str, *, create: bool = True) -> tuple[str, bool]:
             json.dump({"uid": uid}, f)
         os.replace(path + ".tmp", path)
     return uid, False
+
+
+def local_dir(workdir: str, uid: str) -> str:
+    """Where a run whose workdir is an object store keeps its spill file on this machine."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "cua_jax", "trajectory_db", uid)
 
 
 class TrajectoryDB:
@@ -121,7 +143,9 @@ class TrajectoryDB:
         process_index: int = 0,
         backfill: bool = False,
     ) -> None:
-        self.url, self.workdir, self.uid = url, os.path.abspath(workdir), uid
+        local = is_local(workdir)
+        self.url, self.uid = url, uid
+        self.workdir = os.path.abspath(workdir) if local else os.fspath(workdir)
         self.process = int(process_index)
         self.backfilled: dict[str, int] = {}  # what the last backfill wrote (backfill.py)
         self._backfill_due = backfill
@@ -129,7 +153,10 @@ class TrajectoryDB:
         self.retry_s, self.close_timeout_s = retry_s, close_timeout_s
         # each process of a multi-host job spills to its own file
         spill = SPILL_FILE if not self.process else SPILL_FILE.replace(".", f".p{self.process}.", 1)
-        self.spill_path = os.path.join(self.workdir, spill)
+        spill_dir = self.workdir if local else local_dir(self.workdir, uid)
+        if not local:
+            os.makedirs(spill_dir, exist_ok=True)
+        self.spill_path = os.path.join(spill_dir, spill)
         self.lost: list[str] = []  # records that never reached the database
         self.written = 0  # records written (replays included)
         self.down = False  # the database did not answer the last try
@@ -551,17 +578,27 @@ def open_run(
     `rl.persist_rollouts` wrote (`cua_jax.db.backfill`). `process_index` > 0 (multi-host, one
     writer a process, one database): that process's groups and eval shares are rows of their
     own (`records.PROCESS_STRIDE`, eval tags "TAG/pN"); process 0 writes the step's metrics,
-    the run's status and the truncate of a resume."""
+    the run's status and the truncate of a resume.
+
+    A workdir on object storage (gs://...) is recorded when a database URL is given (`url`,
+    $DATABASE_URL; the SQLite default would live in the workdir): its run id and screenshots go
+    to the workdir through etils.epath, its spill file to this machine (`local_dir`)."""
     if not enabled:
         return NullDB()
-    if "://" in os.fspath(workdir):  # gs://...: the run id, screenshots and spill file are files
-        logging.warning(
-            "trajectory database: off for this run, its workdir %s is not a local path (the "
-            "database keeps its run id, screenshots and spill file in the workdir)",
-            workdir,
-        )
-        return NullDB()
-    workdir = os.path.abspath(workdir)
+    if not is_local(workdir):
+        # gs://...: the run id and screenshots live in the workdir (etils.epath), the spill file
+        # on this machine (`local_dir`); the default database (SQLite in the workdir) cannot
+        if not (url or os.environ.get("DATABASE_URL")):
+            logging.warning(
+                "trajectory database: off for this run: its workdir %s is not a local path, "
+                "so the SQLite default has no place; set config.log.db_url (or "
+                "$DATABASE_URL), e.g. to a PostgreSQL URL, to record it",
+                workdir,
+            )
+            return NullDB()
+        workdir = os.fspath(workdir).rstrip("/")
+    else:
+        workdir = os.path.abspath(workdir)
     uid, existed = run_uid(workdir, create=process_index == 0)
     # process 0 makes the run file; the others read it (a workdir shared by the job's hosts)
     deadline = time.monotonic() + 30

@@ -182,3 +182,49 @@ def test_multi_host_processes_write_their_own_rows(db_url, tmp_path):
         left = c.execute(sa.text("SELECT DISTINCT step FROM groups")).scalars().all()
     e.dispose()
     assert left == [1]
+
+
+def test_a_workdir_on_object_storage_is_recorded_with_a_database_url(db_url, tmp_path, monkeypatch):
+    """gs://... with log.db_url: the run id and screenshots go to the workdir through
+    etils.epath (an in-memory fsspec file system stands in for GCS), a resume continues the same
+    run and backfills from gs://.../metrics.jsonl; without a URL the database stays off."""
+    import fsspec
+    from etils import epath
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class FakeGCS(MemoryFileSystem):
+        protocol = ("gs", "gcs")
+        store: dict = {}  # noqa: RUF012 -- fsspec's class-level store
+        pseudo_dirs = [""]  # noqa: RUF012
+
+        def __init__(self, *args, finalize_on_close=None, **kwargs):
+            del finalize_on_close  # epath passes it for gcsfs
+            super().__init__(*args, **kwargs)
+
+    for name in ("gs", "gcs"):
+        fsspec.register_implementation(name, FakeGCS, clobber=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    wd = "gs://bucket/run"
+    assert isinstance(db_lib.open_run(wd, None), db_lib.NullDB)
+    db = db_lib.open_run(wd, db_url, decode=synth.decode, retry_s=0.2)
+    db.truncate_after(-1)
+    groups, screens = synth.step_groups(1, GROUPS, GROUP_SIZE, version=0)
+    db.log_step(1, synth.metrics_row(1), groups, screens=screens, version=1)
+    db.close("failed: killed")
+    rows = "".join(json.dumps({"step": s, **synth.metrics_row(s)}) + "\n" for s in (1, 2))
+    (epath.Path(wd) / "metrics.jsonl").write_text(rows)
+    db = db_lib.open_run(wd, db_url, retry_s=0.2)  # the resume: step 2 comes from the file
+    db.truncate_after(2)
+    db.close("finished")
+    e = db_lib.make_engine(normalize_url(db_url))
+    with e.connect() as c:
+        runs = c.execute(sa.text("SELECT count(*), max(workdir), max(status) FROM runs")).one()
+        steps = c.execute(sa.text("SELECT step FROM steps ORDER BY step")).scalars().all()
+        shots = c.execute(sa.text("SELECT DISTINCT screenshot FROM turns")).scalars().all()
+    e.dispose()
+    assert tuple(runs) == (1, wd, "finished") and steps == [1, 2]
+    assert shots and all((epath.Path(wd) / s).exists() for s in shots)
+    assert not os.path.exists(tmp_path / "gs:")  # nothing written to a local "gs:" folder
+    FakeGCS.store.clear()

@@ -1,5 +1,6 @@
 """The trainer's database switches: `log.db` / `log.db_url` in every config, `log.db=False` (and
-processes other than 0) writing nothing, a non-local workdir turning the database off.
+processes other than 0) writing nothing, a non-local workdir without a database URL turning
+the database off.
 
 The trainer's database end to end (a smoke run, a SIGKILL + resume, tools/eval.py joining the
 run) is checked in tests/test_train_smoke.py with tests/db/train_checks.py."""
@@ -39,7 +40,10 @@ def test_db_off_writes_nothing(tmp_path, monkeypatch):
 
 
 def test_a_non_local_workdir_turns_the_database_off(tmp_path, monkeypatch):
+    """Without a database URL (the default SQLite file has no place in gs://...); with one,
+    tests/db/test_db_backfill.py records it."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DATABASE_URL", raising=False)
     db = db_lib.open_run("gs://bucket/run", None, run_name="x")
     assert isinstance(db, db_lib.NullDB)
     assert os.listdir(tmp_path) == []  # no local "gs:" directory made
