@@ -448,6 +448,8 @@ def apply_record(session: Session, rec: dict[str, Any], lost: Sequence[str] = ()
         session.flush()
         pairs = [(r, {"group_id": None, "eval_id": ev.id}) for r in rec["rollouts"]]
         _insert_rollouts(session, run_id, step, "eval", pairs)
+    elif op == "sft" and rec.get("process", 0):
+        pass  # the job's SFT summary is process 0's
     elif op == "sft":  # one warm-up per run: a rewrite replaces it
         session.execute(sa.delete(SftPhase).where(SftPhase.run_id == run_id))
         m = rec["metrics"]

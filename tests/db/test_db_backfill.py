@@ -153,6 +153,8 @@ def test_multi_host_processes_write_their_own_rows(db_url, tmp_path):
     p0.log_eval(2, "step2", trajs[:3], tasks[:3])
     p1.log_eval(2, "step2", trajs[3:], tasks[3:])
     p1.log_step(2, {}, step(20), version=2)  # a rewrite replaces only process 1's rows
+    p0.log_sft({"sft/loss_first": 2.0}, steps=3)
+    p1.log_sft({"sft/loss_first": 9.0}, steps=3)  # the job's summary is process 0's
     for db in (p1, p0):
         assert db.flush(60)
     p1.close("finished")
@@ -163,6 +165,7 @@ def test_multi_host_processes_write_their_own_rows(db_url, tmp_path):
         groups = c.execute(sa.text('SELECT step, "index", group_key FROM groups')).all()
         steps = c.execute(sa.text("SELECT step, reward FROM steps ORDER BY step")).all()
         evals = c.execute(sa.text("SELECT tag, num_tasks FROM evals ORDER BY tag")).all()
+        sft = c.execute(sa.text("SELECT loss_first FROM sft_phases")).scalars().all()
     e.dispose()
     assert tuple(runs) == (1, "finished")
     assert [tuple(s) for s in steps] == [(1, 0.1), (2, 0.2)]  # process 0's metrics only
@@ -173,6 +176,7 @@ def test_multi_host_processes_write_their_own_rows(db_url, tmp_path):
         (2, k, f"19/{k}") for k in range(GROUPS)
     }
     assert [tuple(v) for v in evals] == [("step2", 3), ("step2/p1", 3)]
+    assert sft == [2.0]
     # a resume at step 1: process 0's truncate drops both processes' step 2
     p0 = db_lib.open_run(wd, db_url, retry_s=0.2)
     p0.truncate_after(1)
