@@ -264,6 +264,12 @@ def base_config(family: str) -> ConfigDict:
     c.env.browser_endpoints = ()
     c.env.browser_token = _str()  # their bearer token (default $CUA_BROWSER_TOKEN)
     c.env.page_memory_mb = 0  # per-page JavaScript heap cap of local browsers (0: V8's default)
+    # kind="browser": "" (the local pool and env.browser_endpoints) | "ray": browser hosts as
+    # Ray actors, found in the cluster with no endpoint list, placed by the `browser_host`
+    # resource, restarted by Ray (envs/ray_fleet.py; pip install -e '.[ray]')
+    c.env.fleet = ""
+    # (env.concurrency envs: hosts of 16, one CPU each, started and kept by the trainer)
+    c.env.ray_address = ""  # ray.init address: "auto", "ray://HEAD:10001" ("": a local Ray)
 
     # ---- tasks -----------------------------------------------------------------------------------
     c.tasks = ({"source_type": "builtin", "split": "train", "seed": 0},)

@@ -1,0 +1,137 @@
+"""The Ray fleet on a three-node ``ray.cluster_utils.Cluster`` on this machine: simulated env
+hosts placed by a custom resource, found with no endpoint list; a node is killed mid-run, its
+in-flight episodes are played again on other hosts and counted as faults of that host, no
+episode is lost or counted twice, and Ray brings the host back on another node."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from cua_jax.data.processor import QwenVLProcessor  # noqa: E402
+from cua_jax.rl.rollout import AgentLoop, RolloutSettings  # noqa: E402
+from envs.ray_fleet import RayFleet, fleet_from_config, host_actor_options  # noqa: E402
+from envs.sim import ScriptedEngine, sim_task  # noqa: E402
+
+TOKEN = "ray-fleet-test-token-0123456789"
+NS = "cua_test_fleet"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Head + two worker nodes, each with 1 CPU and 2 `browser_host` slots."""
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "resources": {"browser_host": 2}},
+    )
+    workers = [c.add_node(num_cpus=1, resources={"browser_host": 2}) for _ in range(2)]
+    c.wait_for_nodes()
+    ray.init(address=c.address, namespace=NS, log_to_driver=False)
+    try:
+        yield c, workers
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+async def _until(cond, timeout_s: float, what: str) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"{what}: not after {timeout_s:g} s")
+        await asyncio.sleep(0.1)
+
+
+def test_a_killed_node_s_episodes_are_retried_elsewhere_and_its_host_comes_back(cluster):
+    c, workers = cluster
+    proc = QwenVLProcessor.default("qwen3_vl", max_pixels=64 * 64, min_pixels=32 * 32)
+
+    async def go():
+        fleet = RayFleet(
+            kind="sim",
+            target_concurrency=12,
+            host_capacity=4,
+            actor_options=host_actor_options("sim", num_cpus=0),
+            host_options={"time_scale": 0.5},
+            namespace=NS,
+            token=TOKEN,
+            viewport=(640, 480),
+            discover_interval_s=0.5,
+            health_interval_s=0.5,
+            acquire_timeout_s=120,
+        )
+        async with fleet:
+            up = lambda: sum(h.up for h in fleet.hosts.values())  # noqa: E731
+            await _until(lambda: up() == 3, 120, "three hosts up")
+            by_node = {info["node_id"]: name for name, info in fleet.actors.items()}
+            assert len(by_node) == 3, fleet.report()  # SPREAD: one host a node
+            victim_node = next(w for w in workers if w.node_id in by_node)
+            victim = by_node[victim_node.node_id]
+            old = dict(fleet.actors[victim])
+            loop = AgentLoop(
+                ScriptedEngine(proc.tokenizer, think_s=0.2),
+                proc,
+                RolloutSettings(max_turns=6, system_prompt="compact"),
+            )
+            tasks = [sim_task(g, steps=4, p_success=1.0) for g in range(6)]
+            jobs = [
+                asyncio.create_task(loop.run_group(fleet, t, 4, seed=g, group_id=f"g{g}"))
+                for g, t in enumerate(tasks)
+            ]
+            await _until(lambda: fleet.hosts[old["endpoint"]].in_use >= 3, 60, "busy victim")
+            in_flight = fleet.hosts[old["endpoint"]].in_use
+            c.remove_node(victim_node, allow_graceful=False)
+            groups = await asyncio.wait_for(asyncio.gather(*jobs), 180)
+            counts = fleet.fault_counts()
+
+            def back() -> bool:
+                now = fleet.actors.get(victim, {})
+                ep = now.get("endpoint")
+                return (
+                    now.get("incarnation") not in (None, old["incarnation"])
+                    and ep in fleet.hosts
+                    and fleet.hosts[ep].up
+                )
+
+            await _until(back, 120, "the killed host back")
+            new = dict(fleet.actors[victim])
+            again = await loop.run_group(
+                fleet, sim_task(99, steps=2, p_success=1.0), 8, seed=9, group_id="after"
+            )
+            return groups, counts, in_flight, old, new, again, loop, up()
+
+    groups, counts, in_flight, old, new, again, loop, hosts_up = asyncio.run(go())
+    trajs = [t for g in groups for t in g]
+    # Nothing lost, nothing twice: 6 groups of 4, each member once.
+    assert sorted((t.group_id, len(g)) for g in groups for t in g[:1]) == [
+        (f"g{i}", 4) for i in range(6)
+    ]
+    assert len(trajs) == 24 and all(t.success and not t.infra_fault for t in trajs)
+    # The killed node's episodes were faults of its host, retried elsewhere, each counted.
+    retried = sum(t.timings["env_attempts"] - 1 for t in trajs)
+    assert 1 <= counts["faults"] <= in_flight, (counts, in_flight)
+    assert set(counts["by_host"]) == {old["endpoint"]}, counts
+    assert retried == counts["faults"] == loop.env_retries == counts["retries"]
+    # Ray restarted the host on another node; it serves again.
+    assert new["node_id"] != old["node_id"] and new["endpoint"] != old["endpoint"]
+    assert hosts_up == 3 and all(t.success for t in again)
+
+
+def test_the_config_s_env_section_builds_the_ray_fleet():
+    from configs.qwen3vl_grpo import get_config
+
+    c = get_config("smoke")
+    c.env.fleet, c.env.ray_address = "ray", "auto"
+    fleet = fleet_from_config(c.env)
+    assert fleet.address == "auto" and fleet.kind == "browser" and fleet.host_capacity == 16
+    assert fleet.target_concurrency == c.env.concurrency and not fleet.hosts
+    assert fleet.actor_options["resources"] == {"browser_host": 1.0}
+    c.env.fleet = "k8s"
+    with pytest.raises(ValueError, match="env.fleet='k8s'"):
+        fleet_from_config(c.env)
