@@ -223,7 +223,8 @@ def test_export_loads_back_in_transformers_with_equal_logits(pair, tmp_path):
     pv, grid = image_inputs("qwen3_5", [(84, 112)], seed=5)
     ids = prompt_ids(grid, [6, 5], seed=6)[None]
     ref = hf_logits(hf, ids, pixel_values=pv, image_grid_thw=grid)
-    assert _maxdiff(hf_logits(back, ids, pixel_values=pv, image_grid_thw=grid), ref) <= 1e-5
+    # (the reload runs transformers' default sdpa attention, the original eager: ~1e-5 apart)
+    assert _maxdiff(hf_logits(back, ids, pixel_values=pv, image_grid_thw=grid), ref) <= TOL
     # and our export of the reload is the same directory, tensor for tensor
     again = qwen_vl.from_pretrained(str(tmp_path))
     for (p, a), (_, b) in zip(
