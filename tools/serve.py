@@ -21,8 +21,10 @@ stop token included; `content` leaves it out) that `tools/agents.py` records.
 
 Security: it binds 127.0.0.1 by default and needs `Authorization: Bearer <token>`; without
 --token it makes one up and prints it once (as Jupyter does); --no-token turns the check off (on
-loopback only); a non-loopback --host needs --token. Browsers are refused: a `Host` that is not
-loopback or the bound host (DNS rebinding), an `Origin` other than the server's own, or
+loopback only); a non-loopback --host needs --token; a token (--token, $CUA_SERVE_TOKEN, the
+trainer's config.serve.token) under 16 characters is refused on any address. Browsers are
+refused: a `Host` that is not loopback or the bound host (DNS rebinding), an `Origin` other than
+the server's own, or
 `Sec-Fetch-Site: cross-site` get 403. POSTs need `Content-Type: application/json` (415) and a
 body under --max_body_mb (413).
 """
