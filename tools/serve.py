@@ -24,9 +24,8 @@ Security: it binds 127.0.0.1 by default and needs `Authorization: Bearer <token>
 loopback only); a non-loopback --host needs --token; a token (--token, $CUA_SERVE_TOKEN, the
 trainer's config.serve.token) under 16 characters is refused on any address. Browsers are
 refused: a `Host` that is not loopback or the bound host (DNS rebinding), an `Origin` other than
-the server's own, or
-`Sec-Fetch-Site: cross-site` get 403. POSTs need `Content-Type: application/json` (415) and a
-body under --max_body_mb (413).
+the server's own, or `Sec-Fetch-Site: cross-site` get 403. POSTs need `Content-Type:
+application/json` (415) and a body under --max_body_mb (413).
 """
 
 from __future__ import annotations
