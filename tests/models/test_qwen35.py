@@ -394,19 +394,24 @@ def test_golden_partition_specs(moe):
     assert not unnamed  # every parameter carries logical axis names
 
 
-def test_moe_on_an_8_device_mesh_equals_one_device():
-    """fsdp=2 x tensor=2 x expert=2 (Gated DeltaNet projections, conv and heads split over
-    `tensor`, experts over `expert` inside the MoE block's shard_map, the shared expert as a
-    plain sharded MLP): the same logits as on one device."""
+def test_moe_loaded_onto_an_8_device_mesh_equals_one_device(pair):
+    """`from_pretrained(mesh=fsdp 2 x tensor 2 x expert 2)`: each tensor (the per-expert ones
+    stacked first) placed from per-device slices; Gated DeltaNet projections, conv and heads
+    split over `tensor`, experts over `expert` inside the MoE block's shard_map, the shared
+    expert a plain sharded MLP. The same logits as on one device."""
+    hf, ours, d = pair
+    if not ours.config.text.is_moe:
+        pytest.skip("the MoE model covers the dense layers too")
     if not LONG:
         pytest.skip("~15 s of CPU (a sharded compile): set CUA_LONG_TESTS=1")
     assert len(jax.devices()) == 8
-    one = qwen_vl.QwenVL(qwen_vl.tiny_qwen35_moe(), rngs=nnx.Rngs(0))
-    eight = shd.shard_model(nnx.clone(one), shd.make_mesh(1, 2, 2, expert=2))
+    eight = qwen_vl.from_pretrained(d, mesh=shd.make_mesh(1, 2, 2, expert=2))
     k = eight.model.language_model.layers[0].linear_attn.in_proj_qkv.kernel[...]
     assert k.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    gu = eight.model.language_model.layers[0].mlp.experts.gate_up_proj[...]
+    assert gu.sharding.spec == jax.sharding.PartitionSpec("expert", "fsdp", None, "tensor")
     ids = np.stack([prompt_ids(None, [24], seed=s) for s in (12, 13)])
-    assert _maxdiff(run(eight, ids), run(one, ids)) <= 1e-5
+    assert _maxdiff(run(eight, ids), run(ours, ids)) <= 1e-5
 
 
 def test_checkpoint_extras_and_gaps_are_named(pair, tmp_path):
