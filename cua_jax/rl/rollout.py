@@ -31,6 +31,7 @@ episode still faulted after the last one is returned as the fault it is, never a
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -123,11 +124,17 @@ class RolloutSettings:
     # Keep the screen after a failed episode's last action (`Trajectory.final_screen`), for
     # SDPO's final_screenshot feedback; one more preprocessed image per failed episode.
     keep_final_screen: bool = False
+    # Threads that preprocess each turn's screenshot and render its prompt (numpy and the
+    # tokenizer, milliseconds a turn), off the event loop so that hundreds of episodes' HTTP and
+    # sampler calls are not held up behind it (tools/bench_fleet.py); 0: on the event loop.
+    prompt_threads: int = 1
     # A training episode the env side ended (`env_side_fault`) is played again on an env from
     # another host, at most this many times; then it is returned as an infrastructure fault.
     env_retries: int = 2
 
     def __post_init__(self) -> None:
+        if not isinstance(self.prompt_threads, int) or self.prompt_threads < 0:
+            raise ValueError(f"prompt_threads={self.prompt_threads!r} must be an integer >= 0")
         if not isinstance(self.env_retries, int) or self.env_retries < 0:
             raise ValueError(f"env_retries={self.env_retries!r} must be an integer >= 0")
         if self.system_prompt not in ("tools", "compact"):
@@ -276,8 +283,11 @@ class _Transcript:
             new_pv, new_grid = pv, grid
         elif n_img == self.prev_images:  # only the images after the previous sequence are new
             new_pv = new_grid = None
-        else:
-            new_pv, new_grid = _tail_images(pv, grid, self.prev_images), grid[self.prev_images :]
+        elif n_img == self.prev_images + 1:  # the usual turn: this screenshot alone is new
+            new_pv, new_grid = self.records[-1].pixel_values, grid[self.prev_images :]
+        else:  # a copy, not a view that would keep the whole prompt's pixels alive
+            new_pv = np.ascontiguousarray(_tail_images(pv, grid, self.prev_images))
+            new_grid = grid[self.prev_images :]
         self.last = _Prompt(ids, pv, grid, bool(extends), new_pv, new_grid)
         return self.last
 
@@ -327,8 +337,19 @@ class AgentLoop:
         self.chat = processor.chat
         self._episodes = 0
         self.env_retries = 0  # training episodes played again after an env-side fault
+        self._prompt_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     # ---- transcript ----------------------------------------------------------------------------
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the prompt threads (`settings.prompt_threads`; 0: here)."""
+        if self.settings.prompt_threads == 0:
+            return fn(*args)
+        if self._prompt_pool is None:
+            self._prompt_pool = concurrent.futures.ThreadPoolExecutor(
+                self.settings.prompt_threads, thread_name_prefix="cua-prompt"
+            )
+        return await asyncio.get_running_loop().run_in_executor(self._prompt_pool, fn, *args)
 
     def space_for(self, screenshot: np.ndarray) -> A.CoordinateSpace:
         """The model<->screen coordinate mapping for this screenshot (one place: actions.py)."""
@@ -469,7 +490,7 @@ class AgentLoop:
         for turn in range(min(self.settings.max_turns, task.max_steps)):
             if screens is not None:
                 screens.append(obs.screenshot)
-            prompt = transcript.prompt(feedback, obs.screenshot)
+            prompt = await self._off_loop(transcript.prompt, feedback, obs.screenshot)
             ctx = TurnContext(
                 env=env,
                 task=task,

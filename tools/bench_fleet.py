@@ -1,0 +1,246 @@
+"""The rollout side at 64 / 256 / 1,000+ concurrent episodes, isolated from envs and the model.
+
+    .venv/bin/python tools/bench_fleet.py --concurrency 64,256,1000 [--think-s 2 --steps 3
+        --seconds 30 --capacity 16 --viewport 640x480 --group-size 8] [--ray]
+
+Simulated browser hosts (``envs.sim``: the real host's wire protocol, call times and PNG sizes
+drawn from the profile measured on real browser envs) run in a child process on loopback; this
+process is the trainer's rollout side, unchanged: ``BrowserFleet`` (``--ray``: ``RayFleet`` on a
+local Ray, the hosts as actors), ``RemoteBrowserEnv`` (HTTP, PNG decode), and ``AgentLoop``
+playing GRPO groups (``run_group``: render, image preprocessing, parsing, recording, retries)
+with ``envs.sim.ScriptedEngine`` as the policy (a fixed click after ``--think-s`` seconds, the
+time a model's turn would take). Every group slot starts its next group as soon as its last
+one ends (closed loop), for ``--seconds`` after a warm-up.
+
+Per concurrency it prints:
+- episodes/s against the ideal: concurrency / the mean episode time the profile gives for the
+  same episode with no queueing (reset + steps x (step + think) + evaluate);
+- the trainer process's CPU (user + system, all threads) per turn and in cores;
+- event-loop lag: how late a 20 ms sleep wakes (p50, p99, max);
+- memory: the process's RSS over the run's baseline, per episode in flight (glibc's heap keeps
+  some freed memory: an upper bound on what is alive);
+- the sim hosts' CPU in cores (the env side's load on the same machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+
+from cua_jax.data.processor import QwenVLProcessor  # noqa: E402
+from cua_jax.rl.rollout import AgentLoop, RolloutSettings  # noqa: E402
+from envs.fleet import BrowserFleet  # noqa: E402
+from envs.sim import LatencyProfile, ScriptedEngine, sim_task  # noqa: E402
+
+
+def group_ideal_s(profile: LatencyProfile, steps: int, think_s: float, size: int) -> float:
+    """E[the slowest of `size` episodes] with the profile's call times and no queueing."""
+    rng = np.random.default_rng(0)
+    draw = lambda v, shape: np.asarray(v)[rng.integers(0, len(v), shape)]  # noqa: E731
+    m = 20000
+    ep = (
+        draw(profile.reset_s, (m, size))
+        + draw(profile.step_s, (m, size, steps)).sum(-1)
+        + steps * think_s
+        + draw(profile.evaluate_s, (m, size))
+    )
+    return float(ep.max(-1).mean())
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def proc_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_sim_hosts(n: int, capacity: int) -> tuple[subprocess.Popen, list[str]]:
+    cmd = [sys.executable, "-m", "envs.sim", "--serve", "--hosts", str(n)]
+    proc = subprocess.Popen(
+        [*cmd, "--capacity", str(capacity)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    eps = []
+    for line in proc.stdout:
+        if line.startswith("serving on http://"):
+            eps.append(line.strip().removeprefix("serving on http://"))
+        elif line.strip() == "ready":
+            return proc, eps
+    raise RuntimeError(f"the sim hosts did not start (exit {proc.wait()})")
+
+
+async def lag_monitor(samples: list[float], period: float = 0.02) -> None:
+    while True:
+        t = time.perf_counter()
+        await asyncio.sleep(period)
+        samples.append(time.perf_counter() - t - period)
+
+
+async def run_level(args, n: int, proc_: QwenVLProcessor, profile: LatencyProfile) -> dict:
+    hosts = -(-n // args.capacity)
+    if args.ray:
+        from envs.ray_fleet import RayFleet, host_actor_options  # noqa: PLC0415
+
+        sim, eps = None, []
+        fleet = RayFleet(
+            None,
+            kind="sim",
+            target_concurrency=n,
+            host_capacity=args.capacity,
+            actor_options=host_actor_options("sim", num_cpus=0, resource=""),
+            token="bench-fleet-token-0123456789",
+            viewport=profile.viewport,
+            discover_interval_s=5.0,
+            namespace=f"bench{n}",
+        )
+    else:
+        sim, eps = start_sim_hosts(hosts, args.capacity)
+        fleet = BrowserFleet(None, eps, viewport=profile.viewport, acquire_timeout_s=600)
+    settings = RolloutSettings(
+        max_turns=args.steps + 1, system_prompt="compact", prompt_threads=args.prompt_threads
+    )
+    engine = ScriptedEngine(proc_.tokenizer, settings.action_format, think_s=args.think_s)
+    loop = AgentLoop(engine, proc_, settings)
+    done = {"episodes": 0, "turns": 0, "faulted": 0}  # counts only: trajectories are dropped,
+    counting = False  # as the trainer's store would hand them on
+    lags: list[float] = []
+
+    group_s: list[float] = []
+
+    async def slot(k: int) -> None:
+        g = 0
+        while True:
+            task = sim_task(k * 100000 + g, steps=args.steps)
+            t0 = time.perf_counter()
+            group = await loop.run_group(fleet, task, args.group_size, seed=g, group_id=f"{k}/{g}")
+            if counting:
+                group_s.append(time.perf_counter() - t0)
+                done["episodes"] += len(group)
+                done["turns"] += sum(len(t.turns) for t in group)
+                done["faulted"] += sum(t.infra_fault for t in group)
+            g += 1
+
+    base_rss = rss_mb()
+    async with fleet:
+        if args.ray:
+            t0 = time.monotonic()
+            while len(fleet) < n and time.monotonic() - t0 < 600:
+                await asyncio.sleep(0.5)
+        slots = [asyncio.create_task(slot(k)) for k in range(n // args.group_size)]
+        mon = asyncio.create_task(lag_monitor(lags))
+        await asyncio.sleep(args.warmup)
+        counting, lags[:] = True, []
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        sim_cpu0 = proc_cpu_s(sim.pid) if sim else 0.0
+        await asyncio.sleep(args.seconds)
+        counting = False
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        sim_cpu = (proc_cpu_s(sim.pid) - sim_cpu0) if sim else float("nan")
+        rss = rss_mb()
+        in_flight = sum(h.in_use for h in fleet.hosts.values())
+        for t in [*slots, mon]:
+            t.cancel()
+        await asyncio.gather(*slots, mon, return_exceptions=True)
+        faults = fleet.fault_counts()
+    if sim is not None:
+        sim.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            sim.wait(10)
+    turns = done["turns"]
+    mean_turns = turns / max(1, done["episodes"])
+    # A slot's groups run back to back, each as long as its slowest member: the ideal rate is
+    # group_size / E[max of group_size episode times] a slot, with the profile's draws.
+    ideal = n / group_ideal_s(profile, args.steps, args.think_s, args.group_size)
+    rate = done["episodes"] / wall
+    # The same from the groups' own durations (no wave quantisation in a short window).
+    rate_groups = n / statistics.fmean(group_s) if group_s else float("nan")
+    lags.sort()
+    q = lambda p: lags[min(len(lags) - 1, int(p * len(lags)))] * 1e3 if lags else float("nan")  # noqa: E731
+    return {
+        "concurrency": n,
+        "hosts": hosts,
+        "episodes": done["episodes"],
+        "faulted": done["faulted"],
+        "fleet_faults": faults["faults"],
+        "turns_per_episode": round(mean_turns, 2),
+        "episodes_per_s": round(rate, 2),
+        "ideal_per_s": round(ideal, 2),
+        "ratio": round(rate / ideal, 3),
+        "episodes_per_s_from_groups": round(rate_groups, 2),
+        "ratio_from_groups": round(rate_groups / ideal, 3),
+        "cpu_ms_per_turn": round(1e3 * cpu / max(1, turns), 3),
+        "trainer_cores": round(cpu / wall, 3),
+        "sim_host_cores": round(sim_cpu / wall, 3),
+        "loop_lag_ms_p50": round(q(0.5), 2),
+        "loop_lag_ms_p99": round(q(0.99), 2),
+        "loop_lag_ms_max": round(lags[-1] * 1e3 if lags else float("nan"), 2),
+        "rss_mb_over_base": round(rss - base_rss, 1),
+        "mb_per_episode": round((rss - base_rss) / max(1, in_flight), 3),
+        "in_flight": in_flight,
+        "maxrss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "load_avg_1m": round(os.getloadavg()[0], 1),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--concurrency", default="64,256,1000")
+    p.add_argument("--think-s", type=float, default=2.0, help="the policy's seconds per turn")
+    p.add_argument("--steps", type=int, default=3, help="steps per episode")
+    p.add_argument("--seconds", type=float, default=30.0, help="measured window per level")
+    p.add_argument("--warmup", type=float, default=15.0, help="seconds before measuring")
+    p.add_argument("--capacity", type=int, default=16, help="envs per sim host")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--viewport", default=None, help="WxH of the processor (the profile's)")
+    p.add_argument(
+        "--max-pixels",
+        type=int,
+        default=0,
+        help="the processor's max_pixels (0: the viewport's area, as the smoke preset sets it; "
+        "small: screens shrink to a few patches, isolating the rest of the rollout side)",
+    )
+    p.add_argument("--prompt-threads", type=int, default=1, help="RolloutSettings'")
+    p.add_argument("--ray", action="store_true", help="hosts as Ray actors on a local Ray")
+    p.add_argument("--json", default=None, help="write the rows to this file")
+    args = p.parse_args()
+    levels = [int(x) for x in args.concurrency.split(",")]
+    if any(n < args.group_size or n % args.group_size for n in levels):
+        p.error(f"--concurrency values must be multiples of --group-size {args.group_size}")
+    profile = LatencyProfile.load()
+    w, h = tuple(int(x) for x in args.viewport.split("x")) if args.viewport else profile.viewport
+    max_pixels = args.max_pixels or w * h
+    proc_ = QwenVLProcessor.default("qwen3_vl", max_pixels=max_pixels, min_pixels=32 * 32)
+    print(
+        f"profile: {profile.source}; think {args.think_s} s, {args.steps} steps, screens "
+        f"{w}x{h}, processor max_pixels {max_pixels}",
+        flush=True,
+    )
+    rows = []
+    for n in levels:
+        row = asyncio.run(run_level(args, n, proc_, profile))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
