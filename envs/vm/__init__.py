@@ -78,6 +78,9 @@ def make_env_pool(
     memory_mb: int | None = None,
     qemu_image: str | None = None,
     qemu_options: dict[str, Any] | None = None,
+    max_processes: int | None = 4096,
+    cpus: float | None = None,
+    command_cpu_s: float | None = None,
     **env_kwargs: Any,
 ) -> Any:
     """An env pool for the trainer (``envs.vm.env.VMEnvPool``).
@@ -94,6 +97,9 @@ def make_env_pool(
     ``Ubuntu.qcow2``; ``envs.vm.qemu.QemuDesktop``, ``qemu_options`` its keyword arguments),
     reverted to their booted snapshot before each episode.
     ``memory_mb``: the address-space cap of each local desktop's processes (None: none).
+    ``max_processes``, ``cpus``: each local or Docker desktop's task budget and CPU-core quota
+    (``envs.vm.limits``; Docker's --pids-limit / --cpus); ``command_cpu_s``: the CPU seconds of
+    each command a local desktop's server runs (None: no cap).
     ``env_kwargs`` go to every ``VMEnv`` (``observe_a11y``, ``pause_s``, ``action_timeout``).
     """
     from envs.vm.env import VMEnvPool
@@ -122,9 +128,22 @@ def make_env_pool(
     elif docker_image:
         from envs.docker.provider import DockerDesktop
 
-        desktops = [DockerDesktop(docker_image, token, screen=screen) for _ in range(concurrency)]
+        desktops = [
+            DockerDesktop(
+                docker_image, token, screen=screen, max_processes=max_processes, cpus=cpus
+            )
+            for _ in range(concurrency)
+        ]
     else:
         desktops = [
-            LocalDesktop(*screen, token=token, memory_mb=memory_mb) for _ in range(concurrency)
+            LocalDesktop(
+                *screen,
+                token=token,
+                memory_mb=memory_mb,
+                max_processes=max_processes,
+                cpus=cpus,
+                command_cpu_s=command_cpu_s,
+            )
+            for _ in range(concurrency)
         ]
     return VMEnvPool(desktops, **env_kwargs)

@@ -162,8 +162,9 @@ def test_remote_endpoints_take_the_token_from_the_environment(monkeypatch):
     assert remote.client.token == "from-the-environment-0123"
     (remote,) = make_env_pool(1, endpoints=[url], token="given-token-0123456").desktops.desktops
     assert remote.client.token == "given-token-0123456"
-    (local,) = make_env_pool(1).desktops.desktops
+    (local,) = make_env_pool(1, max_processes=64, cpus=0.5, command_cpu_s=2).desktops.desktops
     assert local.token != "from-the-environment-0123" and len(local.token) >= 16
+    assert (local.max_processes, local.cpus, local.command_cpu_s) == (64, 0.5, 2)
     monkeypatch.delenv("CUA_VM_TOKEN")
     (remote,) = make_env_pool(1, endpoints=[url]).desktops.desktops
     assert remote.client.token is None
