@@ -93,7 +93,8 @@ def hf_config(moe: bool):
         vision_start_token_id=VISION_START,
         vision_end_token_id=VISION_END,
     )
-    if moe:
+    if moe:  # Qwen3.5-MoE's config has no dense intermediate_size (every layer is sparse)
+        text.pop("intermediate_size")
         text.update(
             num_hidden_layers=2,
             full_attention_interval=2,
@@ -185,6 +186,11 @@ def test_config_is_read_as_transformers_reads_it(pair):
     d["text_config"]["num_hidden_layers"] = 8
     want = transformers.Qwen3_5TextConfig(num_hidden_layers=8).layer_types
     assert list(qwen_vl.QwenVLConfig.from_hf_dict(d).text.layer_types) == want
+    # the published checkpoints' dims (abstract builds: 27.36e9 and 35.11e9 parameters, the
+    # checkpoints' sizes less their multi-token-prediction heads)
+    big = qwen_vl.published_config("qwen3_5", "35b-a3b")
+    assert big.model_type == "qwen3_5_moe" and big.text.layer_types.count("full_attention") == 10
+    assert qwen_vl.published_config("qwen3_5", "27b").text.linear_num_value_heads == 48
 
 
 def test_text_only_logits(pair):

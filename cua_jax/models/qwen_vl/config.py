@@ -367,7 +367,10 @@ class QwenVLConfig:
         text = TextConfig(
             vocab_size=req(td, "vocab_size", "text_config"),
             hidden_size=hidden,
-            intermediate_size=req(td, "intermediate_size", "text_config"),
+            # Qwen3.5-MoE has no dense MLP (every layer sparse) and no intermediate_size
+            intermediate_size=int(td.get("moe_intermediate_size") or 0)
+            if model_type == "qwen3_5_moe" and td.get("intermediate_size") is None
+            else req(td, "intermediate_size", "text_config"),
             num_hidden_layers=req(td, "num_hidden_layers", "text_config"),
             num_attention_heads=heads,
             num_key_value_heads=td.get("num_key_value_heads") or heads,
@@ -466,6 +469,8 @@ class QwenVLConfig:
         if self.family != "qwen2_5_vl":
             text["head_dim"] = t.head_dim
             text["attention_bias"] = False
+        if self.model_type == "qwen3_5_moe":  # transformers' config has no dense width
+            del text["intermediate_size"]
         if self.family == "qwen3_5":
             text["layer_types"] = list(t.layer_types)
             text["linear_conv_kernel_dim"] = t.linear_conv_kernel_dim
@@ -727,10 +732,86 @@ PUBLISHED_MOE: dict[tuple[str, str], dict[str, Any]] = {
 }  # fmt: skip
 
 
+# Qwen3.5 (HF model_type "qwen3_5" / "qwen3_5_moe"): the text_config fields cua_jax reads, as in
+# the published config.json files (Qwen/Qwen3.5-27B has the dimensions of Qwen3.6-27B's,
+# Qwen/Qwen3.5-35B-A3B those of Qwen3.6-35B-A3B's); the vision tower is the same for both (27
+# blocks of width 1152, no DeepStack). Not in PUBLISHED: configs/ has no Qwen3.5 presets yet,
+# and PUBLISHED lists exactly the presets' checkpoints.
+_Q35_TEXT = dict(
+    vocab_size=248320,
+    head_dim=256,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=262144,
+    full_attention_interval=4,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    tie_word_embeddings=False,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+        "partial_rotary_factor": 0.25,
+    },
+)
+_Q35_VISION = dict(
+    depth=27,
+    hidden_size=1152,
+    intermediate_size=4304,
+    num_heads=16,
+    num_position_embeddings=2304,
+    hidden_act="gelu_pytorch_tanh",
+    patch_size=16,
+)
+_Q35_IDS = dict(
+    image_token_id=248056,
+    video_token_id=248057,
+    vision_start_token_id=248053,
+    vision_end_token_id=248054,
+)
+PUBLISHED_QWEN35: dict[str, dict[str, Any]] = {
+    "27b": dict(
+        _Q35_TEXT,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        linear_num_value_heads=48,
+    ),
+    "35b-a3b": dict(
+        _Q35_TEXT,
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        linear_num_value_heads=32,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+    ),
+}
+
+
 def published_hf_dict(family: str, size: str) -> dict[str, Any]:
     """The `config.json` dict (the fields cua_jax reads) of a published checkpoint."""
+    if family == "qwen3_5" and size in PUBLISHED_QWEN35:
+        text = dict(PUBLISHED_QWEN35[size])
+        moe = "num_experts" in text
+        return {
+            "model_type": "qwen3_5_moe" if moe else "qwen3_5",
+            "text_config": text,
+            "vision_config": dict(_Q35_VISION, out_hidden_size=text["hidden_size"]),
+            "tie_word_embeddings": False,
+            **_Q35_IDS,
+        }
     if (family, size) not in PUBLISHED:
-        known = ", ".join(f"{f}:{s}" for f, s in PUBLISHED)
+        known = ", ".join(
+            [f"{f}:{s}" for f, s in PUBLISHED] + [f"qwen3_5:{s}" for s in PUBLISHED_QWEN35]
+        )
         raise ValueError(f"no published config for {family}:{size}; known: {known}")
     hidden, inter, layers, heads, kv, vocab, tied, vision = PUBLISHED[family, size]
     text: dict[str, Any] = dict(hidden_size=hidden, intermediate_size=inter,
@@ -748,7 +829,8 @@ def published_hf_dict(family: str, size: str) -> dict[str, Any]:
 
 
 def published_config(family: str, size: str, **options: Any) -> QwenVLConfig:
-    """The config of a published checkpoint (`("qwen3_vl", "8b")`, ...) without downloading it.
+    """The config of a published checkpoint (`("qwen3_vl", "8b")`, `("qwen3_5", "35b-a3b")`, ...)
+    without downloading it.
 
     `options` sets run-time fields (param_dtype, dtype, remat). Raises ValueError naming the
     known sizes for an unknown one.
