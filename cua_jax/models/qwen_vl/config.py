@@ -732,9 +732,11 @@ PUBLISHED_MOE: dict[tuple[str, str], dict[str, Any]] = {
 }  # fmt: skip
 
 
-# Qwen3.5 (HF model_type "qwen3_5" / "qwen3_5_moe"): the text_config fields cua_jax reads, as in
-# the published config.json files (Qwen/Qwen3.5-27B has the dimensions of Qwen3.6-27B's,
-# Qwen/Qwen3.5-35B-A3B those of Qwen3.6-35B-A3B's); the vision tower is the same for both (27
+# Qwen3.5 (HF model_type "qwen3_5" / "qwen3_5_moe"): the text_config fields cua_jax reads. Not
+# downloaded here: taken from copies of the config.json files quoted in public code (Qwen3.6-27B's
+# verbatim, the same architecture and sizes as Qwen3.5-27B; several copies of Qwen3.5-35B-A3B's
+# text_config agree). Check: the abstract 27b has 27.36e9 parameters, the 55.56 GB bf16
+# checkpoint less its multi-token-prediction layer. The vision tower is the same for both (27
 # blocks of width 1152, no DeepStack). Not in PUBLISHED: configs/ has no Qwen3.5 presets yet,
 # and PUBLISHED lists exactly the presets' checkpoints.
 _Q35_TEXT = dict(
