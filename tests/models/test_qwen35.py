@@ -439,3 +439,27 @@ def test_checkpoint_extras_and_gaps_are_named(pair, tmp_path):
         return
     with pytest.raises(ValueError, match=r"missing 1 per-expert tensor.*'3\.up_proj'"):
         qwen_vl.from_pretrained(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "size,axes,params",
+    [
+        ("27b", dict(fsdp=8, tensor=4), 27.36e9),
+        ("35b-a3b", dict(fsdp=4, tensor=2, expert=8), 35.11e9),
+    ],
+)
+def test_published_sizes_divide_over_a_mesh(size, axes, params):
+    """The published checkpoints' shapes (abstract builds) under DEFAULT_RULES on a mesh a
+    preset would use: every parameter divides; the parameter count is the checkpoint's (less
+    its multi-token-prediction layer, which the policy does not load)."""
+    from jax.sharding import AbstractMesh
+
+    cfg = qwen_vl.published_config("qwen3_5", size)
+    state = nnx.state(nnx.eval_shape(lambda: qwen_vl.QwenVL(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    mesh = AbstractMesh(tuple(axes.get(a, 1) for a in shd.MESH_AXES), shd.MESH_AXES)
+    specs = shd.param_specs(state)
+    for path, var in nnx.to_flat_state(state):
+        name = ".".join(map(str, path))
+        shd._check_divisible(name, var.get_value().shape, specs[name], mesh)
+    n = sum(x.size for x in jax.tree.leaves(state))
+    assert n == pytest.approx(params, rel=1e-3)
