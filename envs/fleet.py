@@ -126,7 +126,11 @@ class BrowserFleet:
 
     async def __aenter__(self) -> BrowserFleet:
         self._changed = asyncio.Condition()
-        self._session = aiohttp.ClientSession()
+        # No cap on connections: each leased env has at most one call in flight, so the
+        # fleet's own capacity bounds them. aiohttp's default (100 in all) queued the calls of
+        # 1,000 concurrent episodes, and the hosts' health checks behind them past their
+        # time-out, which took answering hosts out (tools/bench_fleet.py).
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         if self.local is not None:
             await self.local.__aenter__()
         for ep in self._endpoints:
