@@ -179,7 +179,7 @@ def kv_pages(
     import numpy as np
 
     from cua_jax import warmup
-    from cua_jax.sampler.kv_cache import kv_pages_for_budget
+    from cua_jax.sampler.kv_cache import kv_pages_for_budget, kv_pool_bytes_per_device
 
     sc = config.sampler
     frac = float(sc.get("kv_memory_fraction", 0.0) or 0.0)
@@ -213,6 +213,15 @@ def kv_pages(
         "learner's largest program",
         *(pages, 100 * frac, limit, in_use, scratch / 2**30),
     )
+    min_frac = float(sc.get("kv_min_fraction", 0.0) or 0.0)
+    pool = kv_pool_bytes_per_device(cfg, pages, sc.page_size, cfg.dtype, tensor)
+    if pool < min_frac * stats["bytes_limit"]:
+        raise ValueError(
+            f"the KV pool gets {pool / 2**30:.1f} GiB, less than sampler.kv_min_fraction="
+            f"{min_frac} of {limit:.1f} GiB: the learner's largest program takes "
+            f"{scratch / 2**30:.1f} GiB; lower rl.tokens_per_chip={config.rl.tokens_per_chip} "
+            "(tools/plan.py --topology=<this slice> prints the budget that fits)"
+        )
     if (pages - 1) * sc.page_size < sc.max_seq_len:  # page 0 is scratch
         raise ValueError(
             f"sampler.kv_memory_fraction={frac} leaves {pages} KV pages ({pages * sc.page_size} "

@@ -38,6 +38,7 @@ bytes a decode step must read (params once, the live K/V) / (roofline time x ban
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -611,14 +612,14 @@ def largest_rl_shape(shapes: Any) -> Any:
 def plan_train_step_screens(ab: _Abstract, chip: Chip, kv_bytes: int, shapes: Any) -> ProgramPlan:
     """The RL step at the largest shape of the trainer's shape set (most tokens), its screens
     through the vision tower: the program the trainer compiles for its biggest batch. The
-    screens are laid out as the learner lays them out (`Learner._device_batch`): grouped by
+    screens are laid out as the learner lays them out (`BatchLayout.device_batch`): grouped by
     micro-batch and device (`cua_jax.rl.image_groups`), sharded over the batch axes, in the
     model's compute dtype."""
     learner = ab.learner
     cfg = learner.config
     shape = largest_rl_shape(shapes)
     xs = _step_inputs(learner, shape.rows, shape.length)
-    s, b = learner.num_substeps, learner._batch_parallel
+    s, b = learner.num_substeps, learner.layout.batch_parallel
     images, per_group, unit = _abstract_screens(learner, shape, shapes.grid)
     arguments = _step_arguments(ab, xs, "batch (text)")
     arguments["screens (pixel values by micro-batch and device, and layout)"] = tree_shard_bytes(
@@ -727,9 +728,84 @@ def drawn_rl_batch(config: Any, learner: Any, shapes: Any, seed: int = 0) -> Any
         image_token_id=cfg.image_token_id,
         merge=merge,
         substeps=learner.num_substeps,
-        devices=learner._batch_parallel,
+        devices=learner.layout.batch_parallel,
         screen_patches=unit,
     )
+
+
+def longest_sample_tokens(config: Any, image_tokens: int) -> int:
+    """The longest turn sample the preset's env settings can make, by the same counts as
+    `drawn_rl_batch`: the prompt, every earlier action with its feedback, this turn's action,
+    and `env.max_history_images` screens with their two marker tokens."""
+    rl, env = config.rl, config.env
+    text = SYSTEM_TOKENS + env.max_turns * (rl.max_tokens + FEEDBACK_TOKENS)
+    return text + min(env.max_history_images, env.max_turns) * (image_tokens + 2)
+
+
+def _fitted_budget(
+    config: Any, tokens: int, fixed: int, peak: int, limit: int, image_tokens: int
+) -> tuple[int, tuple[int, ...]] | None:
+    """(tokens_per_chip, row_lengths) for the chunk programs to peak under `limit`, from one
+    plan at `tokens` whose largest chunk program peaked at `peak`, `fixed` of it not growing
+    with the chunk (params, gradient accumulator, optimizer state): the chunk's bytes scaled
+    linearly, rounded down to a power of two, at most half of `tokens`, never below the
+    shortest row length that holds the longest sample; row lengths above it dropped. None when
+    nothing smaller is left to try."""
+    lengths = sorted(config.rl.row_lengths)
+    need = longest_sample_tokens(config, image_tokens)
+    floor = next((n for n in lengths if n >= need), lengths[-1])
+    scaled = tokens * (limit - fixed) / max(peak - fixed, 1)
+    new = 1 << max(int(np.floor(np.log2(max(scaled, 1)))), 0)
+    new = max(min(new, tokens // 2), floor)
+    if new >= tokens:
+        return None
+    return new, tuple(n for n in lengths if n <= new) or (floor,)
+
+
+def plan_budget_chunks(
+    config: Any, ab: _Abstract, chip: Chip, kv_bytes: int, limit: int | None
+) -> tuple[list[ProgramPlan], Any, Any, str]:
+    """(programs, shapes, drawn batch, note) of the token-budget learner: the chunk programs of
+    `rl.tokens_per_chip` (`plan_chunk_programs`, on a batch drawn from the preset's env
+    settings). With `limit` (bytes a chip the learner may take: `kv_memory_fraction` less
+    `kv_min_fraction` of HBM), a largest chunk program above it is planned again at a smaller
+    budget (`_fitted_budget`; twice at most), so a preset sized for a larger slice plans to
+    fit a smaller one, and the note says what to pass the run."""
+    tokens0, lengths0 = int(config.rl.tokens_per_chip), tuple(config.rl.row_lengths)
+    c, note = config, ""
+    for _ in range(3):
+        shapes = trainer_rl_shapes(c, ab.learner)
+        try:
+            drawn = drawn_rl_batch(c, ab.learner, shapes)
+        except ShapeError as e:
+            raise PlanInputError(
+                f"the preset's own env settings make a batch no shape holds: {e}"
+            ) from None
+        progs = plan_chunk_programs(ab, chip, kv_bytes, shapes, 1.0 - drawn.padding_share)
+        grads = [p for p in progs if p.kind == "learner" and p.rows]
+        if limit is None or any(p.compile_error for p in grads):
+            break
+        top = max(grads, key=lambda p: p.total_bytes)
+        if top.total_bytes <= limit:
+            break
+        chunk = top.arguments["chunk (text)"] + top.arguments[_SCREENS_ARG] + top.temp_bytes
+        image_tokens = int(np.prod(shapes.grid)) // ab.learner.config.vision.spatial_merge_size**2
+        fit = _fitted_budget(
+            c, int(c.rl.tokens_per_chip), top.total_bytes - chunk, top.total_bytes, limit,
+            image_tokens,
+        )  # fmt: skip
+        if fit is None or top.total_bytes - chunk >= limit:
+            break  # no smaller chunk fits: the misfit is reported as planned
+        c = copy.deepcopy(c)
+        c.rl.tokens_per_chip, c.rl.row_lengths = fit
+    if c is not config:
+        t, lengths = int(c.rl.tokens_per_chip), tuple(c.rl.row_lengths)
+        note = (
+            f"rl.tokens_per_chip {tokens0} -> {t}, rl.row_lengths {lengths0} -> {lengths} to "
+            f"leave the KV pool sampler.kv_min_fraction of {chip.name}'s HBM: run with "
+            f"--config.rl.tokens_per_chip={t} --config.rl.row_lengths='{lengths}'"
+        )
+    return progs, shapes, drawn, note
 
 
 def size_kv_pool(
@@ -752,12 +828,15 @@ def size_kv_pool(
     return pages, kv, note
 
 
+_SCREENS_ARG = "chunk screens (by micro-batch and device)"
+
+
 def plan_chunk_programs(
     ab: _Abstract, chip: Chip, kv_bytes: int, shapes: Any, useful: float = 1.0
 ) -> list[ProgramPlan]:
     """A token-budget shape set's learner programs (`rl.tokens_per_chip`): the gradient program
     of one chunk of each RL shape, its screens through the vision tower (grouped by
-    micro-batch and device, sharded, in the compute dtype, as `Learner._device_batch` lays
+    micro-batch and device, sharded, in the compute dtype, as `BatchLayout.device_batch` lays
     them out), with the optimizer state and the KV pool resident beside it; then the update
     (`apply_update`). A step runs one gradient call a chunk, so these are its peaks whatever
     a batch's size. `useful`: the share of a chunk's tokens that are samples' (MFU)."""
@@ -765,7 +844,7 @@ def plan_chunk_programs(
 
     learner = ab.learner
     cfg = learner.config
-    s, b = learner.num_substeps, learner._batch_parallel
+    s, b = learner.num_substeps, learner.layout.batch_parallel
     repl = learner._repl
     out = []
     for shape in shapes.rl:
@@ -776,7 +855,7 @@ def plan_chunk_programs(
             "params (frozen)": tree_shard_bytes(ab.frozen) + tree_shard_bytes(ab.rest),
             "gradient accumulator": tree_shard_bytes(ab.trainable),
             "chunk (text)": tree_shard_bytes(xs),
-            "chunk screens (by micro-batch and device)": tree_shard_bytes(images),
+            _SCREENS_ARG: tree_shard_bytes(images),
         }
         if ab.ref is not None:
             arguments["KL reference"] = tree_shard_bytes(ab.ref)
@@ -826,14 +905,14 @@ def plan_chunk_programs(
 
 def _abstract_screens(learner: Any, shape: Any, grid: Any) -> tuple[Any, int, int]:
     """(the step's abstract `ImageGroups` for `shape`, screens a group, patches a screen): the
-    screens grouped by micro-batch and device as `Learner._grouped_images` lays them out
+    screens grouped by micro-batch and device as `BatchLayout.grouped_images` lays them out
     (sharded over the batch axes, in the compute dtype; a token-budget shape's group budget)."""
     from cua_jax.rl.image_groups import ImageGroups
 
     v = learner.config.vision
     patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
-    s, b = learner.num_substeps, learner._batch_parallel
-    per_group, unit, meta = learner._screen_layout(
+    s, b = learner.num_substeps, learner.layout.batch_parallel
+    per_group, unit, meta = learner.layout.screen_layout(
         shape.length, shape.patches, s, grid, per_group=shape.group_screens
     )
     repl = learner._repl
@@ -843,15 +922,15 @@ def _abstract_screens(learner: Any, shape: Any, grid: Any) -> tuple[Any, int, in
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=repl)
 
     pixels = jax.ShapeDtypeStruct(
-        (s, b, per_group * unit, patch_dim), learner._pixel_dtype(),
-        sharding=learner._pixel_sharding(4),
+        (s, b, per_group * unit, patch_dim), learner.layout.pixel_dtype(),
+        sharding=learner.layout.pixel_sharding(4),
     )  # fmt: skip
     return ImageGroups(pixels, jax.tree.map(spec, meta)), per_group, unit
 
 
 def _step_inputs(learner: Any, rows: int, row_len: int) -> dict[str, Any]:
     """The RL step's batch as abstract arrays (text only), laid out as the learner lays it."""
-    row_sh, pos_sh = learner._row_sh, learner._pos_sh
+    row_sh, pos_sh = learner.layout.row_sh, learner.layout.pos_sh
 
     def arr(shape, dtype, sh):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
@@ -928,7 +1007,7 @@ def plan_sdpo(
     k = sdpo.topk_width(int(rl.sdpo_topk), cfg.text.vocab_size)
     mode = sdpo.step_mode(rl.sdpo_divergence, rl.sdpo_js_beta, rl.sdpo_weight)
     xs = _step_inputs(learner, rows, row_len)
-    topk_sh, tok_sh = learner._rows_sharding(3), learner._rows_sharding(2)
+    topk_sh, tok_sh = learner.layout.rows_sharding(3), learner.layout.rows_sharding(2)
     xs["sdpo_ids"] = jax.ShapeDtypeStruct((rows, row_len, k), jnp.int32, sharding=topk_sh)
     xs["sdpo_logp"] = jax.ShapeDtypeStruct((rows, row_len, k), jnp.float32, sharding=topk_sh)
     xs["sdpo_mask"] = jax.ShapeDtypeStruct((rows, row_len), jnp.bool_, sharding=tok_sh)
@@ -1213,15 +1292,12 @@ def make_plan(
     if "train_step" in programs:
         out.append(plan_train_step(config, ab, mesh, topo.chip, rows, row_len, kv_bytes, shapes))
     drawn = None
+    fit_note = ""
     if "train_step_screens" in programs and shapes.budgeted:
-        try:
-            drawn = drawn_rl_batch(config, ab.learner, shapes)
-        except ShapeError as e:
-            raise PlanInputError(
-                f"the preset's own env settings make a batch no shape holds: {e}"
-            ) from None
-        useful = 1.0 - drawn.padding_share
-        out += plan_chunk_programs(ab, topo.chip, kv_bytes, shapes, useful)
+        min_frac = float(config.sampler.get("kv_min_fraction", 0.0) or 0.0)
+        limit = int(topo.chip.hbm_bytes * (frac - min_frac)) if frac > 0 and min_frac else None
+        chunks, shapes, drawn, fit_note = plan_budget_chunks(config, ab, topo.chip, kv_bytes, limit)
+        out += chunks
     elif "train_step_screens" in programs:
         out.append(plan_train_step_screens(ab, topo.chip, kv_bytes, shapes))
     if sdpo_programs:
@@ -1260,6 +1336,11 @@ def make_plan(
         "remat": ab.learner.config.remat,
         "num_substeps": ab.learner.num_substeps,
     }
+    if shapes is not None and shapes.budgeted:
+        summary["tokens_per_chip"] = shapes.tokens_per_chip
+        summary["row_lengths"] = tuple(sh.length for sh in shapes.rl)
+    if fit_note:
+        summary["token_budget"] = fit_note
     if drawn is not None:
         summary["drawn_batch"] = (
             f"{drawn.num_samples} samples in {drawn.chunks} chunks of "
@@ -1351,6 +1432,8 @@ def format_plan(plan: Plan) -> str:
             f"| {p.name} | {p.kind or '-'} | {batch} | {p.screens or '-'} | "
             f"{fmt_bytes(p.total_bytes)} | {'yes' if p.total_bytes <= limit else 'NO'} | {mfu} |"
         )
+    if "token_budget" in s:
+        lines.append(f"\ntoken budget sized from memory: {s['token_budget']}")
     if "drawn_batch" in s:
         lines.append(f"\nthe RL batch drawn from the preset's env settings: {s['drawn_batch']}")
         est = step_seconds(plan)
@@ -1393,6 +1476,8 @@ def plan_json(plan: Plan, preset: str) -> dict[str, Any]:
         "hbm_bytes": plan.topology.chip.hbm_bytes,
         "fits": plan.fits,
         "padding_share": plan.summary.get("padding_share"),
+        "tokens_per_chip": plan.summary.get("tokens_per_chip"),
+        "row_lengths": list(plan.summary.get("row_lengths", ())),
         "programs": [
             {
                 "name": p.name,

@@ -190,7 +190,7 @@ def begin(
     `distiller`, its SDPO step and teacher pass instead of the RL step), and with "all" the
     sampler's bucket set. Multi-process jobs use the same global shapes (rows rounded to a
     multiple of the process count), each process packing its 1/n share of a shape's rows
-    (`Learner._agreed_shape`), compiled before returning rather than in a thread."""
+    (`BatchPacker.agreed_shape`), compiled before returning rather than in a thread."""
     rl = config.rl
     if rl.warmup not in WARMUP_CHOICES:
         raise ValueError(f"config.rl.warmup={rl.warmup!r} is not one of {WARMUP_CHOICES}")

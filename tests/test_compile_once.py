@@ -239,11 +239,11 @@ def test_the_patch_budget_padding_changes_no_loss_or_gradient(tiny_learner):
     batch, _ = learner.prepare_batch(make_groups(seed=4, n_groups=2))
     assert 0 < batch.pixel_values.shape[0] < batch.patch_budget
     m_pad, g_pad = learner.loss_and_grads(batch)
-    batch.patch_budget, learner._bucket_shapes = 0, False
+    batch.patch_budget, learner.layout.bucket_shapes = 0, False
     try:
         m_raw, g_raw = learner.loss_and_grads(batch)
     finally:
-        learner._bucket_shapes = True
+        learner.layout.bucket_shapes = True
     assert m_pad["loss"] == pytest.approx(m_raw["loss"], rel=1e-5)
     for a, b in zip(jax.tree.leaves(g_pad), jax.tree.leaves(g_raw), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cua_jax import multihost
+from cua_jax.rl.micro import check_finite
 from cua_jax.rl.trajectory import Trajectory, live_episodes, trajectory_to_samples
 
 
@@ -56,7 +57,7 @@ def policy_entropy(learner: Any, batch: Any, cache: dict | None = None) -> float
         fn = cache["entropy"] = jax.jit(f)
     total = count = 0.0
     for part, _ in learner.chunks(batch):  # a token-budget batch: one call a chunk
-        xs, images = learner._device_batch(part, substeps=1)
+        xs, images = learner.layout.device_batch(part, substeps=1)
         s, n = fn(learner._trainable, learner._frozen, learner._rest, xs, images)
         total, count = total + float(s), count + float(n)
     return total / max(count, 1.0)
@@ -118,7 +119,6 @@ class Entropulse:
     ) -> dict[str, float]:
         """The SFT phase on the kept successes; empties them. `probe_groups` (the last RL
         step's) are the episodes the entropy before/after is measured on."""
-        from cua_jax.rl.learner import check_finite
 
         entropy_fn = self.entropy_fn or (lambda lr, b: policy_entropy(lr, b, self._cache))
         pos_fn = learner.position_fn()

@@ -6,7 +6,7 @@ largest RL shape (960 turn-rows with three screens each) that is tens of GiB of 
 and the tower's activations over all of them, before the first decoder layer.
 
 This module cuts the flat sequence into one group per (micro-batch, batch-parallel device): the
-screens of the rows that micro-batch `j` keeps on device `d` (`Learner._device_batch` puts row
+screens of the rows that micro-batch `j` keeps on device `d` (`BatchLayout.device_batch` puts row
 `r` on device `r // (R / B)` and in micro-batch `r % S`, see `learner.split_micro`). Each group
 is padded with blank screens to one patch budget, so every group has the same layout: one
 `VisionMeta`, shared. The pixels become f[S, B, P_g, C], sharded over the batch axes on `B`;
@@ -19,7 +19,7 @@ row's screens apart; a group's budget (`group_budget`) is the shape's screens ov
 the screens one row of the shape can hold, so every batch the shape accepts fits. A batch whose
 groups still overflow (rows not balanced by `Learner.pack`), or whose screens are not all of the
 shape set's one size, takes the flat replicated layout instead (`group_pixels` returns None;
-`Learner._device_batch` logs it: a new compile).
+`BatchLayout.device_batch` logs it: a new compile).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import numpy as np
 from flax import struct
 
 from cua_jax.rl.batching import permute_rows, row_groups
+from cua_jax.rl.micro import split_micro, unsplit_micro
 from cua_jax.rl.packing import PackedBatch
 
 
@@ -121,7 +122,6 @@ def embed_groups(model: Any, ids_RL: jax.Array, images: ImageGroups):
     """`model.embed` of rows [R, L] with grouped screens: (embeddings, deepstack) and the
     visual mask, as the flat layout gives them. Pixels [S, B, P_g, C] cover all R rows (S
     micro-batches, rows strided as `split_micro`); [B, P_g, C] cover one micro-batch's rows."""
-    from cua_jax.rl.learner import split_micro, unsplit_micro
 
     pv, meta = images.pixel_values, images.meta
 

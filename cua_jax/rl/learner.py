@@ -6,6 +6,12 @@
     metrics = learner.train_step(batch)                      # version += 1
     params = learner.params_for_sampler()                    # live arrays, no copy
 
+Three rooms: `cua_jax.rl.packer` (`learner.packer`) turns episodes into packed batches on the
+host (advantages, samples, shapes, token-budget chunks, multi-host shares);
+`cua_jax.rl.layout` (`learner.layout`) puts a packed batch on the mesh (rows, screens, routes);
+this module holds the parameters and optimizer state and builds and runs the jitted programs
+(`cua_jax.rl.micro`: the micro-batch helpers they share with SDPO and the image groups).
+
 The train step (one `jax.jit` per mode, compiled once per batch shape; the length buckets of
 `packing.pack` bound the shapes) takes the trainable parameters and the optimizer state as
 donated arguments with explicit shardings from the params' logical axes (`cua_jax.sharding`).
@@ -49,8 +55,6 @@ of the batch's trained tokens (= the whole batch's loss with one micro-batch), l
 from __future__ import annotations
 
 import dataclasses
-import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -67,41 +71,31 @@ from cua_jax import multihost
 from cua_jax import sharding as shd
 from cua_jax.models import lora as lora_lib
 from cua_jax.models.qwen_vl.moe import load_balancing_loss
-from cua_jax.models.qwen_vl.text import jdtype
-from cua_jax.models.qwen_vl.vision import vision_metadata
-from cua_jax.rl import batching, image_groups, losses, sdpo
+from cua_jax.rl import image_groups, losses, sdpo
 from cua_jax.rl import shapes as shapes_lib
-from cua_jax.rl.advantages import group_advantages
 from cua_jax.rl.image_groups import ImageGroups
-from cua_jax.rl.packing import (
-    DEFAULT_BUCKETS,
-    PackedBatch,
-    pack,
-    pick_bucket,
-    row_patches,
-    split_chunks,
+from cua_jax.rl.layout import (  # noqa: F401  (re-exported: the learner's public helpers)
+    TEXT_KEYS,
+    BatchLayout,
+    pad_images_to_bucket,
+    shape_bucket,
 )
-from cua_jax.rl.trajectory import (
-    MIN_LIVE_EPISODES,
-    PositionFn,
-    Sample,
-    Trajectory,
-    live_episodes,
-    rope_position_fn,
-    trajectory_to_samples,
+from cua_jax.rl.micro import (  # noqa: F401  (re-exported)
+    FINITE_METRICS,
+    NonFiniteError,
+    check_finite,
+    combine_micro_metrics,
+    compile_each,
+    split_micro,
+    split_micro_inputs,
+    unsplit_micro,
 )
+from cua_jax.rl.packer import BatchPacker
+from cua_jax.rl.packing import DEFAULT_BUCKETS, PackedBatch, row_patches, split_chunks
+from cua_jax.rl.trajectory import PositionFn, Trajectory, rope_position_fn
 
 # The optimizer update of a token-budget batch, after its chunks' gradient programs
 APPLY_PROGRAM = "apply_update"
-
-_TEXT_KEYS = (
-    "input_ids",
-    "segment_ids",
-    "loss_mask",
-    "behaviour_logprobs",
-    "advantages",
-    "loss_weights",
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,133 +206,6 @@ class LoraConfig:
     seed: int = 0
 
 
-def shape_bucket(n: int) -> int:
-    """The power of two >= n. Every distinct batch shape is a compile (tens of seconds on a
-    2-core CPU, minutes for a large model on TPU), so few shapes beat tight padding."""
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def split_micro(x: Any, s: int) -> Any:
-    """Rows [R, ...] -> [S, R/S, ...] (a list of arrays: each; None stays None): micro-batch j
-    holds rows i x S + j, so each device keeps its own rows when the rows are sharded."""
-    if x is None:
-        return None
-    if isinstance(x, list | tuple):
-        return type(x)(split_micro(a, s) for a in x)
-    return x.reshape(x.shape[0] // s, s, *x.shape[1:]).swapaxes(0, 1)
-
-
-def unsplit_micro(x: Any) -> Any:
-    """`split_micro`'s inverse: [S, R/S, ...] -> [R, ...]."""
-    if x is None:
-        return None
-    if isinstance(x, list | tuple):
-        return type(x)(unsplit_micro(a) for a in x)
-    return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-
-
-def split_micro_inputs(xs: dict[str, Any], s: int) -> dict[str, Any]:
-    """A device batch's inputs as `s` micro-batches (`split_micro`); position ids are
-    [3, R, L] -> [S, 3, R/S, L]."""
-    out = {k: split_micro(v, s) for k, v in xs.items() if k != "position_ids"}
-    pos = xs["position_ids"]
-    out["position_ids"] = pos.reshape(3, pos.shape[1] // s, s, pos.shape[-1]).transpose(2, 0, 1, 3)
-    return out
-
-
-def pad_images_to_bucket(
-    pixel_values: np.ndarray, image_grid_thw: np.ndarray, merge: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Pads the flat patches with one blank image so their count is m² x a power of two
-    (`shape_bucket`; m = spatial merge).
-
-    The blank image (grid (1, m, k)) attends only to itself in the vision tower, and its merged
-    features come after every real one, so no image-pad token takes them: outputs are unchanged.
-    """
-    P, unit = pixel_values.shape[0], merge * merge
-    extra = shape_bucket(-(-P // unit)) * unit - P
-    if extra == 0:
-        return pixel_values, image_grid_thw
-    blank = np.zeros((extra, pixel_values.shape[1]), pixel_values.dtype)
-    grid = np.concatenate([np.asarray(image_grid_thw), [[1, merge, extra // merge]]])
-    return np.concatenate([pixel_values, blank]), grid.astype(np.asarray(image_grid_thw).dtype)
-
-
-class NonFiniteError(FloatingPointError):
-    """A train step's loss or gradient norm is NaN or infinite: the run stops (see
-    `check_finite`)."""
-
-
-# The step metrics whose non-finite value stops a run.
-FINITE_METRICS = ("loss", "grad_norm")
-
-
-def check_finite(
-    metrics: dict[str, float], *, step: int, phase: str, last_checkpoint: str | None
-) -> None:
-    """Raises `NonFiniteError` naming the step, the metric and the last good checkpoint when a
-    step's loss or gradient norm (host floats `train_step` / `sft_step` return: no device sync)
-    is NaN or infinite, or its update was rejected (`update_rejected`: not finite, or larger
-    than `OptimizerConfig.max_update_ratio` x the parameters); the parameters that step wrote
-    are not to be saved or sampled."""
-    where = (
-        f"the last good checkpoint is {last_checkpoint}"
-        if last_checkpoint
-        else "no checkpoint was saved before it"
-    )
-    if metrics.get("update_rejected", 0.0) > 0:
-        raise NonFiniteError(
-            f"{phase} step {step}: its update was {metrics.get('update_ratio', float('nan')):.3g}"
-            " x the parameters' norm (optim.max_update_ratio) or not finite and was not "
-            f"applied; the run stops ({where}). Resume from it with a lower learning rate or a "
-            "tighter optim.grad_clip"
-        )
-    for key in FINITE_METRICS:
-        value = metrics.get(key)
-        if value is not None and not np.isfinite(value):
-            raise NonFiniteError(
-                f"{phase} step {step}: {key} is {value}; the run stops ({where}). Resume from "
-                "it with a lower learning rate or a tighter optim.grad_clip, or look for a bad "
-                "batch in the step's episodes"
-            )
-
-
-def compile_each(
-    shapes: Sequence[Any], program: str, lower: Callable[[Any], Any]
-) -> dict[str, float]:
-    """Compiles `lower(shape)` (a `jax.stages.Lowered`) for every shape ahead of time: the
-    warm-up's loop (#23). Returns {"<program> <shape>": seconds}."""
-    out = {}
-    for shape in shapes:
-        t0 = time.perf_counter()
-        lower(shape).compile()
-        out[f"{program} {shape}"] = time.perf_counter() - t0
-    return out
-
-
-def combine_micro_metrics(metrics: dict[str, Any], xp: Any = np) -> dict[str, Any]:
-    """A step's metrics from its micro-batches' (each metric stacked over them; `xp`: jnp
-    inside a program, np on the host for a token-budget batch's chunks): token means weighted
-    by the micro-batches' token counts; loss terms are already batch-normalised sums, so they
-    add up; maxima take the max."""
-    metrics = dict(metrics)
-    n = metrics["num_tokens"]
-    out = {}
-    if "_routing_recorded" in metrics:  # MoE: share over every recorded (token, layer)
-        differ = xp.sum(metrics.pop("_routing_differ"))
-        recorded = xp.sum(metrics.pop("_routing_recorded"))
-        out["routing_mismatch"] = differ / xp.maximum(recorded, 1.0)
-        out["routing_recorded"] = recorded
-    for k, v in metrics.items():
-        if k.endswith("_max"):
-            out[k] = xp.max(v)
-        elif k in ("loss", "pg_loss", "num_tokens") or k.startswith("sdpo_"):
-            out[k] = xp.sum(v)
-        else:
-            out[k] = xp.sum(v * n) / xp.maximum(xp.sum(n), 1.0)
-    return out
-
-
 class Learner:
     """Holds model params + optimizer state on a mesh and runs jitted GRPO / SFT steps.
 
@@ -433,259 +300,80 @@ class Learner:
         self._ref = None
         if loss.kl_coef > 0:
             self._ref = jax.tree.map(jnp.copy, trainable)
-        batch_axes = tuple(a for a in ("data", "fsdp") if self.mesh.shape[a] > 1) or None
-        self._batch_parallel = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        # Multi-host: each process packs its own rows (`pack`), and they become its devices'
-        # blocks of the global batch, so every process must own whole row blocks.
-        self._processes = jax.process_count()
-        if self._batch_parallel % self._processes:
-            raise ValueError(
-                f"mesh data x fsdp = {self._batch_parallel} must be a multiple of the "
-                f"{self._processes} processes (each process contributes its own batch rows); "
-                "shard the batch over more devices (mesh.fsdp or mesh.data)"
-            )
-        # Rows shard over data x fsdp. Micro-batch s holds rows i * S + s, so splitting
-        # [R] -> [mb, S] -> [S, mb] keeps each device's rows on that device.
-        self._row_sh = NamedSharding(self.mesh, P(batch_axes, None))
-        self._pos_sh = NamedSharding(self.mesh, P(None, batch_axes, None))
+        # where batches go on the mesh (rows, screens, routes) and how episodes become them
+        self.layout = BatchLayout(self.config, self.mesh, num_substeps, bucket_shapes=bucket_shapes)
+        self.packer = BatchPacker(self.config, self.layout, loss, advantages, seq_len_buckets)
         self._jit: dict[str, Callable] = {}
         self._donate = donate
         self._banned = tuple(int(t) for t in banned_token_ids)
-        self._bucket_shapes = bucket_shapes
         self.logits_chunk = int(logits_chunk)
         self.compiled_shapes: set[tuple] = set()
         self._warm: set[str] = set()  # shape-independent programs the warm-up compiled
-        # The run's fixed shape set (#23, `cua_jax.rl.shapes`; single process): `pack` puts every
-        # batch into one of its shapes and `warmup` compiles them ahead. None: rounded buckets.
-        self.shapes: shapes_lib.ShapeSet | None = None
-        # Shape-set batches of one screen size lay their screens out per micro-batch and device
-        # (`image_groups`): sharded, and encoded a micro-batch at a time. False: the flat,
-        # replicated layout of every screen (tests compare the two).
-        self.group_images = True
-        t = self.config.text
-        self._moe = t.is_moe
-        self._route_shape = (
-            (sum(t.is_sparse_layer(i) for i in range(t.num_hidden_layers)), t.num_experts_per_tok)
-            if self._moe
-            else None
-        )
-        if not self._moe and (loss.routing_replay or loss.router_aux_coef > 0):
+        if not self.layout.moe and (loss.routing_replay or loss.router_aux_coef > 0):
             raise ValueError(
                 "routing_replay / router_aux_coef need a MoE model (text.num_experts > 0); "
                 f"this one is dense (routing_replay={loss.routing_replay}, "
                 f"router_aux_coef={loss.router_aux_coef})"
             )
-        self._route_sh = NamedSharding(self.mesh, P(batch_axes, None, None, None))
 
     # --------------------------------------------------------------------------- public API
+
+    @property
+    def shapes(self) -> shapes_lib.ShapeSet | None:
+        """The run's fixed shape set (#23, `cua_jax.rl.shapes`): `pack` puts every batch into
+        one of its shapes and `warmup` compiles them ahead. None: rounded buckets."""
+        return self.layout.shapes
+
+    @shapes.setter
+    def shapes(self, value: shapes_lib.ShapeSet | None) -> None:
+        self.layout.shapes = value
+
+    @property
+    def group_images(self) -> bool:
+        """Shape-set batches of one screen size lay their screens out per micro-batch and
+        device (`image_groups`): sharded, encoded a micro-batch at a time. False: the flat,
+        replicated layout of every screen (tests compare the two)."""
+        return self.layout.group_images
+
+    @group_images.setter
+    def group_images(self, value: bool) -> None:
+        self.layout.group_images = value
 
     @property
     def route_shape(self) -> tuple[int, int] | None:
         """MoE: (sparse layers, experts per token) of the batch's ``routes`` i32[R, L, *this]
         (every MoE step takes one; `tools/plan.py` builds it abstractly); None: dense."""
-        return self._route_shape
+        return self.layout.route_shape
 
     @property
     def route_sharding(self) -> NamedSharding:
         """The sharding of the batch's ``routes`` (rows over data x fsdp, like the tokens)."""
-        return self._route_sh
+        return self.layout.route_sh
 
     @property
     def row_multiple(self) -> int:
         """Packed row counts must be multiples of this (num_substeps x data x fsdp)."""
-        return self.num_substeps * self._batch_parallel
-
-    def position_fn(self) -> PositionFn:
-        return rope_position_fn(self.config)
+        return self.layout.row_multiple
 
     def pack(
         self, samples, num_rows: int | None = None, *, mode: Literal["rl", "sft", "teacher"] = "sft"
     ) -> PackedBatch:
-        """`packing.pack` with this learner's buckets, row multiple and aggregation mode; without
-        `num_rows`, the row count is rounded up to a shape bucket (see `bucket_shapes`).
-
-        With a shape set (`self.shapes`) and no `num_rows`, the batch takes the smallest shape of
-        `mode` that holds it (its images padded to the shape's patch budget in the step); a
-        batch no shape holds is an error with `shapes.strict`, else it is packed into buckets as
-        without a shape set (a new compile, logged and counted by `cua_jax.compile_stats`).
-
-        With a token-budget shape set (`shapes.budgeted`, `rl.tokens_per_chip`) the batch is as
-        many chunks of one shape as the samples need (`_pack_chunks`); `train_step` runs one
-        gradient call a chunk and one update.
-
-        Multi-host (more than one process): `samples` are this process's, and the batch is its
-        share of the global one (`_pack_share`, `_pack_chunks_share`); every process must call
-        `pack` together."""
-        budgeted = self.shapes is not None and num_rows is None and self.shapes.budgeted
-        if self._processes > 1 and not budgeted:
-            return self._pack_share(samples, num_rows, mode)
-        kw = dict(
-            seq_len_buckets=self.seq_len_buckets,
-            row_multiple=self.row_multiple,
-            agg_mode=self.loss_config.agg_mode,
-            loss_norm=self.loss_config.loss_norm,
-            pad_id=int(self.config.text.pad_token_id or 0),
-        )
-        if budgeted:
-            return self._pack_chunks(samples, mode, kw)
-        if self.shapes is not None and num_rows is None:
-            shape = self.shapes.pick(mode, samples)
-            if shape is not None:
-                kw["seq_len_buckets"] = (shape.length,)
-                batch = pack(samples, num_rows=shape.rows, **kw)
-                batch.patch_budget = shape.patches
-                return self._balance_screens(batch)
-            message = self.shapes.miss_message(mode, samples)
-            if self.shapes.strict:
-                raise shapes_lib.ShapeError(message + " (rl.strict_shapes)")
-            logging.warning("%s: packed into buckets instead, a new compile", message)
-        batch = pack(samples, num_rows=num_rows, **kw)
-        if num_rows is None and self._bucket_shapes:
-            rows, k = batch.shape[0], self.row_multiple
-            target = shape_bucket(-(-rows // k)) * k
-            if target != rows:
-                batch = pack(samples, num_rows=target, **kw)
-        return batch
-
-    def _pack_chunks(self, samples, mode: str, kw: dict) -> PackedBatch:
-        """A token-budget batch (`shapes.budgeted`): the samples first-fit into as many chunks
-        of the chosen shape's rows as they need, then the rows placed in the chunks' (micro-
-        batch, device) groups so no group holds more screens than the shape's
-        `group_screens` (one chunk more while they do not fit)."""
-        n = self._processes
-        if n > 1:
-            return self._pack_chunks_share(samples, mode, kw)
-        shape, k = self.shapes.chunks_for(mode, samples)
-        return self._chunks_of(samples, shape, k, kw, self._batch_parallel)
-
-    def _chunks_of(self, samples, shape, k: int, kw: dict, devices: int) -> PackedBatch:
-        """`batching.pack_chunks` of `samples` into at least `k` chunks of `shape` (this
-        process's share of it: its rows over its `devices`); an empty share is all padding."""
-        if not samples:  # a process with nothing to train on this step packs padding rows
-            # (blank_batch packs a process's share of a global shape's rows)
-            rows = shape.rows * k * self._processes
-            blank = self.blank_batch(dataclasses.replace(shape, rows=rows))
-            blank.chunks = k
-            return blank
-        try:
-            return batching.pack_chunks(
-                samples,
-                shape,
-                k,
-                image_token_id=self.config.image_token_id,
-                merge=self.config.vision.spatial_merge_size,
-                substeps=self.num_substeps,
-                devices=devices,
-                screen_patches=int(np.prod(self.shapes.grid)) if self.shapes.grid else 1,
-                **kw,
-            )
-        except batching.ChunkError as e:
-            raise shapes_lib.ShapeError(str(e)) from None
-
-    def _pack_chunks_share(self, samples, mode: str, kw: dict) -> PackedBatch:
-        """This process's share of a token-budget batch (multi-host): every process packs its
-        own samples into the same shape and chunk count (the shape whose largest per-process
-        need is cheapest; chunks added while any process's screens need them), each chunk's
-        rows on its own devices (its block of the batch axes), its loss weights scaled to its
-        share of the job's units; its screens stay its own (`_grouped_images`)."""
-        n = self._processes
-        shapes = self.shapes.of(mode)
-        for i, smp in enumerate(samples):
-            self.shapes.check_sample(smp, i)
-        lengths = [smp.length for smp in samples]
-        need = []
-        for sh in shapes:  # chunks of this process's rows each shape needs (-1: too short)
-            if lengths and max(lengths) > sh.length:
-                need.append(-1)
-            else:
-                rows = shapes_lib.first_fit_rows(lengths, sh.length) if lengths else 0
-                need.append(max(1, -(-rows // (sh.rows // n))))
-        agreed = multihost.allgather_ints(need)
-        best = None
-        for i, sh in enumerate(shapes):
-            if (agreed[:, i] < 0).any():
-                continue
-            k = int(agreed[:, i].max())
-            cost = (k * sh.rows * sh.length, sh.length)
-            if best is None or cost < best[0]:
-                best = (cost, i, k)
-        if best is None:
-            raise shapes_lib.ShapeError(f"no {mode} shape holds every process's longest sample")
-        _, i, k = best
-        share = dataclasses.replace(
-            shapes[i], rows=shapes[i].rows // n, patches=shapes[i].patches // n
-        )
-        devices = self._batch_parallel // n
-        error = None
-        try:
-            batch = self._chunks_of(samples, share, k, kw, devices)
-        except shapes_lib.ShapeError as e:  # every process raises, none is left waiting
-            error, batch = e, None
-        chunks = multihost.allgather_ints([-1 if batch is None else batch.chunks])[:, 0]
-        if (chunks < 0).any():
-            bad = int(np.argmax(chunks < 0))
-            raise error or shapes_lib.ShapeError(f"process {bad}'s {mode} samples fit no chunk")
-        if chunks.max() > batch.chunks:  # another process's screens needed more chunks
-            batch = self._chunks_of(samples, share, int(chunks.max()), kw, devices)
-        units = multihost.allgather_ints([self._loss_units(samples)])[:, 0]
-        self._scale_to_share(batch, units)
-        batch.patch_budget = shapes[i].patches
-        return batch
+        """`BatchPacker.pack`: the samples in one of the run's shapes (its docstring)."""
+        return self.packer.pack(samples, num_rows, mode=mode)
 
     def prepare_batch(
         self, groups: Sequence[Sequence[Trajectory]], num_rows: int | None = None
     ) -> tuple[PackedBatch | None, dict[str, float]]:
-        """GRPO advantages per group, zero-variance filtering, samples, packing.
+        """`BatchPacker.prepare_batch`: GRPO advantages per group, zero-variance filtering,
+        samples, packing. Returns (batch or None when every group was filtered, info)."""
+        return self.packer.prepare_batch(groups, num_rows)
 
-        Episodes ended by an infrastructure fault (`Trajectory.infra_fault`: env, sampler or
-        checker errors) are left out: they neither get samples nor enter their group's reward
-        statistics, and a group left with fewer than two episodes is dropped.
+    def blank_batch(self, shape: shapes_lib.Shape) -> PackedBatch:
+        """`BatchPacker.blank_batch`: an all-padding batch of `shape`."""
+        return self.packer.blank_batch(shape)
 
-        Returns (batch or None when every group was filtered, info dict for logging).
-        """
-        sizes = {len(g) for g in groups}
-        if len(sizes) != 1:
-            raise ValueError(f"groups must all have the same size, got sizes {sorted(sizes)}")
-        rewards = np.array([[t.reward for t in g] for g in groups], np.float32)
-        ac = self.advantage_config
-        pos_fn = self.position_fn()
-        samples = []
-        filtered = too_few = 0
-        for g in groups:
-            live = live_episodes(g)
-            if len(live) < MIN_LIVE_EPISODES:
-                too_few += 1
-                continue
-            (a_g,), (k,) = group_advantages(
-                np.array([[t.reward for t in live]], np.float32),
-                normalize_std=ac.normalize_std,
-                leave_one_out=ac.leave_one_out,
-                eps=ac.eps,
-                zero_variance=ac.zero_variance,
-            )
-            filtered += not k
-            if k:
-                for traj, a in zip(live, a_g, strict=True):
-                    samples += trajectory_to_samples(traj, float(a), pos_fn)
-        info = {
-            "reward_mean": float(rewards.mean()),
-            "success_rate": float(np.mean([t.success for g in groups for t in g])),
-            "groups": float(len(groups)),
-            "groups_filtered_zero_variance": float(filtered),
-            "episodes_infra_fault": float(sum(t.infra_fault for g in groups for t in g)),
-            "groups_dropped_infra_fault": float(too_few),
-            "samples": float(len(samples)),
-        }
-        if self._processes > 1:  # every process packs (with empty rows) if any has samples
-            if not multihost.allgather_ints([len(samples)]).sum():
-                return None, info
-        elif not samples:
-            return None, info
-        batch = self.pack(samples, num_rows, mode="rl")
-        info["padding_share"] = batch.padding_share
-        info["chunks"] = float(batch.chunks)
-        info["rows"], info["row_len"] = map(float, batch.shape)
-        return batch, info
+    def position_fn(self) -> PositionFn:
+        return rope_position_fn(self.config)
 
     def train_step(
         self, batch: PackedBatch, teacher: sdpo.TeacherTargets | None = None
@@ -710,7 +398,7 @@ class Learner:
         ref = self._reference_params(self._trainable) if reference else self._trainable
         out = []
         for part, _ in self.chunks(batch):  # a token-budget batch: one call a chunk
-            xs, images = self._device_batch(part, substeps=1)
+            xs, images = self.layout.device_batch(part, substeps=1)
             lp = fn(ref, self._frozen, self._rest, xs, images, bool(part.pixel_values is not None))
             out.append(np.asarray(lp).reshape(part.shape))
         return np.concatenate(out)
@@ -721,7 +409,7 @@ class Learner:
         `.compile().memory_analysis()` is its XLA buffer assignment (tools/bench_*)."""
         if self._chunked(batch):  # a chunk's gradient program (`lower_apply`: the update)
             part, ex = self.chunks(batch, extra)[0]
-            xs, images = self._device_batch(part, self.num_substeps, ex)
+            xs, images = self.layout.device_batch(part, self.num_substeps, ex)
             n_total = np.float32(1.0)
             fn = self._get_grads(mode, isinstance(images, ImageGroups))
             acc = self._trainable  # the accumulator has the trainable params' shapes
@@ -734,29 +422,6 @@ class Learner:
     def lower_apply(self) -> Any:
         """The optimizer update of a token-budget batch (`APPLY_PROGRAM`), lowered."""
         return self._get_apply().lower(self._trainable, self._opt_state, self._trainable)
-
-    def blank_batch(self, shape: shapes_lib.Shape) -> PackedBatch:
-        """An all-padding batch of `shape` (rows x length + patch budget), packed as real ones
-        are (multi-host: this process's 1/n share of the rows): what the warm-up compiles a
-        program of that shape from."""
-        blank = Sample(
-            input_ids=np.zeros(1, np.int32),
-            loss_mask=np.zeros(1, bool),
-            behaviour_logprobs=np.zeros(1, np.float32),
-            position_ids=np.zeros((3, 1), np.int32),
-            advantage=0.0,
-        )
-        batch = pack(
-            [blank],
-            seq_len_buckets=(shape.length,),
-            row_multiple=1,
-            num_rows=shape.rows // self._processes,  # multi-host: this process's share
-            agg_mode=self.loss_config.agg_mode,
-            loss_norm=self.loss_config.loss_norm,
-            pad_id=int(self.config.text.pad_token_id or 0),
-        )
-        batch.patch_budget, batch.group_screens = shape.patches, shape.group_screens
-        return batch
 
     def warmup(self, mode: Literal["rl", "sft"] = "rl") -> dict[str, float]:
         """Compiles the train step of `mode` for every shape of the shape set (`self.shapes`)
@@ -793,7 +458,7 @@ class Learner:
         key = f"grads_{mode}"
         if key not in self._jit:
             self._jit[key] = jax.jit(lambda *a: self._grads_fn(mode, *a))
-        xs, images = self._device_batch(batch, self.num_substeps)
+        xs, images = self.layout.device_batch(batch, self.num_substeps)
         grads, metrics = self._jit[key](
             self._trainable, self._frozen, self._rest, self._ref, xs, images
         )
@@ -853,284 +518,6 @@ class Learner:
             return self._ref
         raise ValueError("no reference policy: build the learner with LossConfig(kl_coef > 0)")
 
-    def _agreed_shape(self, samples, mode: str) -> shapes_lib.Shape | None:
-        """The shape-set shape every process packs its share into (multi-host): the largest of
-        the processes' smallest shapes whose 1/n share holds their samples. None (a logged
-        recompile, or ShapeError with `shapes.strict`) when some share fits none; a sample no
-        shape can ever hold is a ShapeError on every process (none is left waiting)."""
-        n = self._processes
-        error = None
-        try:
-            mine = self.shapes.pick_index(mode, samples, parts=n)
-        except shapes_lib.ShapeError as e:
-            mine, error = -2, e
-        picks = multihost.allgather_ints([mine])[:, 0]
-        if (picks == -2).any():
-            bad = int(np.argmax(picks == -2))
-            raise error or shapes_lib.ShapeError(f"process {bad} holds a sample no shape fits")
-        if (picks < 0).any():
-            message = (
-                f"process {int(np.argmax(picks < 0))}'s share of a {mode} batch fits none of "
-                f"the run's {mode} shapes {', '.join(map(str, self.shapes.of(mode)))} split "
-                f"over {n} processes; raise rl.learner_rows / rl.images_per_row"
-            )
-            if self.shapes.strict:
-                raise shapes_lib.ShapeError(message + " (rl.strict_shapes)")
-            logging.warning("%s: packed into buckets instead, a new compile", message)
-            return None
-        return self.shapes.by_size(mode)[int(picks.max())]
-
-    def _pack_share(self, samples, num_rows: int | None, mode: str = "sft") -> PackedBatch:
-        """This process's rows of the global batch (multi-host): every process packs its own
-        samples into rows of one agreed length and count (with a shape set, its 1/n share of
-        the agreed shape, `_agreed_shape`; else the longest sample's bucket and the largest row
-        count), its loss weights scaled so the global batch's add up as one batch's would, and
-        the images of every process gathered (the vision tower runs on all of them,
-        replicated, in process order: the order of the rows)."""
-        n = self._processes
-        shape = None
-        if self.shapes is not None and num_rows is None:
-            shape = self._agreed_shape(samples, mode)
-        lc = self.loss_config
-        pad_id = int(self.config.text.pad_token_id or 0)
-        longest = max((s.length for s in samples), default=0)
-        agreed = multihost.allgather_ints([longest, self._loss_units(samples)])
-        if shape is not None:
-            seq_len = shape.length
-        else:
-            seq_len = pick_bucket(int(agreed[:, 0].max()), self.seq_len_buckets)
-        multiple = self.row_multiple // math.gcd(self.row_multiple, n)
-        kw = dict(
-            seq_len_buckets=(seq_len,),
-            row_multiple=multiple,
-            agg_mode=lc.agg_mode,
-            loss_norm=lc.loss_norm,
-            pad_id=pad_id,
-        )
-        local = pack(samples, **kw) if samples else None
-        rows = int(multihost.allgather_ints([multiple if local is None else local.shape[0]]).max())
-        if shape is not None:
-            rows = shape.rows // n
-        elif num_rows is not None:
-            if num_rows % n:
-                raise ValueError(f"num_rows={num_rows} is not a multiple of {n} processes")
-            rows = num_rows // n
-        elif self._bucket_shapes:
-            rows = shape_bucket(-(-rows // multiple)) * multiple
-        if local is None:
-            batch = PackedBatch(
-                input_ids=np.full((rows, seq_len), pad_id, np.int32),
-                segment_ids=np.zeros((rows, seq_len), np.int32),
-                position_ids=np.zeros((3, rows, seq_len), np.int32),
-                loss_mask=np.zeros((rows, seq_len), bool),
-                behaviour_logprobs=np.zeros((rows, seq_len), np.float32),
-                advantages=np.zeros((rows, seq_len), np.float32),
-                loss_weights=np.zeros((rows, seq_len), np.float32),
-            )
-        elif local.shape[0] != rows:
-            batch = pack(samples, num_rows=rows, **kw)
-        else:
-            batch = local
-        self._scale_to_share(batch, agreed[:, 1])
-        mine = 0 if batch.pixel_values is None else int(batch.pixel_values.shape[0])
-        before = multihost.allgather_ints([mine])[: multihost.process_index(), 0]
-        batch.patch_offset = int(before.sum())
-        batch.pixel_values, batch.image_grid_thw = _gather_images(
-            batch.pixel_values, batch.image_grid_thw
-        )
-        if shape is not None:
-            batch.patch_budget = shape.patches
-        return batch
-
-    def _loss_units(self, samples) -> int:
-        """This process's units of the loss aggregation (multi-host shares): its trained tokens
-        (token-mean), else its episodes with a trained token."""
-        if self.loss_config.agg_mode == "token-mean":
-            return sum(int(np.sum(s.loss_mask)) for s in samples)
-        return len(
-            {
-                s.episode if s.episode >= 0 else -1 - i
-                for i, s in enumerate(samples)
-                if s.loss_mask.any()
-            }
-        )
-
-    def _scale_to_share(self, batch: PackedBatch, units: np.ndarray) -> None:
-        """Scales this process's loss weights so every process's share (`units`: each one's
-        `_loss_units`) sums as its part of the whole batch."""
-        if units.sum() > 0:
-            share = float(units[multihost.process_index()]) / float(units.sum())
-            batch.loss_weights = (batch.loss_weights * np.float32(share)).astype(np.float32)
-
-    def _device_batch(self, batch: PackedBatch, substeps: int, extra=None):
-        rows, length = batch.shape
-        shares = self._processes  # multi-host: `batch` is this process's rows (`_pack_share`)
-        if rows * shares % (substeps * self._batch_parallel):
-            raise ValueError(
-                f"batch has {rows * shares} rows, not a multiple of num_substeps x data x fsdp = "
-                f"{substeps * self._batch_parallel}; pack with row_multiple=learner.row_multiple"
-            )
-        arrs = batch.arrays()
-        if shares == 1:
-            xs = {k: jax.device_put(arrs[k], self._row_sh) for k in _TEXT_KEYS}
-            xs["position_ids"] = jax.device_put(batch.position_ids, self._pos_sh)
-        else:
-            xs = {
-                k: jax.make_array_from_process_local_data(
-                    self._row_sh, arrs[k], (rows * shares, length)
-                )
-                for k in _TEXT_KEYS
-            }
-            xs["position_ids"] = jax.make_array_from_process_local_data(
-                self._pos_sh, batch.position_ids, (3, rows * shares, length)
-            )
-        if self._moe:  # every MoE batch has routes (-1: unrecorded), so one compiled step
-            routes = batch.routes
-            want = (rows, length, *self._route_shape)
-            if routes is None:
-                routes = np.full(want, -1, np.int32)
-            elif routes.shape != want:
-                raise ValueError(
-                    f"batch routes have shape {routes.shape} but this model needs {want} "
-                    "(rows, row length, sparse layers, experts per token)"
-                )
-            if shares == 1:
-                xs["routes"] = jax.device_put(routes, self._route_sh)
-            else:
-                xs["routes"] = jax.make_array_from_process_local_data(
-                    self._route_sh, routes, (rows * shares, *want[1:])
-                )
-        for k, v in (extra or {}).items():  # SDPO targets: [R, L, ...] like the rows
-            sh = self._rows_sharding(v.ndim)
-            if shares == 1:
-                xs[k] = jax.device_put(v, sh)
-            else:
-                xs[k] = jax.make_array_from_process_local_data(sh, v, (rows * shares, *v.shape[1:]))
-        images = self._grouped_images(batch, substeps)
-        if images is not None:
-            return xs, images
-        if batch.patch_budget:  # the shape set's fixed patch budget, padded with blank screens
-            v = self.config.vision
-            pv, grid = shapes_lib.pad_images(
-                batch.pixel_values,
-                batch.image_grid_thw,
-                batch.patch_budget,
-                self.shapes.grid,
-                v.spatial_merge_size,
-                v.in_channels * v.temporal_patch_size * v.patch_size**2,
-            )
-            meta = vision_metadata(self.config, grid)
-            images = jax.device_put((jnp.asarray(pv), meta), self._repl)
-        elif batch.pixel_values is not None:
-            pv, grid = batch.pixel_values, batch.image_grid_thw
-            if self._bucket_shapes:
-                pv, grid = pad_images_to_bucket(pv, grid, self.config.vision.spatial_merge_size)
-            meta = vision_metadata(self.config, grid)
-            images = jax.device_put((jnp.asarray(pv), meta), self._repl)
-        return xs, images
-
-    def _balance_screens(self, batch: PackedBatch) -> PackedBatch:
-        """A shape-set batch with its rows permuted so its screens spread evenly over the
-        (micro-batch, device) groups of the step (`image_groups.balance_rows`)."""
-        groups = self.num_substeps * self._batch_parallel
-        if batch.pixel_values is None or not self._groupable(batch) or batch.shape[0] % groups:
-            return batch
-        groups_R = image_groups.row_groups(batch.shape[0], self.num_substeps, self._batch_parallel)
-        return image_groups.balance_rows(batch, groups_R, self._screens_per_row(batch))
-
-    def _screen_tokens(self, grid=None) -> int:
-        """Merged tokens of one screen of `grid` (default: the shape set's)."""
-        grid = grid or self.shapes.grid
-        return int(np.prod(grid)) // self.config.vision.spatial_merge_size**2
-
-    def _screens_per_row(self, batch: PackedBatch) -> np.ndarray:
-        """Screens of the shape set's size each row of `batch` holds (0 without images)."""
-        if batch.pixel_values is None:
-            return np.zeros(batch.shape[0], np.int64)
-        return image_groups.screens_per_row(
-            batch, self.config.image_token_id, self._screen_tokens()
-        )
-
-    def _groupable(self, batch: PackedBatch) -> bool:
-        """Whether `batch`'s screens can be grouped by micro-batch and device (`image_groups`):
-        one process, a shape-set batch, and every image one screen of the shape set's size."""
-        if not batch.patch_budget or self.shapes is None:
-            return False
-        if self._processes > 1 and not batch.group_screens:  # multi-host: token-budget batches
-            return False
-        if self.shapes.grid is None or not self.group_images:
-            return False
-        return batch.pixel_values is None or image_groups.uniform_screens(batch, self.shapes.grid)
-
-    def _screen_layout(
-        self, length: int, budget: int, substeps: int, grid=None, per_group: int = 0
-    ) -> tuple[int, int, Any]:
-        """(screens a group holds, patches of a screen, the host `VisionMeta` of one group) of
-        a shape-set shape of rows of `length` tokens and a patch `budget` of `grid` screens
-        (default: the shape set's), split into `substeps` x batch-parallel groups; a
-        token-budget shape's `per_group` (its `group_screens`) when given."""
-        grid = grid or self.shapes.grid
-        unit = int(np.prod(grid))
-        per_row = length // self._screen_tokens(grid)
-        groups = substeps * self._batch_parallel
-        if not per_group:
-            per_group = image_groups.group_budget(budget // unit, groups, per_row)
-        meta = vision_metadata(self.config, np.tile(np.asarray(grid, np.int32), (per_group, 1)))
-        return per_group, unit, meta
-
-    def _pixel_dtype(self) -> Any:
-        """Screens travel in the model's compute dtype (its patch embedding casts to it first)."""
-        return jnp.dtype(jdtype(self.config.dtype))
-
-    def _pixel_sharding(self, ndim: int) -> NamedSharding:
-        """Grouped screens [S, B, P_g, C] ([B, P_g, C]): the groups' B axis over the batch axes."""
-        lead = (None,) * (ndim - 3)
-        return NamedSharding(self.mesh, P(*lead, self._row_sh.spec[0], None, None))
-
-    def _grouped_images(self, batch: PackedBatch, substeps: int) -> ImageGroups | None:
-        """`batch`'s screens as `ImageGroups` on the mesh, or None (the flat layout) when they
-        cannot be grouped or a group has more screens than its budget (logged)."""
-        if not self._groupable(batch):
-            return None
-        # a token-budget chunk's groups hold group_screens each at the step's micro-batching;
-        # fewer micro-batches (a log-prob pass: one) merge num_substeps / substeps of them
-        per_group = batch.group_screens * self.num_substeps // substeps
-        per_group, unit, meta = self._screen_layout(
-            batch.shape[1], batch.patch_budget, substeps, per_group=per_group
-        )
-        v = self.config.vision
-        dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
-        n = self._processes  # multi-host: this process's rows, on its block of the devices
-        devices = self._batch_parallel // n
-        groups_R = image_groups.row_groups(batch.shape[0], substeps, devices)
-        flat = batch.pixel_values
-        if flat is None:
-            flat = np.zeros((0, dim), np.float32)
-        pv = image_groups.group_pixels(
-            flat,
-            self._screens_per_row(batch),
-            groups_R,
-            substeps,
-            devices,
-            per_group,
-            unit,
-        )
-        if pv is None:
-            logging.warning(
-                "a batch's screens do not fit %d per (micro-batch, device) group (%d groups): "
-                "replicated flat layout instead, a new compile",
-                per_group,
-                substeps * self._batch_parallel,
-            )
-            return None
-        pv = pv.astype(self._pixel_dtype())
-        if n == 1:
-            pv = jax.device_put(pv, self._pixel_sharding(4))
-        else:  # each process gives its own devices' groups
-            glob = (pv.shape[0], self._batch_parallel, *pv.shape[2:])
-            pv = jax.make_array_from_process_local_data(self._pixel_sharding(4), pv, glob)
-        return ImageGroups(pv, jax.device_put(jax.tree.map(jnp.asarray, meta), self._repl))
-
     def _merge(self, trainable, frozen, rest):
         return nnx.merge(self._graphdef, trainable, frozen, rest)
 
@@ -1154,7 +541,7 @@ class Learner:
         model = self._merge(trainable, frozen, rest)
         attn = model.attn_fn(None, mb["segment_ids"])
         info = None
-        if self._moe:
+        if self.layout.moe:
             replay = None
             if self.loss_config.routing_replay:  # [B, T, L, K] -> [L, B, T, K]
                 replay = jnp.transpose(mb["routes"], (2, 0, 1, 3))
@@ -1404,9 +791,9 @@ class Learner:
         key = (mode, "grouped") if grouped else mode
         fn = self._jit.get(key)
         if fn is None:
-            images_sh = self._images_sharding(grouped)
+            images_sh = self.layout.images_sharding(grouped)
             ref_sh = None if self._ref is None else self._trainable_sh
-            xs_sh = self._xs_shardings(mode)
+            xs_sh = self.layout.xs_shardings(mode)
 
             def step(*a):
                 return self._step_fn(mode, *a)
@@ -1458,7 +845,7 @@ class Learner:
         key = (mode, "grads", grouped)
         fn = self._jit.get(key)
         if fn is None:
-            images_sh = self._images_sharding(grouped)
+            images_sh = self.layout.images_sharding(grouped)
             ref_sh = None if self._ref is None else self._trainable_sh
 
             def grads(trainable, frozen, rest, ref, xs, images, n_total, acc):
@@ -1475,7 +862,7 @@ class Learner:
                     self._frozen_sh,
                     self._rest_sh,
                     ref_sh,
-                    self._xs_shardings(mode),
+                    self.layout.xs_shardings(mode),
                     images_sh,
                     self._repl,
                     self._trainable_sh,
@@ -1524,12 +911,12 @@ class Learner:
         """(the batch's summed gradients, its metrics without the norms): one gradient
         program call per chunk."""
         n_total = np.float32(batch.loss_mask.sum())
-        if self._processes > 1:  # the job's trained tokens
+        if self.layout.processes > 1:  # the job's trained tokens
             n_total = np.float32(multihost.allgather_ints([int(batch.loss_mask.sum())]).sum())
         grads = self._zero_grads()
         raw = []
         for part, ex in self.chunks(batch, extra):
-            xs, images = self._device_batch(part, self.num_substeps, ex)
+            xs, images = self.layout.device_batch(part, self.num_substeps, ex)
             grouped = isinstance(images, ImageGroups)
             pix = None if images is None else (images.pixel_values if grouped else images[0])
             self.compiled_shapes.add((f"{mode}_grads", part.shape, getattr(pix, "shape", None)))
@@ -1557,30 +944,8 @@ class Learner:
         out["version"] = float(self.version)
         return out
 
-    def _images_sharding(self, grouped: bool) -> Any:
-        """A step's image input sharding: grouped screens (`ImageGroups`) sharded over the batch
-        axes, or the flat layout replicated."""
-        if grouped:
-            return ImageGroups(self._pixel_sharding(4), self._repl)
-        return self._repl
-
-    def _xs_shardings(self, mode: str) -> dict[str, NamedSharding]:
-        """The shardings of a step's token-aligned inputs (`_device_batch`'s xs) in `mode`."""
-        xs_sh = {k: self._row_sh for k in _TEXT_KEYS}
-        xs_sh["position_ids"] = self._pos_sh
-        if sdpo.parse_mode(mode) is not None:
-            for k in sdpo.TARGET_KEYS:
-                xs_sh[k] = self._rows_sharding(3 if k in sdpo.TOPK_KEYS else 2)
-        if self._moe:
-            xs_sh["routes"] = self._route_sh
-        return xs_sh
-
-    def _rows_sharding(self, ndim: int) -> NamedSharding:
-        """Arrays with a leading row axis shard their rows like the batch's."""
-        return NamedSharding(self.mesh, P(*self._row_sh.spec[:1], *([None] * (ndim - 1))))
-
     def _step_args(self, batch: PackedBatch, extra=None) -> tuple:
-        xs, images = self._device_batch(batch, self.num_substeps, extra)
+        xs, images = self.layout.device_batch(batch, self.num_substeps, extra)
         return (self._trainable, self._opt_state, self._frozen, self._rest, self._ref, xs, images)
 
     def _step(self, mode: str, batch: PackedBatch, extra=None) -> dict[str, float]:
@@ -1608,19 +973,3 @@ def _split_extra(extra: dict[str, np.ndarray] | None, chunks: int) -> list[dict 
         return [None] * chunks
     parts = {k: np.split(np.asarray(v), chunks) for k, v in extra.items()}
     return [{k: parts[k][c] for k in parts} for c in range(chunks)]
-
-
-def _gather_images(
-    pixel_values: np.ndarray | None, grid: np.ndarray | None
-) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """Every process's patches and image grids, concatenated in process order (multi-host)."""
-    dim = int(
-        multihost.allgather_ints([0 if pixel_values is None else pixel_values.shape[1]]).max()
-    )
-    if dim == 0:
-        return None, None
-    pv = np.zeros((0, dim), np.float32) if pixel_values is None else pixel_values
-    g = np.zeros((0, 3), np.int32) if grid is None else np.asarray(grid, np.int32)
-    pvs = multihost.allgather_arrays(np.asarray(pv, np.float32))
-    grids = multihost.allgather_arrays(g)
-    return np.concatenate(pvs), np.concatenate(grids)

@@ -60,6 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cua_jax import multihost
+from cua_jax.rl.micro import compile_each, split_micro, split_micro_inputs, unsplit_micro
 from cua_jax.rl.trajectory import PositionFn, Sample, Trajectory, trajectory_to_samples
 
 Divergence = Literal["kl", "rkl", "js"]
@@ -532,7 +533,7 @@ def teacher_topk(
     fn = _teacher_jit(learner, k, cache)
     ids_parts, logp_parts = [], []
     for part, _ in learner.chunks(batch):  # a token-budget batch: one call a chunk
-        xs, images = learner._device_batch(part, substeps=learner.num_substeps)
+        xs, images = learner.layout.device_batch(part, substeps=learner.num_substeps)
         ids, logp = fn(params, learner._frozen, learner._rest, xs, images)
         ids_parts.append(multihost.local_rows(ids))  # multi-host: this one's rows
         logp_parts.append(multihost.local_rows(logp))
@@ -549,7 +550,7 @@ def _teacher_jit(learner: Any, k: int, cache: dict | None) -> Any:
             return _teacher_topk_fn(learner, k, *a)
 
         teacher.__name__ = TEACHER_PROGRAM  # the program's name in compile_stats' counts
-        rows = learner._rows_sharding(3)  # each process reads back its own rows
+        rows = learner.layout.rows_sharding(3)  # each process reads back its own rows
         fn = cache[k] = jax.jit(teacher, out_shardings=(rows, rows))
     return fn
 
@@ -560,7 +561,6 @@ def _teacher_topk_fn(learner, k, params, frozen, rest, xs, images):
     top-k of each; the vision tower and embeddings per micro-batch too with grouped screens
     (`image_groups`), else once over the whole batch before (the flat layout)."""
     from cua_jax.rl.image_groups import ImageGroups
-    from cua_jax.rl.learner import split_micro, split_micro_inputs, unsplit_micro
 
     params = jax.lax.stop_gradient(params)
     grouped = isinstance(images, ImageGroups)  # then each micro-batch embeds its own screens
@@ -724,7 +724,6 @@ class SelfDistiller:
         top-k width) and the teacher pass for every shape a teacher batch takes (the shape
         set's teacher shapes: the RL rows, a screen more per sample). Returns {program and
         shape: seconds}."""
-        from cua_jax.rl.learner import compile_each
 
         if learner.shapes is None:
             raise ValueError("warmup needs a shape set: learner.shapes = ShapeSet.from_config(...)")
@@ -749,7 +748,8 @@ class SelfDistiller:
         params = self.teacher_params(learner)
 
         def lower_teacher(shape: Any) -> Any:
-            xs, images = learner._device_batch(learner.blank_batch(shape), learner.num_substeps)
+            blank = learner.blank_batch(shape)
+            xs, images = learner.layout.device_batch(blank, learner.num_substeps)
             return fn.lower(params, learner._frozen, learner._rest, xs, images)
 
         mode = zeros(1, 1).mode

@@ -156,7 +156,7 @@ def main():
         for k in range(2):
             batch = learner.pack(mine, mode="rl")
             part, _ = learner.chunks(batch)[0]
-            _, images = learner._device_batch(part, learner.num_substeps)
+            _, images = learner.layout.device_batch(part, learner.num_substeps)
             m = learner.train_step(batch)
             out.update({f"rl{k}/{key}": m[key] for key in ("loss", "grad_norm", "num_tokens")})
             out[f"rl{k}/grouped"] = isinstance(images, ImageGroups)

@@ -52,7 +52,7 @@ def _close(a, b, rtol=2e-4, atol=2e-6):
 
 def test_each_device_holds_its_own_rows_screens(sharded):
     batch, _ = sharded.prepare_batch(make_groups(seed=1, n_groups=3))
-    xs, images = sharded._device_batch(batch, sharded.num_substeps)
+    xs, images = sharded.layout.device_batch(batch, sharded.num_substeps)
     assert isinstance(images, image_groups.ImageGroups)
     pv = images.pixel_values
     S, B, Pg, C = pv.shape
@@ -85,7 +85,7 @@ def test_grouped_step_equals_the_flat_layout_and_one_device(sharded):
     lp_g = sharded.token_logprobs(batch)
     sharded.group_images = False
     try:
-        _, images = sharded._device_batch(batch, sharded.num_substeps)
+        _, images = sharded.layout.device_batch(batch, sharded.num_substeps)
         assert isinstance(images, tuple)  # the flat replicated layout
         m_f, g_f = sharded.loss_and_grads(batch)
         lp_f = sharded.token_logprobs(batch)
@@ -122,7 +122,7 @@ def test_screens_a_group_cannot_hold_take_the_flat_layout(sharded, monkeypatch, 
     batch, _ = sharded.prepare_batch(make_groups(seed=5, n_groups=3))
     monkeypatch.setattr(image_groups, "group_budget", lambda *a: 1)
     with caplog.at_level(logging.WARNING):
-        _, images = sharded._device_batch(batch, sharded.num_substeps)
+        _, images = sharded.layout.device_batch(batch, sharded.num_substeps)
         m, _ = sharded.loss_and_grads(batch)
     assert isinstance(images, tuple) and "flat layout" in caplog.text
     m_1, _ = _learner(patches=64 * UNIT).loss_and_grads(batch)

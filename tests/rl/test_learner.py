@@ -12,6 +12,7 @@ from flax import nnx
 from cua_jax import sharding as shd
 from cua_jax.models import qwen_vl
 from cua_jax.rl import packing
+from cua_jax.rl.layout import BatchLayout
 from cua_jax.rl.learner import Learner, LossConfig, OptimizerConfig, pad_images_to_bucket
 from cua_jax.rl.trajectory import Trajectory, Turn, trajectory_to_samples
 
@@ -193,11 +194,11 @@ def test_on_policy_ratio_is_one_and_nothing_clips(learner, samples):
 def test_bad_batches_are_refused(learner, samples):
     with pytest.raises(ValueError, match="same size"):
         learner.prepare_batch([make_groups()[0], make_groups()[0][:2]])
-    big = Learner.__new__(Learner)  # only the row check is exercised
-    big._batch_parallel = 4
-    big._processes = 1
+    big = BatchLayout.__new__(BatchLayout)  # only the row check is exercised
+    big.batch_parallel = 4
+    big.processes = 1
     with pytest.raises(ValueError, match="row_multiple"):
-        Learner._device_batch(big, learner.pack(samples[:2], num_rows=6), 1)
+        big.device_batch(learner.pack(samples[:2], num_rows=6), 1)
 
 
 def test_tempered_rollouts_start_at_ratio_one():
@@ -245,11 +246,11 @@ def test_padding_patches_to_a_bucket_changes_nothing(learner):
     padded, grid = pad_images_to_bucket(batch.pixel_values, batch.image_grid_thw, 2)
     assert padded.shape[0] == 32 * 4 and grid.tolist()[-1] == [1, 2, 24]
     m_pad, g_pad = learner.loss_and_grads(batch)
-    learner._bucket_shapes = False
+    learner.layout.bucket_shapes = False
     try:
         m_raw, g_raw = learner.loss_and_grads(batch)
     finally:
-        learner._bucket_shapes = True
+        learner.layout.bucket_shapes = True
     assert m_pad["loss"] == pytest.approx(m_raw["loss"], rel=1e-5)
     for a, b in zip(_leaves(g_pad), _leaves(g_raw), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
@@ -263,11 +264,11 @@ def test_row_count_is_rounded_to_a_shape_bucket(learner, samples):
     for n in range(1, len(samples) + 1):
         rows = learner.pack(samples[:n]).shape[0]
         assert rows == shape_bucket(rows)
-        learner._bucket_shapes = False
+        learner.layout.bucket_shapes = False
         try:
             assert learner.pack(samples[:n]).shape[0] <= rows
         finally:
-            learner._bucket_shapes = True
+            learner.layout.bucket_shapes = True
 
 
 def test_infra_faults_are_left_out_of_groups(learner):

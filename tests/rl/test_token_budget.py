@@ -143,7 +143,7 @@ def test_screens_add_chunks_so_no_group_overflows(mesh4):
     assert load.max() <= most
     # and every chunk's screens are grouped (never the replicated flat layout)
     for part, _ in budget.chunks(batch):
-        _, images = budget._device_batch(part, 1)
+        _, images = budget.layout.device_batch(part, 1)
         assert isinstance(images, image_groups.ImageGroups)
 
 
@@ -171,8 +171,9 @@ def test_fill_groups_refuses_what_no_placement_holds():
 
 def test_kv_pages_from_memory_are_what_the_learner_leaves(mesh4):
     """`builders.kv_pages`: with sampler.kv_memory_fraction, N more pages' bytes of device memory
-    give exactly N more pages (K and V of every layer, by hand); a budget below one sequence is
-    an error naming the fraction; no memory report (the CPU) or fraction 0 keep num_pages."""
+    give exactly N more pages (K and V of every layer, by hand); a budget below one sequence or
+    below sampler.kv_min_fraction is an error naming what to change; no memory report (the CPU)
+    or fraction 0 keep num_pages."""
     from configs import qwen3vl_grpo
     from cua_jax import builders
 
@@ -190,6 +191,13 @@ def test_kv_pages_from_memory_are_what_the_learner_leaves(mesh4):
     with pytest.raises(ValueError, match="kv_memory_fraction=0.5 leaves"):
         builders.kv_pages(c, learner, None, stats={"bytes_limit": 3 << 30, "bytes_in_use": 3 << 29})
     assert builders.kv_pages(c, learner, None, stats={}) == c.sampler.num_pages
+    # sampler.kv_min_fraction: a pool below that share of the device stops the run, naming
+    # the token budget (here about 3 GiB of 8: 0.375 asked)
+    c.sampler.kv_min_fraction = 0.375
+    with pytest.raises(ValueError, match="lower rl.tokens_per_chip"):
+        builders.kv_pages(c, learner, None, stats=base)
+    c.sampler.kv_min_fraction = 0.25
+    assert builders.kv_pages(c, learner, None, stats=base) == pages
     c.sampler.kv_memory_fraction = 0.0
     assert builders.kv_pages(c, learner, None, stats=base) == c.sampler.num_pages
 

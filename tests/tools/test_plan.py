@@ -341,3 +341,36 @@ def test_kv_pool_from_memory_is_what_the_learner_leaves_by_hand():
         == small.resident["KV pool (sampler, resident)"]
     )
     assert f"{pages} pages" in note and "3.00 GiB" in note
+
+
+def test_the_token_budget_shrinks_to_leave_the_kv_pool_its_share(hf_dir):
+    """`sampler.kv_min_fraction`: a largest chunk program above (kv_memory_fraction -
+    kv_min_fraction) of HBM is planned again at a smaller `rl.tokens_per_chip`, row lengths
+    above it dropped: its chunk bytes scaled linearly, rounded down to a power of two, never
+    below the shortest row length that holds the preset's longest sample. Here the limit is
+    set between the 2048-token chunk's fixed part and its peak, at 30% of its chunk bytes."""
+    c = _config(hf_dir)
+    c.rl.tokens_per_chip, c.rl.row_lengths = 2048, (1024, 2048)
+    c.env.viewport_width = c.env.viewport_height = 64
+    c.env.max_turns = c.env.max_history_images = 1
+    c.sampler.kv_memory_fraction = 0.5
+    with jax.default_matmul_precision("default"):
+        big = plan_lib.make_plan(c, "v5e-4", programs=("train_step_screens",))
+        top = max((p for p in big.programs if p.rows), key=lambda p: p.total_bytes)
+        assert (top.rows, top.row_length) == (2, 2048) and big.summary["tokens_per_chip"] == 2048
+        chunk = top.arguments["chunk (text)"] + top.arguments[plan_lib._SCREENS_ARG]
+        chunk += top.temp_bytes
+        limit = top.total_bytes - chunk + int(0.3 * chunk)
+        hbm = plan_lib.CHIPS["v5e"].hbm_bytes
+        c.sampler.kv_min_fraction = 0.5 - limit / hbm
+        small = plan_lib.make_plan(c, "v5e-4", programs=("train_step_screens",))
+    # 2048 x 0.3 = 614 -> 512 tokens, but the longest sample (600 + 48 + 16 + a 4-token
+    # screen and its markers) needs a 1024 row: 1024, the floor
+    assert plan_lib.longest_sample_tokens(c, 4) == 600 + 48 + 16 + 6
+    assert small.summary["tokens_per_chip"] == 1024
+    assert small.summary["row_lengths"] == (1024,)
+    grads = [p for p in small.programs if p.rows]
+    assert [(p.rows, p.row_length) for p in grads] == [(2, 1024)]
+    assert grads[0].total_bytes <= limit + 1024  # the linear estimate held
+    assert "rl.tokens_per_chip 2048 -> 1024" in small.summary["token_budget"]
+    assert "--config.rl.tokens_per_chip=1024" in plan_lib.format_plan(small)
