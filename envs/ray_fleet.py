@@ -388,7 +388,14 @@ class RayFleet(BrowserFleet):
                 log.info("env host %s not ready: %s: %s", name, type(e).__name__, e)
                 return name, None
 
-        answers = await asyncio.gather(*(ask(n) for n in names))
+        def known_up(name: str) -> bool:  # asked before, and its host answers health checks
+            h = self.hosts.get((self.actors.get(name) or {}).get("endpoint"))
+            return h is not None and h.up
+
+        # Only new actors and those whose host is down are asked (an actor call each): at
+        # hundreds of hosts, asking all every few seconds would be hundreds of calls a second.
+        answers = [(n, self.actors[n]) for n in names if known_up(n)]
+        answers += await asyncio.gather(*(ask(n) for n in names if not known_up(n)))
         live = set()
         for name, info in answers:
             if info is None:

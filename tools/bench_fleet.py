@@ -100,7 +100,7 @@ async def run_level(args, n: int, proc_: QwenVLProcessor, profile: LatencyProfil
 
         sim, eps = None, []
         fleet = RayFleet(
-            None,
+            "local",  # a Ray of this machine's own, started for the bench
             kind="sim",
             target_concurrency=n,
             host_capacity=args.capacity,
