@@ -40,7 +40,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from cua_jax import sharding as shd
 from cua_jax.models.qwen_vl.config import QwenVLConfig
-from cua_jax.models.qwen_vl.text import _INIT_STD, jdtype, param
+from cua_jax.models.qwen_vl.weights import INIT_STD, jdtype, param
 
 GATE_UP_AXES = ("expert", "embed", None, "mlp")
 
@@ -61,7 +61,7 @@ class Router(nnx.Module):
     choice does not depend on the activation dtype."""
 
     def __init__(self, dim: int, num_experts: int, *, rngs: nnx.Rngs, param_dtype: jnp.dtype):
-        w = jax.random.normal(rngs.params(), (dim, num_experts), jnp.float32) * _INIT_STD
+        w = jax.random.normal(rngs.params(), (dim, num_experts), jnp.float32) * INIT_STD
         self.kernel = param(w.astype(param_dtype), ("embed", None))
 
     def __call__(self, x_ND: jax.Array) -> jax.Array:
@@ -77,8 +77,8 @@ class Experts(nnx.Module):
         t = cfg.text
         E, D, F = t.num_experts, t.hidden_size, t.moe_intermediate_size
         pd = jdtype(cfg.param_dtype)
-        gu = jax.random.normal(rngs.params(), (E, D, 2, F), jnp.float32) * _INIT_STD
-        dn = jax.random.normal(rngs.params(), (E, F, D), jnp.float32) * _INIT_STD
+        gu = jax.random.normal(rngs.params(), (E, D, 2, F), jnp.float32) * INIT_STD
+        dn = jax.random.normal(rngs.params(), (E, F, D), jnp.float32) * INIT_STD
         self.gate_up_proj = param(gu.astype(pd), GATE_UP_AXES)
         self.down_proj = param(dn.astype(pd), DOWN_AXES)
 

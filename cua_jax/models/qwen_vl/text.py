@@ -18,25 +18,13 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from cua_jax.models.qwen_vl.config import QwenVLConfig
+from cua_jax.models.qwen_vl.moe import SparseMoeBlock
 from cua_jax.models.qwen_vl.rope import apply_rotary
+from cua_jax.models.qwen_vl.weights import INIT_STD, jdtype, param  # jdtype, param re-exported
 
 AttnFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
 
-_INIT_STD = 0.02
 _MASK_VALUE = -1e30  # finite, so a fully masked (padding) row gives a uniform softmax, not NaN
-
-
-def jdtype(name: str) -> jnp.dtype:
-    return jnp.dtype({"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name])
-
-
-def param(value: jax.Array, axes: Sequence[str | None]) -> nnx.Param:
-    """An nnx.Param carrying logical axis names (mapped to the mesh by cua_jax.sharding)."""
-    if len(axes) != value.ndim:
-        raise ValueError(f"logical axes {tuple(axes)} do not match shape {value.shape}")
-    # eager_sharding=False: placement happens in cua_jax.sharding / params.from_pretrained,
-    # which know the mesh; model construction stays mesh-free.
-    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
 
 
 class Linear(nnx.Module):
@@ -53,7 +41,7 @@ class Linear(nnx.Module):
         param_dtype: jnp.dtype,
         dtype: jnp.dtype,
     ):
-        w = jax.random.normal(rngs.params(), (din, dout), jnp.float32) * _INIT_STD
+        w = jax.random.normal(rngs.params(), (din, dout), jnp.float32) * INIT_STD
         self.kernel = param(w.astype(param_dtype), axes)
         self.bias = param(jnp.zeros((dout,), param_dtype), (axes[1],)) if bias else None
         self.dtype = dtype
@@ -104,7 +92,7 @@ class LayerNorm(nnx.Module):
 
 class Embed(nnx.Module):
     def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs, param_dtype: jnp.dtype):
-        w = jax.random.normal(rngs.params(), (vocab, dim), jnp.float32) * _INIT_STD
+        w = jax.random.normal(rngs.params(), (vocab, dim), jnp.float32) * INIT_STD
         self.weight = param(w.astype(param_dtype), ("vocab", "embed"))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
@@ -382,8 +370,6 @@ class DecoderLayer(nnx.Module):
     gets the sparse block (`moe.SparseMoeBlock`) as its `mlp`, the others the dense SwiGLU."""
 
     def __init__(self, cfg: QwenVLConfig, layer_idx: int = 0, *, rngs: nnx.Rngs):
-        from cua_jax.models.qwen_vl.moe import SparseMoeBlock  # moe.py builds on this module
-
         t = cfg.text
         pd = jdtype(cfg.param_dtype)
         self.self_attn = Attention(cfg, rngs=rngs)
