@@ -203,7 +203,7 @@ class QwenVL(nnx.Module):
         attention_mask: jax.Array | None = None,
         linear_states: list[LinearAttnState] | None = None,
         return_linear_states: bool = False,
-    ):
+    ) -> jax.Array | tuple:
         """Decoder layers + final norm. DeepStack features are added after layers 0..k-1.
 
         MoE only: `routes` i32[L, B, T, K] replays the experts of the L sparse layers;
@@ -217,10 +217,15 @@ class QwenVL(nnx.Module):
             if return_routing and not t.is_moe:
                 raise ValueError("return_routing needs a MoE model (text.num_experts > 0)")
             h, routing, states = qwen35.decode(
-                self.model.language_model, inputs_embeds_BTD, position_ids_3BT, attn_fn,
-                routes=routes, segment_ids=segment_ids, attention_mask=attention_mask,
+                self.model.language_model,
+                inputs_embeds_BTD,
+                position_ids_3BT,
+                attn_fn,
+                routes=routes,
+                segment_ids=segment_ids,
+                attention_mask=attention_mask,
                 linear_states=linear_states,
-            )  # fmt: skip
+            )
             out = (h, routing) if return_routing else (h,)
             out = (*out, states) if return_linear_states else out
             return out if len(out) > 1 else h
