@@ -41,16 +41,8 @@ from cua_jax.models.qwen_vl.gated_deltanet import (
 )
 from cua_jax.models.qwen_vl.moe import RoutingInfo, SparseMoeBlock
 from cua_jax.models.qwen_vl.rope import apply_rotary, mrope_cos_sin
-from cua_jax.models.qwen_vl.text import (
-    MLP,
-    AttnFn,
-    Embed,
-    Linear,
-    _last_axis,
-    jdtype,
-    param,
-    remat_call,
-)
+from cua_jax.models.qwen_vl.text import MLP, AttnFn, Embed, Linear, _last_axis, remat_call
+from cua_jax.models.qwen_vl.weights import jdtype, param
 
 
 @dataclasses.dataclass(frozen=True)
