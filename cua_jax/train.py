@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,9 +38,13 @@ from cua_jax.config_checks import ConfigError, validate_config
 from cua_jax.data import sft as sft_lib
 from cua_jax.data import shards
 from cua_jax.env_api import Task
+from cua_jax.evaluation.episodes import evaluate_policy, write_episodes
+from cua_jax.evaluation.live import serve_live_policy
 from cua_jax.rl import entropulse, sdpo, sft_data
 from cua_jax.rl.learner import check_finite
-from cua_jax.rl.rollout import AgentLoop, count_infra_faults
+from cua_jax.rl.levers import check_levers, source_levers, use_advantage_estimator
+from cua_jax.rl.ppo import ppo_update
+from cua_jax.rl.rollout import AgentLoop
 from cua_jax.rl.sources import RolloutError
 from cua_jax.rl.trajectory import Trajectory
 
@@ -379,52 +382,6 @@ def _resume_source(config: Any, ckpt: Checkpointer) -> Checkpointer | None:
     return other
 
 
-async def serve_live_policy(
-    config: Any, workdir: str, engine: Any, processor: Any, banned_token_ids: Sequence[int]
-) -> Any:
-    """tools/serve.py's OpenAI-compatible server on this run's event loop, over the Engine the
-    rollouts use (continuous batching shares it; each reply names the learner version that
-    wrote it), or None when `serve.port` is 0. WORKDIR/serve.json gets the URL and model id,
-    and a made-up token (owner-only file). ConfigError: more than one process (the engine is
-    one SPMD program, which a request on one host alone would hang) or a refused host/token."""
-    sv = config.serve
-    if not sv.port:
-        return None
-    from cua_jax.evaluation.server import EmbeddedServer, resolve_token
-
-    if jax.process_count() > 1:
-        raise ConfigError(
-            f"config.serve.port={sv.port} serves one process's engine, and this job has "
-            f"{jax.process_count()} processes: serve a checkpoint with tools/serve.py instead"
-        )
-    try:
-        token, made_up = resolve_token(sv.host, sv.token or None, no_token=False)
-    except ValueError as e:
-        raise ConfigError(f"config.serve.host={sv.host!r}: {e}") from None
-    name = os.path.basename(os.path.abspath(workdir)) or "cua_jax"
-    try:
-        server = await EmbeddedServer.start(
-            engine,
-            processor,
-            host=sv.host,
-            port=sv.port,
-            token=token,
-            model_name=name,
-            max_tokens=sv.max_tokens,
-            banned_token_ids=banned_token_ids,
-        )
-    except OSError as e:
-        raise ConfigError(f"config.serve.port={sv.port}: cannot serve on {sv.host}: {e}") from None
-    info = {"url": server.url, "model": name, **({"token": token} if made_up else {})}
-    path = epath.Path(workdir) / "serve.json"
-    path.write_text(json.dumps(info, indent=2))
-    if made_up and not str(workdir).startswith("gs://"):
-        os.chmod(path, 0o600)
-    shown = "its token in serve.json" if made_up else "token from config.serve.token"
-    logging.warning("serving the live policy as %r at %s (%s)", name, server.url, shown)
-    return server
-
-
 def save_checkpoint(
     ckpt: Checkpointer, step: int, learner: Any, source_state: dict, *, force: bool = False
 ) -> None:
@@ -566,116 +523,6 @@ def run_summary(rows: Sequence[dict[str, Any]]) -> dict[str, float | None]:
         # GRPO steps that updated the policy (the others had only equal-reward groups)
         "rl_steps_updated": sum("train/skipped_no_signal" not in r for r in rl_steps),
     }
-
-
-def check_levers(config: Any) -> None:
-    """Raises `ConfigError` for RL lever settings that cannot work together (#24)."""
-    from cua_jax.rl.advantages import ESTIMATORS
-
-    rl = config.rl
-    if rl.advantage not in ESTIMATORS:
-        raise ConfigError(
-            f"config.rl.advantage={rl.advantage!r} is not one of {', '.join(ESTIMATORS)}"
-        )
-    if rl.ppo_epochs * rl.ppo_minibatches > 1 and rl.old_logprobs != "behaviour":
-        raise ConfigError(
-            f"config.rl.ppo_epochs={rl.ppo_epochs} x ppo_minibatches={rl.ppo_minibatches} "
-            "optimizer updates per batch need config.rl.old_logprobs='behaviour': with "
-            "'learner' the PPO ratio is taken against the current update's own log-probs and "
-            "stays 1, so nothing would be clipped"
-        )
-    if rl.ppo_minibatches > 1 and jax.process_count() > 1:
-        raise ConfigError(
-            "config.rl.ppo_minibatches > 1 is single-process only (each process would split "
-            "its own groups into mini-batches of different sizes)"
-        )
-
-
-def use_advantage_estimator(learner: Any, config: Any) -> None:
-    """Sets the learner's advantage estimator from `config.rl.advantage`."""
-    import dataclasses
-
-    from cua_jax.rl.advantages import estimator_options
-
-    opts = estimator_options(config.rl.advantage, std_normalize=config.rl.std_normalize)
-    learner.advantage_config = dataclasses.replace(learner.advantage_config, **opts)
-
-
-def source_levers(config: Any, workdir: str) -> dict[str, Any]:
-    """The rollout source's lever settings (`RolloutSource.use_levers`) from `config.rl`;
-    rollouts are persisted under WORKDIR/rollouts (multi-host: .../p{process index})."""
-    rl = config.rl
-    persist = None
-    if rl.persist_rollouts:
-        persist = os.path.join(workdir, "rollouts")
-        if jax.process_count() > 1:
-            persist = os.path.join(persist, f"p{jax.process_index()}")
-        if not metrics_lib.is_local(persist):
-            raise ConfigError(
-                f"config.rl.persist_rollouts writes local files only; workdir {workdir!r} is not "
-                "a local path"
-            )
-    return {
-        "dynamic_sampling": bool(rl.dynamic_sampling),
-        "max_sampling_rounds": int(rl.max_sampling_rounds),
-        "replay_successes": bool(rl.replay_successes),
-        "replay_max_staleness": None if rl.replay_max_staleness < 0 else rl.replay_max_staleness,
-        "persist_dir": persist,
-    }
-
-
-def ppo_update(
-    learner: Any,
-    groups: Sequence[Sequence[Trajectory]],
-    *,
-    epochs: int = 1,
-    minibatches: int = 1,
-    distiller: Any = None,
-) -> tuple[dict[str, float], dict[str, float] | None]:
-    """The learner step on one batch of groups: `epochs` passes over `minibatches` mini-batches
-    of whole groups (groups i, i + M, i + 2M, ... form mini-batch i), one optimizer update per
-    mini-batch and pass (PPO). Advantages are per group, so a mini-batch's are the batch's;
-    each mini-batch's loss weights are normalised over its own tokens. The PPO ratio is against
-    the sampler's log-probs (`rl.old_logprobs="behaviour"`): 1 at the first update (up to
-    sampler/learner numerics), off 1 afterwards, where the clip then bounds the update.
-
-    However many updates, the learner's version moves by one per call (a version is a learner
-    step: the staleness bounds count steps). Returns (prepare_batch's info, the updates'
-    metrics: means over updates, `*_max` the max, `ratio_mean_first`/`_last`, the last update's
-    clip fractions, `updates`), or metrics None when no group carried a signal. With SDPO's
-    `distiller` (`cua_jax.rl.sdpo.SelfDistiller`) each update adds its self-distillation term."""
-    if not groups:  # dynamic sampling kept nothing
-        return {"groups": 0.0, "samples": 0.0}, None
-    batch, info = learner.prepare_batch(groups)
-    if batch is None:
-        return info, None
-    m = min(minibatches, len(groups))
-    if m > 1:
-        chunks = [learner.prepare_batch(groups[i::m])[0] for i in range(m)]
-        batches = [b for b in chunks if b is not None]
-    else:
-        batches = [batch]
-    version = learner.version
-    per_update = []
-    for _ in range(epochs):
-        for b in batches:
-            if distiller is None:
-                per_update.append(learner.train_step(b))
-            else:  # the teacher pass on b's failed episodes, then the blended step
-                per_update.append(distiller.train_step(learner, b, groups))
-    learner.version = version + 1
-    out: dict[str, float] = {}
-    for k in per_update[0]:
-        vals = [u[k] for u in per_update if k in u]
-        out[k] = float(max(vals)) if k.endswith("_max") else float(np.mean(vals))
-    out["version"] = float(learner.version)
-    out["updates"] = float(len(per_update))
-    if "ratio_mean" in per_update[0]:
-        out["ratio_mean_first"] = per_update[0]["ratio_mean"]
-        out["ratio_mean_last"] = per_update[-1]["ratio_mean"]
-        out["clip_frac_high_last"] = per_update[-1]["clip_frac_high"]
-        out["clip_frac_low_last"] = per_update[-1]["clip_frac_low"]
-    return info, out
 
 
 async def _sft_warmup(
@@ -828,88 +675,6 @@ def _keep_demos(demos: list[Trajectory], workdir: str) -> None:
     writer.close()
 
 
-async def evaluate_policy(
-    agent: AgentLoop,
-    pool: Any,
-    tasks: Sequence[Task],
-    tag: str,
-    *,
-    seed: int,
-    episodes_dir: str | None,
-    num_logged: int,
-    decode: Callable,
-    db: Any = None,
-    step: int = 0,
-) -> dict[str, float]:
-    """Greedy episodes of `tasks`: `success_by_category` + time/eval; the first `num_logged`
-    episodes go to EPISODES_DIR/eval_TAG.html when `episodes_dir` is given, and every episode
-    of this process to the trajectory database `db` (at `step`) when it is given.
-
-    Multi-host: each process plays its share of the tasks (`multihost.task_share`) and the
-    results of all are counted together (the same metrics on every process); greedy episodes
-    do not depend on the seed, so they are those one process would play. The page shows this
-    process's episodes."""
-    screens: list = []
-    t0 = time.perf_counter()
-    share = multihost.task_share(tasks)
-    trajs = await agent.evaluate(pool, share, seed=seed, screens=screens)
-    if jax.process_count() == 1:
-        out = success_by_category(trajs, tasks)
-    else:
-        out = success_by_category(_gather_outcomes(trajs, len(tasks)), tasks)
-    out["time/eval"] = time.perf_counter() - t0
-    if db is not None:
-        db.log_eval(step, tag, trajs, share, screens=screens, metrics=out)
-    if episodes_dir is not None:
-        write_episodes(
-            os.path.join(episodes_dir, f"eval_{tag}.html"),
-            list(zip(trajs[:num_logged], screens[:num_logged], strict=True)),
-            decode,
-            f"eval {tag}: success {out['eval/success']:.2f}",
-        )
-    return out
-
-
-def success_by_category(trajs: Sequence[Trajectory], tasks: Sequence[Task]) -> dict[str, float]:
-    """eval/success overall and per task category, and eval/reward, over the episodes that ran:
-    an episode still ended by an infrastructure fault after its retry is counted apart
-    (eval/episodes_infra_fault), never as a failure."""
-    by_cat: dict[str, list[float]] = defaultdict(list)
-    ran = [(traj, task) for traj, task in zip(trajs, tasks, strict=True) if not traj.infra_fault]
-    for traj, task in ran:
-        by_cat[task.category or "all"].append(float(traj.success))
-    out = {f"eval/success/{k}": float(np.mean(v)) for k, v in sorted(by_cat.items())}
-    out["eval/success"] = float(np.mean([t.success for t, _ in ran])) if ran else 0.0
-    out["eval/reward"] = float(np.mean([t.reward for t, _ in ran])) if ran else 0.0
-    out["eval/episodes_infra_fault"] = float(count_infra_faults(trajs))
-    return out
-
-
-def _gather_outcomes(trajs: Sequence[Trajectory], num_tasks: int) -> list[Any]:
-    """Every process's eval outcomes (success, reward, infra fault) in task order, from each
-    process's episodes of its `task_share` (multi-host)."""
-    from types import SimpleNamespace
-
-    mine = [[bool(t.success), float(t.reward), bool(t.infra_fault)] for t in trajs]
-    shares = multihost.allgather_json(mine)
-    out: list[Any] = [None] * num_tasks
-    for p, share in enumerate(shares):
-        for k, (success, reward, fault) in enumerate(share):
-            out[p + k * len(shares)] = SimpleNamespace(
-                success=success, reward=reward, infra_fault=fault
-            )
-    return out
-
-
-def write_episodes(path: str, episodes, decode: Callable, title: str) -> None:
-    """The episode viewer page (`cua_jax.viz`) of (trajectory, screenshots) pairs."""
-    from cua_jax.viz import episodes_html
-
-    page = epath.Path(path)
-    page.parent.mkdir(parents=True, exist_ok=True)
-    page.write_text(episodes_html(episodes, decode, title))
-
-
 def _warn_if_turns_cut(tasks: Sequence[Task], max_turns: int) -> None:
     """An episode lasts min(task.max_steps, env.max_turns) turns: say so where the config cuts
     tasks short (those whose solution needs more turns cannot succeed)."""
@@ -928,13 +693,8 @@ def _warn_if_turns_cut(tasks: Sequence[Task], max_turns: int) -> None:
 
 
 __all__ = [
-    "check_levers",
-    "evaluate_policy",
     "main",
-    "ppo_update",
     "run_summary",
     "run",
     "save_checkpoint",
-    "success_by_category",
-    "write_episodes",
 ]

@@ -3,8 +3,8 @@
 import pytest
 
 from cua_jax.env_api import Task
+from cua_jax.evaluation.episodes import success_by_category
 from cua_jax.rl.trajectory import Trajectory
-from cua_jax.train import success_by_category
 
 
 def _traj(success: bool, failure_reason: str | None = None) -> Trajectory:

@@ -230,10 +230,11 @@ def main(argv: list[str]) -> None:
     except ValueError as e:
         raise EvalError(str(e)) from None
 
-    from cua_jax import builders, train
+    from cua_jax import builders
     from cua_jax import metrics as metrics_lib
     from cua_jax.checkpoint.orbax_io import CheckpointError
     from cua_jax.config_checks import ConfigError, validate_config
+    from cua_jax.evaluation import episodes
     from cua_jax.rl.rollout import AgentLoop
     from launch import compose
 
@@ -413,7 +414,7 @@ def main(argv: list[str]) -> None:
         "step": step,
         "tasks": task_sources,
         "num_tasks": len(tasks),
-        **train.success_by_category(trajs, played),
+        **episodes.success_by_category(trajs, played),
         "wall_s": time.perf_counter() - t0,
         "episodes": [
             {
@@ -440,7 +441,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit(1)
     _log_to_database(config, out_dir, step, tag, trajs, played, screens, result, processor)
     n = _LOG_EPISODES.value
-    train.write_episodes(
+    episodes.write_episodes(
         os.path.join(out_dir, "episodes.html"),
         list(zip(trajs[:n], screens[:n], strict=True)),
         processor.tokenizer.decode,

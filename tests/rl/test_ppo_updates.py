@@ -13,8 +13,8 @@ from flax import nnx
 
 from cua_jax.models import qwen_vl
 from cua_jax.rl.learner import Learner, LossConfig, OptimizerConfig
+from cua_jax.rl.ppo import ppo_update
 from cua_jax.rl.trajectory import Trajectory, Turn
-from cua_jax.train import ppo_update
 
 V = 256
 _TINY = qwen_vl.tiny("qwen3_vl", vocab_size=V)

@@ -484,7 +484,7 @@ def test_a_run_serves_its_live_policy_with_a_made_up_token_in_serve_json(
 
     import aiohttp
 
-    from cua_jax.train import serve_live_policy
+    from cua_jax.evaluation.live import serve_live_policy
 
     monkeypatch.delenv("CUA_SERVE_TOKEN", raising=False)
     wd = tmp_path / "run7"
@@ -523,7 +523,7 @@ def test_live_serving_refuses_what_it_cannot_do_by_name(engine, proc, model, tmp
     import jax
 
     from cua_jax.config_checks import ConfigError
-    from cua_jax.train import serve_live_policy
+    from cua_jax.evaluation.live import serve_live_policy
 
     monkeypatch.delenv("CUA_SERVE_TOKEN", raising=False)
     banned = model.config.vision_placeholder_ids
