@@ -4,11 +4,24 @@
 
 `launch/tpu.py` builds `env_factory` (a function returning an async-context-managed env pool
 with `acquire()`) and `load_tasks` (task-source dicts -> list[Task]) from `envs/`, so this module
-never imports `envs`. The ConfigDict stops here and in `cua_jax.builders`: every library object
-gets typed arguments. `run` reads top to bottom, in phases:
+never imports `envs`. `run` reads top to bottom, in phases:
 
     set-up -> resume -> eval@0 -> SFT warm-up -> GRPO steps (rollout source -> learner ->
     sampler weights, eval / checkpoints / metrics) -> finish (curves, summary)
+
+Where the ConfigDict goes: this module, `cua_jax.builders` (mesh, model, checkpointer, learner,
+engine, rollout settings and source), the start-up checks (`config_checks.validate_config`,
+`rl.levers.check_levers`, `check_mid`) and `redact.write_run_config` (WORKDIR's copy, secrets
+redacted). Below them it reaches only the `from_config`-style
+edges of a few modules, each of which reads its own sections and makes its typed objects:
+`warmup.begin` (`config.rl`, `config.env`; through `rl.shapes.ShapeSet.from_config`, which
+`cua_jax.plan` calls too, and `rl.shapes.teacher_row_length`, which also reads `config.model`),
+`rl.entropulse.from_config` (`config.rl`), `rl.sdpo.from_config` (given `config.rl`),
+`rl.levers` (`config.rl`: the advantage estimator and the rollout source's levers) and
+`evaluation.live.serve_live_policy` (`config.serve`). Past those edges every library object
+(Learner, Engine, AgentLoop, ShapeSet, Entropulse, SelfDistiller, the rollout source) gets typed
+arguments. The shape set stays a `from_config` because `tools/plan.py` builds the same shapes
+from a config without a run.
 
 A systematic rollout failure stops the run with `cua_jax.rl.sources.RolloutError`, a NaN or
 infinite loss or gradient norm with `cua_jax.rl.learner.NonFiniteError`; `launch/tpu.py` turns
