@@ -60,6 +60,7 @@ from cua_jax.rl.ppo import ppo_update
 from cua_jax.rl.rollout import AgentLoop
 from cua_jax.rl.sources import RolloutError
 from cua_jax.rl.trajectory import Trajectory
+from cua_jax.viz import plot_run_curves
 
 
 def main(
@@ -330,8 +331,6 @@ async def run(
 
     # ---- finish: curves, summary --------------------------------------------------------------
     if is_main:
-        from cua_jax.viz import plot_run_curves
-
         rows = metrics_lib.read_metrics(writer.path)
         keys = ["eval/success", "rollout/reward", "rollout/success", "train/loss"]
         if config.rl.entropulse_every > 0:  # what the phases are for: entropy restored
