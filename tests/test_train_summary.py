@@ -5,7 +5,7 @@ import json
 
 from PIL import Image
 
-from cua_jax.train import run_summary
+from cua_jax.evaluation.summary import run_summary
 from cua_jax.viz import curve_figure, entropulse_phases, plot_run_curves, sft_end
 
 ROWS = [
