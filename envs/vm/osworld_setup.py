@@ -442,17 +442,27 @@ def same(a, b):
     a, b = urllib.parse.urlparse(a), urllib.parse.urlparse(b)
     return (a.netloc, a.path.rstrip("/")) == (b.netloc, b.path.rstrip("/"))
 if op == "open":
-    # a Chrome just launched answers DevTools a moment before its default tab is listed: wait
-    # for it (at most 5 s), so the first new tab replaces it as in OSWorld
-    settle = min(deadline, time.time() + 5.0)
+    # a Chrome just launched answers DevTools before its default tab is listed (seconds later
+    # on a loaded machine): wait for it (at most 20 s), so the first new tab replaces it as in
+    # OSWorld; a default tab listed only after the new ones is closed at the end
+    settle = min(deadline, time.time() + 20.0)
     while not pages and time.time() < settle:
         time.sleep(0.2)
         pages = [t for t in call("/json/list") if t.get("type") == "page"]
+    late = not pages
+    ours = set()
     for i, u in enumerate(urls):
-        call("/json/new?" + urllib.parse.quote(u, safe=":/?&=#%+@,;~!$'()*"), "PUT")
+        made = call("/json/new?" + urllib.parse.quote(u, safe=":/?&=#%+@,;~!$'()*"), "PUT")
+        ours.add(made.get("id") if isinstance(made, dict) else None)
         if i == 0 and pages:  # like OSWorld: the first new tab replaces Chrome's default one
             call("/json/close/" + pages[0]["id"])
             pages = pages[1:]
+    if late and urls:
+        for t in call("/json/list"):
+            if t.get("type") == "page" and t.get("id") not in ours:
+                if t.get("url", "").startswith(("chrome://newtab", "about:blank")):
+                    call("/json/close/" + t["id"])
+                    break
 else:
     for u in urls:
         for t in pages:
