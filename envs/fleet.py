@@ -113,6 +113,7 @@ class BrowserFleet:
         # leaves, so no fault is lost from the counts).
         self.fault_log: list[dict[str, Any]] = []
         self.retries = 0  # acquires that asked to avoid a host (retries of faulted episodes)
+        self._checks: set[asyncio.Task] = set()  # health checks a lost lease asked for
         self._leased: dict[int, tuple[str, int]] = {}  # id(env) -> (host, generation)
         self._session: aiohttp.ClientSession | None = None
         self._changed: asyncio.Condition | None = None
@@ -326,7 +327,9 @@ class BrowserFleet:
         h.faults += 1
         if "HTTP 404" in reason:  # the lease is gone; is the host?
             with contextlib.suppress(RuntimeError):
-                asyncio.get_running_loop().create_task(self._check(h.name))
+                task = asyncio.get_running_loop().create_task(self._check(h.name))
+                self._checks.add(task)  # held until done: the loop keeps only weak references
+                task.add_done_callback(self._checks.discard)
             return
         self.mark_down(h.name, reason)
 
