@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import numpy as np
 import pytest
 
 from cua_jax.data.processor import QwenVLProcessor
@@ -146,3 +147,52 @@ def test_a_pool_without_hosts_still_retries_and_bad_settings_fail(proc):
         RolloutSettings(env_retries=-1)
     with pytest.raises(ValueError, match="fault_rate"):
         SimServer(1, profile=FAST, fault_rate=2.0)
+
+
+class _CrashOnce:
+    """An env whose browser crashes (a step ends with info["error"]) on the pool's first reset."""
+
+    crashes = 1
+
+    async def reset(self, task, seed=None):
+        self.crash, _CrashOnce.crashes = _CrashOnce.crashes > 0, _CrashOnce.crashes - 1
+        return await self._obs()
+
+    async def step(self, action):
+        from cua_jax.env_api import StepResult
+
+        info = {"error": "page crashed", "done_reason": "error"} if self.crash else {}
+        return StepResult(await self._obs(), True, 0.0, info)
+
+    async def _obs(self):
+        from cua_jax.env_api import Observation
+
+        return Observation(np.zeros((48, 64, 3), np.uint8), "x")
+
+    async def evaluate(self):
+        return 1.0
+
+    async def close(self):
+        pass
+
+
+class _OneEnvPool:
+    """A pool with no hosts (no `host_of`, `acquire()` without arguments), as BrowserPool."""
+
+    def __init__(self):
+        self.env = _CrashOnce()
+
+    def __len__(self):
+        return 1
+
+    @contextlib.asynccontextmanager
+    async def acquire(self):
+        yield self.env
+
+
+def test_a_pool_without_hosts_plays_a_crashed_episode_again(proc):
+    _CrashOnce.crashes = 1
+    loop = _loop(ScriptedEngine(proc.tokenizer), proc)
+    (traj,) = asyncio.run(loop.run_group(_OneEnvPool(), sim_task(0), 1, seed=0, group_id="g"))
+    assert traj.failure_reason is None and traj.success and traj.timings["env_attempts"] == 2.0
+    assert loop.env_retries == 1
