@@ -259,6 +259,10 @@ def base_config(family: str) -> ConfigDict:
     c.env.vm_qemu_memory_mb = 4096
     c.env.vm_qemu_cpus = 2
     c.env.desktop_memory_mb = 0  # address-space cap of a local desktop's processes (0: none)
+    # a local or Docker desktop's task budget (its cgroup's pids.max; a fork bomb stops there)
+    # and CPU-core quota (0: none); envs/vm/limits.py
+    c.env.desktop_max_processes = 4096
+    c.env.desktop_cpus = 0.0
     # kind="browser": remote browser hosts ('host:port' of `python -m envs.browser.server`);
     # episodes spread over them and the local pool (env.concurrency envs)
     c.env.browser_endpoints = ()

@@ -102,6 +102,8 @@ LIMITS: dict[str, Limit] = {
     "sampler.page_size": _int(1),
     "sampler.num_pages": _int(2, why="page 0 is scratch"),
     "sampler.kv_memory_fraction": _float(0, 1, hi_open=True, why="0: a fixed num_pages"),
+    "env.desktop_max_processes": _int(0, why="0: no task budget"),
+    "env.desktop_cpus": _float(0, 1024, why="0: no CPU quota"),
     "sampler.kv_min_fraction": _float(0, 1, hi_open=True, why="0: any pool that holds a sequence"),
     "sampler.max_seq_len": _int(1),
     "sampler.decode_chunk": _int(1, why="decode steps per engine call"),

@@ -76,6 +76,8 @@ def build_env_factory(config):
                 revert=ec.get("vm_revert", ""),
                 docker_image=ec.get("vm_docker_image") or None,
                 memory_mb=ec.get("desktop_memory_mb") or None,
+                max_processes=ec.get("desktop_max_processes") or None,
+                cpus=ec.get("desktop_cpus") or None,
                 qemu_image=ec.get("vm_qemu_image") or None,
                 qemu_options={"memory_mb": ec.vm_qemu_memory_mb, "cpus": ec.vm_qemu_cpus},
             )
