@@ -48,7 +48,16 @@ def build_env_factory(config):
             )
 
         endpoints = tuple(ec.get("browser_endpoints", ()) or ())
-        if endpoints:
+        fleet = ec.get("fleet", "") or ""
+        if fleet not in ("", "ray"):
+            raise ValueError(f"config.env.fleet={fleet!r} is not one of '', 'ray'")
+        if fleet == "ray":
+            # browser hosts as Ray actors, placed, restarted and found by Ray (envs/ray_fleet.py)
+            from envs.ray_fleet import fleet_from_config
+
+            def env_factory():
+                return fleet_from_config(ec)  # env.concurrency envs on Ray's hosts
+        elif endpoints:
             from envs.fleet import BrowserFleet
 
             def env_factory():

@@ -170,6 +170,13 @@ def test_the_config_s_env_section_builds_the_ray_fleet():
     assert fleet.address == "auto" and fleet.kind == "browser" and fleet.host_capacity == 16
     assert fleet.target_concurrency == c.env.concurrency and not fleet.hosts
     assert fleet.actor_options["resources"] == {"browser_host": 1.0}
+    # what launch/tpu.py builds for --config.env.fleet=ray (no cluster touched until entered)
+    from launch.compose import build_env_factory
+
+    built = build_env_factory(c)[0]()
+    assert isinstance(built, type(fleet)) and built.target_concurrency == c.env.concurrency
     c.env.fleet = "k8s"
     with pytest.raises(ValueError, match="env.fleet='k8s'"):
         fleet_from_config(c.env)
+    with pytest.raises(ValueError, match="env.fleet='k8s' is not one of"):
+        build_env_factory(c)
