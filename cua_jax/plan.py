@@ -763,14 +763,15 @@ def _fitted_budget(
 
 
 def plan_budget_chunks(
-    config: Any, ab: _Abstract, chip: Chip, kv_bytes: int, limit: int | None
+    config: Any, ab: _Abstract, chip: Chip, kv_bytes: int, limit: int | None, sdpo: bool = False
 ) -> tuple[list[ProgramPlan], Any, Any, str]:
     """(programs, shapes, drawn batch, note) of the token-budget learner: the chunk programs of
     `rl.tokens_per_chip` (`plan_chunk_programs`, on a batch drawn from the preset's env
     settings). With `limit` (bytes a chip the learner may take: `kv_memory_fraction` less
     `kv_min_fraction` of HBM), a largest chunk program above it is planned again at a smaller
     budget (`_fitted_budget`; twice at most), so a preset sized for a larger slice plans to
-    fit a smaller one, and the note says what to pass the run."""
+    fit a smaller one, and the note says what to pass the run. `sdpo`: SDPO's chunks and
+    teacher passes instead of GRPO's (`plan_chunk_programs`)."""
     tokens0, lengths0 = int(config.rl.tokens_per_chip), tuple(config.rl.row_lengths)
     c, note = config, ""
     for _ in range(3):
@@ -781,8 +782,9 @@ def plan_budget_chunks(
             raise PlanInputError(
                 f"the preset's own env settings make a batch no shape holds: {e}"
             ) from None
-        progs = plan_chunk_programs(ab, chip, kv_bytes, shapes, 1.0 - drawn.padding_share)
-        grads = [p for p in progs if p.kind == "learner" and p.rows]
+        useful = 1.0 - drawn.padding_share
+        progs = plan_chunk_programs(ab, chip, kv_bytes, shapes, useful, c if sdpo else None)
+        grads = [p for p in progs if p.rows]
         if limit is None or any(p.compile_error for p in grads):
             break
         top = max(grads, key=lambda p: p.total_bytes)
@@ -832,23 +834,39 @@ _SCREENS_ARG = "chunk screens (by micro-batch and device)"
 
 
 def plan_chunk_programs(
-    ab: _Abstract, chip: Chip, kv_bytes: int, shapes: Any, useful: float = 1.0
+    ab: _Abstract,
+    chip: Chip,
+    kv_bytes: int,
+    shapes: Any,
+    useful: float = 1.0,
+    sdpo_config: Any = None,
 ) -> list[ProgramPlan]:
     """A token-budget shape set's learner programs (`rl.tokens_per_chip`): the gradient program
     of one chunk of each RL shape, its screens through the vision tower (grouped by
     micro-batch and device, sharded, in the compute dtype, as `BatchLayout.device_batch` lays
     them out), with the optimizer state and the KV pool resident beside it; then the update
     (`apply_update`). A step runs one gradient call a chunk, so these are its peaks whatever
-    a batch's size. `useful`: the share of a chunk's tokens that are samples' (MFU)."""
+    a batch's size. `useful`: the share of a chunk's tokens that are samples' (MFU).
+    `sdpo_config` (the run's config with rl.algorithm="sdpo"): the chunks are SDPO's (the
+    gradient program of its step mode, the teacher's top-k targets among the chunk's inputs),
+    and each teacher shape's teacher pass (`plan_teacher_chunks`) follows the update."""
+    from cua_jax.rl import sdpo
     from cua_jax.rl.learner import APPLY_PROGRAM
 
     learner = ab.learner
     cfg = learner.config
     s, b = learner.num_substeps, learner.layout.batch_parallel
     repl = learner._repl
+    mode, prefix, k = "rl", "rl_grads", 0
+    if sdpo_config is not None:
+        rl = sdpo_config.rl
+        mode = sdpo.step_mode(rl.sdpo_divergence, rl.sdpo_js_beta, rl.sdpo_weight)
+        prefix, k = "sdpo_grads", sdpo.topk_width(int(rl.sdpo_topk), cfg.text.vocab_size)
     out = []
     for shape in shapes.rl:
         xs = _step_inputs(learner, shape.rows, shape.length)
+        if k:
+            xs.update(_sdpo_targets(learner, shape.rows, shape.length, k))
         images, per_group, unit = _abstract_screens(learner, shape, shapes.grid)
         arguments = {
             "params (trainable)": tree_shard_bytes(ab.trainable),
@@ -863,8 +881,11 @@ def plan_chunk_programs(
             "optimizer state (resident)": tree_shard_bytes(ab.opt_state),
             "KV pool (sampler, resident)": kv_bytes,
         }
-        prog = ProgramPlan(f"rl_grads {shape.rows}x{shape.length}", chip, arguments, resident)
-        prog.kind, prog.rows, prog.row_length = "learner", shape.rows, shape.length
+        if k and sdpo_config.rl.sdpo_teacher == "ema":
+            resident["EMA teacher params (resident)"] = tree_shard_bytes(ab.trainable)
+        prog = ProgramPlan(f"{prefix} {shape.rows}x{shape.length}", chip, arguments, resident)
+        prog.kind = "sdpo" if k else "learner"
+        prog.rows, prog.row_length = shape.rows, shape.length
         prog.screens = per_group * s * b
         tokens = shape.rows * shape.length
         prog.model_flops = _model_flops(ab, tokens, shape.length, useful) / learner.mesh.size
@@ -878,7 +899,7 @@ def plan_chunk_programs(
                 cfg, shape.rows, shape.length, learner.mesh
             )
         n_total = jax.ShapeDtypeStruct((), jnp.float32, sharding=repl)
-        grouped = learner._get_grads("rl", grouped=True)
+        grouped = learner._get_grads(mode, grouped=True)
         args = (ab.trainable, ab.frozen, ab.rest, ab.ref, xs, images, n_total, ab.trainable)
         _compile(grouped, args, prog)
         if s > 1 and prog.compile_error is None:
@@ -900,6 +921,56 @@ def plan_chunk_programs(
     prog.kind = "learner"
     _compile(learner._get_apply(), (ab.trainable, ab.opt_state, ab.trainable), prog)
     out.append(prog)
+    if k:
+        out += plan_teacher_chunks(sdpo_config, ab, chip, kv_bytes, shapes, k)
+    return out
+
+
+def _sdpo_targets(learner: Any, rows: int, length: int, k: int) -> dict[str, Any]:
+    """The abstract teacher targets of an SDPO step's rows (`sdpo.TARGET_KEYS`)."""
+    topk_sh, tok_sh = learner.layout.rows_sharding(3), learner.layout.rows_sharding(2)
+    return {
+        "sdpo_ids": jax.ShapeDtypeStruct((rows, length, k), jnp.int32, sharding=topk_sh),
+        "sdpo_logp": jax.ShapeDtypeStruct((rows, length, k), jnp.float32, sharding=topk_sh),
+        "sdpo_mask": jax.ShapeDtypeStruct((rows, length), jnp.bool_, sharding=tok_sh),
+        "sdpo_weights": jax.ShapeDtypeStruct((rows, length), jnp.float32, sharding=tok_sh),
+    }
+
+
+def plan_teacher_chunks(
+    config: Any, ab: _Abstract, chip: Chip, kv_bytes: int, shapes: Any, k: int
+) -> list[ProgramPlan]:
+    """SDPO's teacher pass over a token-budget batch: one call a chunk of each teacher shape
+    (the RL shapes and one row length longer for the feedback message, `shapes.teacher`), its
+    screens grouped by micro-batch and device as the step's, top-`k` ids and log-probs out,
+    with the learner's optimizer state and the KV pool resident beside it."""
+    from cua_jax.rl import sdpo
+
+    learner = ab.learner
+    fn = sdpo._teacher_jit(learner, int(config.rl.sdpo_topk), {})
+    out = []
+    for shape in shapes.teacher:
+        xs = _step_inputs(learner, shape.rows, shape.length)
+        images, per_group, _ = _abstract_screens(learner, shape, shapes.grid)
+        arguments = {
+            "teacher params": tree_shard_bytes(ab.trainable)
+            + tree_shard_bytes(ab.frozen)
+            + tree_shard_bytes(ab.rest),
+            "chunk (text)": tree_shard_bytes(xs),
+            _SCREENS_ARG: tree_shard_bytes(images),
+        }
+        resident = {
+            "optimizer state (learner, resident)": tree_shard_bytes(ab.opt_state),
+            "KV pool (sampler, resident)": kv_bytes,
+        }
+        if config.rl.sdpo_teacher == "ema":
+            resident["EMA teacher params (resident)"] = tree_shard_bytes(ab.trainable)
+        prog = ProgramPlan(f"sdpo_teacher {shape.rows}x{shape.length}", chip, arguments, resident)
+        prog.kind, prog.rows, prog.row_length = "sdpo", shape.rows, shape.length
+        prog.screens = per_group * learner.num_substeps * learner.layout.batch_parallel
+        prog.notes.append(f"one teacher chunk, top-{k} ids and log-probs out")
+        _compile(fn, (ab.trainable, ab.frozen, ab.rest, xs, images), prog)
+        out.append(prog)
     return out
 
 
@@ -977,10 +1048,10 @@ def default_programs(config: Any) -> tuple[str, ...]:
     the learner's chunk programs with their screens and the update, and the sampler's prefill
     of a real turn, else the text-only `train_step`; SDPO's teacher pass and step when
     `rl.algorithm` asks; the sampler's decode."""
-    if config.rl.get("tokens_per_chip", 0) <= 0:
-        sdpo = ("sdpo_step", "sdpo_teacher") if config.rl.get("algorithm", "grpo") == "sdpo" else ()
-        return ("train_step", *sdpo, "decode_step")
     sdpo = ("sdpo_step", "sdpo_teacher") if config.rl.get("algorithm", "grpo") == "sdpo" else ()
+    if config.rl.get("tokens_per_chip", 0) <= 0:
+        return ("train_step", *sdpo, "decode_step")
+    # with a token budget SDPO's programs are its chunks' (`plan_chunk_programs`)
     return ("train_step_screens", *sdpo, "decode_step", "prefill_turn")
 
 
@@ -1296,8 +1367,11 @@ def make_plan(
     if "train_step_screens" in programs and shapes.budgeted:
         min_frac = float(config.sampler.get("kv_min_fraction", 0.0) or 0.0)
         limit = int(topo.chip.hbm_bytes * (frac - min_frac)) if frac > 0 and min_frac else None
-        chunks, shapes, drawn, fit_note = plan_budget_chunks(config, ab, topo.chip, kv_bytes, limit)
+        chunks, shapes, drawn, fit_note = plan_budget_chunks(
+            config, ab, topo.chip, kv_bytes, limit, sdpo=bool(sdpo_programs)
+        )
         out += chunks
+        sdpo_programs = ()  # planned with the chunks: SDPO's gradient and teacher chunks
     elif "train_step_screens" in programs:
         out.append(plan_train_step_screens(ab, topo.chip, kv_bytes, shapes))
     if sdpo_programs:

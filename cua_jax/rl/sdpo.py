@@ -60,6 +60,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cua_jax import multihost
+from cua_jax.data.chat import RenderedChat
+from cua_jax.rl.image_groups import ImageGroups
 from cua_jax.rl.micro import compile_each, split_micro, split_micro_inputs, unsplit_micro
 from cua_jax.rl.trajectory import PositionFn, Sample, Trajectory, trajectory_to_samples
 
@@ -318,8 +320,6 @@ def teacher_sample(
     """The teacher sequence of one student sample: the feedback message (rendered by `chat`, the
     rollouts' renderer) inserted after the system message; images: the feedback's, then the
     sample's; the loss mask is the student's, moved with its tokens."""
-    from cua_jax.data.chat import RenderedChat
-
     ids = np.asarray(sample.input_ids, np.int32)
     s = system_end(ids, chat)
     if np.any(ids[:s] == chat.tokenizer.vision_start_id):
@@ -560,8 +560,6 @@ def _teacher_topk_fn(learner, k, params, frozen, rest, xs, images):
     so its activations (attention scores included) are one micro-batch's: the decoder and the
     top-k of each; the vision tower and embeddings per micro-batch too with grouped screens
     (`image_groups`), else once over the whole batch before (the flat layout)."""
-    from cua_jax.rl.image_groups import ImageGroups
-
     params = jax.lax.stop_gradient(params)
     grouped = isinstance(images, ImageGroups)  # then each micro-batch embeds its own screens
     if not grouped:

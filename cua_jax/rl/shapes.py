@@ -39,6 +39,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from cua_jax.data.image import smart_resize
 from cua_jax.rl.sdpo import feedback_kinds
 from cua_jax.rl.trajectory import Sample
 
@@ -67,8 +68,6 @@ class Shape:
 def screen_grid(width: int, height: int, image_config: Any) -> tuple[int, int, int]:
     """(t, h, w) patch grid of one screenshot of `width` x `height` pixels (the processor's
     resize: `cua_jax.data.image.smart_resize`)."""
-    from cua_jax.data.image import smart_resize
-
     ic = image_config
     h, w = smart_resize(height, width, ic.factor, ic.min_pixels, ic.max_pixels)
     return (1, h // ic.patch_size, w // ic.patch_size)

@@ -343,6 +343,32 @@ def test_kv_pool_from_memory_is_what_the_learner_leaves_by_hand():
     assert f"{pages} pages" in note and "3.00 GiB" in note
 
 
+def test_fitted_budget_by_hand():
+    """`plan._fitted_budget`: a chunk program peaking at 10 GiB at 16384 tokens, 4 GiB of it
+    fixed (params, accumulator, optimizer state), under a 7 GiB limit: the chunk's 6 GiB
+    scaled to 3 -> 8192 tokens (a power of two at most half), row lengths above it dropped;
+    never below the row that holds the longest sample; None when nothing smaller is left."""
+    c = qwen3vl_grpo.get_config("2b")
+    GiB = 2**30
+    assert c.rl.row_lengths == (4096, 8192, 16384)
+    need = plan_lib.longest_sample_tokens(c, 880)  # three 880-token screens, 15 turns
+    assert need == 600 + 15 * (256 + 16) + 3 * 882 and 4096 < need <= 8192
+    fit = plan_lib._fitted_budget(c, 16384, 4 * GiB, 10 * GiB, 7 * GiB, 880)
+    assert fit == (8192, (4096, 8192))
+    # a tighter limit would ask 2048 tokens: the floor is the 8192 row the longest sample needs
+    assert plan_lib._fitted_budget(c, 16384, 4 * GiB, 10 * GiB, 5 * GiB, 880) == (
+        8192,
+        (4096, 8192),
+    )
+    assert plan_lib._fitted_budget(c, 8192, 4 * GiB, 10 * GiB, 5 * GiB, 880) is None
+    c.env.max_turns = 3  # short episodes: 600 + 3 x 272 + 3 x 882 tokens fit a 4096 row
+    assert plan_lib._fitted_budget(c, 16384, 4 * GiB, 10 * GiB, 5 * GiB, 880) == (4096, (4096,))
+
+
+@pytest.mark.skipif(
+    not os.environ.get("CUA_LONG_TESTS"),
+    reason="eight TPU compiles (minutes on a 2-core machine); CUA_LONG_TESTS=1 runs it",
+)
 def test_the_token_budget_shrinks_to_leave_the_kv_pool_its_share(hf_dir):
     """`sampler.kv_min_fraction`: a largest chunk program above (kv_memory_fraction -
     kv_min_fraction) of HBM is planned again at a smaller `rl.tokens_per_chip`, row lengths
@@ -351,6 +377,7 @@ def test_the_token_budget_shrinks_to_leave_the_kv_pool_its_share(hf_dir):
     set between the 2048-token chunk's fixed part and its peak, at 30% of its chunk bytes."""
     c = _config(hf_dir)
     c.rl.tokens_per_chip, c.rl.row_lengths = 2048, (1024, 2048)
+    c.rl.screens_per_chip = 4  # a few screens a group: the vision tower's compile stays small
     c.env.viewport_width = c.env.viewport_height = 64
     c.env.max_turns = c.env.max_history_images = 1
     c.sampler.kv_memory_fraction = 0.5
@@ -360,7 +387,8 @@ def test_the_token_budget_shrinks_to_leave_the_kv_pool_its_share(hf_dir):
         assert (top.rows, top.row_length) == (2, 2048) and big.summary["tokens_per_chip"] == 2048
         chunk = top.arguments["chunk (text)"] + top.arguments[plan_lib._SCREENS_ARG]
         chunk += top.temp_bytes
-        limit = top.total_bytes - chunk + int(0.3 * chunk)
+        peak = top.total_bytes - top.resident["KV pool (sampler, resident)"]  # the pool it left
+        limit = peak - chunk + int(0.3 * chunk)
         hbm = plan_lib.CHIPS["v5e"].hbm_bytes
         c.sampler.kv_min_fraction = 0.5 - limit / hbm
         small = plan_lib.make_plan(c, "v5e-4", programs=("train_step_screens",))
@@ -371,6 +399,32 @@ def test_the_token_budget_shrinks_to_leave_the_kv_pool_its_share(hf_dir):
     assert small.summary["row_lengths"] == (1024,)
     grads = [p for p in small.programs if p.rows]
     assert [(p.rows, p.row_length) for p in grads] == [(2, 1024)]
-    assert grads[0].total_bytes <= limit + 1024  # the linear estimate held
+    pool = grads[0].resident["KV pool (sampler, resident)"]
+    assert grads[0].total_bytes - pool <= limit  # the linear estimate held
     assert "rl.tokens_per_chip 2048 -> 1024" in small.summary["token_budget"]
     assert "--config.rl.tokens_per_chip=1024" in plan_lib.format_plan(small)
+
+
+def test_sdpo_with_a_token_budget_plans_its_gradient_and_teacher_chunks(hf_dir):
+    """rl.algorithm=sdpo with rl.tokens_per_chip: the run's programs are SDPO's chunk gradient
+    program (the teacher's top-k targets among its inputs) for each RL shape, the update, and
+    the teacher pass for each teacher shape (the RL rows and one row length longer for the
+    feedback message), all with their screens; no fused SDPO step."""
+    c = _config(hf_dir)
+    c.rl.tokens_per_chip, c.rl.row_lengths = 1024, (1024,)
+    c.rl.screens_per_chip = 4  # a few screens a group: the vision tower's compile stays small
+    c.env.viewport_width = c.env.viewport_height = 64
+    c.rl.algorithm, c.rl.sdpo_topk = "sdpo", 8
+    with jax.default_matmul_precision("default"):
+        p = plan_lib.make_plan(c, "v5e-4", programs=("train_step_screens", "sdpo_step"))
+    names = [q.name for q in p.programs]
+    assert names[:2] == ["sdpo_grads 2x1024", "apply_update"], names
+    teacher = [q for q in p.programs if q.name.startswith("sdpo_teacher")]
+    assert [q.row_length for q in teacher][0] == 1024 and len(teacher) == 2, names
+    assert all(q.compile_error is None and q.kind == "sdpo" for q in teacher), names
+    grads = p.programs[0]
+    # the targets: ids i32 and log-probs f32 [2, 1024, 8], mask and weights [2, 1024], per chip
+    # of the batch axes (fsdp=2)
+    targets = (2 * 1024 * 8 * (4 + 4) + 2 * 1024 * (1 + 4)) // 2
+    assert grads.arguments["chunk (text)"] >= targets
+    assert grads.kind == "sdpo" and grads.compile_error is None and grads.screens > 0
