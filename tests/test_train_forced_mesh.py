@@ -138,4 +138,8 @@ def test_sdpo_steps_on_all_forced_devices_compile_nothing_after_the_warm_up(tmp_
         assert np.isfinite(r["train/loss"]) and r["compile/unplanned"] == 0.0
         learner_compiles = {k: v for k, v in r.items() if k.startswith("compile/count/sdpo")}
         assert learner_compiles == {}, learner_compiles
-    assert "time/step_steady" in steps[1]  # nothing compiled in step 2
+    # nothing of the learner's compiled in step 2 (a sampler bucket may: rl.warmup="learner"
+    # warms the learner only, and which prefill lengths a step meets depends on its timing)
+    compiled = {k: v for k, v in steps[1].items() if k.startswith("compile/count/")}
+    learner = ("sdpo", "_grads", "_step", "apply_update", "logprobs", "zero_grads", "teacher")
+    assert not [k for k in compiled if any(w in k for w in learner)], compiled

@@ -15,6 +15,7 @@ import os
 
 import fsspec
 import pytest
+from etils.epath.backend import _FileSystemSpecBackend
 from fsspec.implementations.memory import MemoryFileSystem
 
 from cua_jax import builders, train
@@ -37,6 +38,9 @@ class _FakeGCS(MemoryFileSystem):
 def fake_gcs(tmp_path, monkeypatch):
     for name in ("gs", "gcs"):
         fsspec.register_implementation(name, _FakeGCS, clobber=True)
+    # epath keeps the file system it first made for a protocol: another module's fake GCS
+    # (tests/db) may be that one in this worker
+    _FileSystemSpecBackend._get_filesystem.cache_clear()
     _FakeGCS.store.clear()
     monkeypatch.chdir(tmp_path)  # a `./gs:` folder written by mistake would land here
     yield _FakeGCS()

@@ -210,6 +210,10 @@ def test_a_workdir_on_object_storage_is_recorded_with_a_database_url(db_url, tmp
 
     for name in ("gs", "gcs"):
         fsspec.register_implementation(name, FakeGCS, clobber=True)
+    # epath keeps the file system it first made for a protocol (another module's fake GCS)
+    from etils.epath.backend import _FileSystemSpecBackend
+
+    _FileSystemSpecBackend._get_filesystem.cache_clear()
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("DATABASE_URL", raising=False)

@@ -4,6 +4,8 @@ bench script still imports (their set-up now comes from that one module)."""
 import importlib
 import os
 import pathlib
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -83,4 +85,17 @@ def test_cpu_unless_set(monkeypatch):
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in TOOLS.glob("bench_*.py")))
 def test_every_bench_script_imports(name):
-    importlib.import_module(f"tools.{name}")
+    path = TOOLS / f"{name}.py"
+    if "DEFINE_" in path.read_text():
+        # a script with absl flags: in a fresh interpreter (this worker may hold launch.tpu's
+        # flags of the same names, e.g. --config)
+        r = subprocess.run(
+            [sys.executable, "-c", f"import tools.{name}"],
+            cwd=TOOLS.parent,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+    else:
+        importlib.import_module(f"tools.{name}")
