@@ -1077,12 +1077,7 @@ def plan_sdpo(
     cfg = learner.config
     k = sdpo.topk_width(int(rl.sdpo_topk), cfg.text.vocab_size)
     mode = sdpo.step_mode(rl.sdpo_divergence, rl.sdpo_js_beta, rl.sdpo_weight)
-    xs = _step_inputs(learner, rows, row_len)
-    topk_sh, tok_sh = learner.layout.rows_sharding(3), learner.layout.rows_sharding(2)
-    xs["sdpo_ids"] = jax.ShapeDtypeStruct((rows, row_len, k), jnp.int32, sharding=topk_sh)
-    xs["sdpo_logp"] = jax.ShapeDtypeStruct((rows, row_len, k), jnp.float32, sharding=topk_sh)
-    xs["sdpo_mask"] = jax.ShapeDtypeStruct((rows, row_len), jnp.bool_, sharding=tok_sh)
-    xs["sdpo_weights"] = jax.ShapeDtypeStruct((rows, row_len), jnp.float32, sharding=tok_sh)
+    xs = {**_step_inputs(learner, rows, row_len), **_sdpo_targets(learner, rows, row_len, k)}
     resident = {"KV pool (sampler, resident)": kv_bytes}
     if rl.sdpo_teacher == "ema":
         resident["EMA teacher params (resident)"] = tree_shard_bytes(ab.trainable)
