@@ -8,7 +8,7 @@ VM_APT_PKGS := qemu-system-x86 qemu-utils debootstrap
 VM_IMAGE ?= $(HOME)/.cache/cua_jax/vm/debian.qcow2
 VM_IMAGE_ARGS ?=
 
-.PHONY: test smoke venv apt lint vm-image
+.PHONY: test smoke venv apt apt-office lint vm-image
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,15 @@ apt:
 	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
+
+# Opt-in: OSWorld's office and media apps on this machine, so a LocalDesktop runs the task domains
+# Debian packages (LibreOffice Calc/Writer/Impress; GIMP, VLC, Thunderbird). `make apt` and
+# `make test` never pull them (224 packages, 270 MB of .debs, 1 GB installed); without them the
+# office tests skip (tests/envs/vm/test_vm_osworld_office.py).
+OFFICE_APT_PKGS := libreoffice-calc libreoffice-writer libreoffice-impress gimp vlc thunderbird
+
+apt-office:
+	@$(MAKE) --no-print-directory apt APT_PKGS="$(OFFICE_APT_PKGS)"
 
 # A Debian guest image for QemuDesktop (envs/vm/qemu.py): tools/build_vm_image.sh, as root
 # (debootstrap, a loop mount), into $(VM_IMAGE), its token in $(VM_IMAGE).token; a few minutes.

@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -199,6 +201,52 @@ def _write_app_shims(bin_dir: Path) -> None:
         (bin_dir / "socat").chmod(0o755)
 
 
+# OSWorld's images run LibreOffice with a used profile: its tasks' postconfig saves with ctrl+s
+# alone (no Enter for the "Keep current format?" dialog), and its screens show no first-run Tip
+# of the Day or what's-new bar. A fresh LocalDesktop home gets the same settings wherever
+# LibreOffice is installed (``make apt-office``); a template_home that has a profile keeps its own.
+LIBREOFFICE_PROFILE = """<?xml version="1.0" encoding="UTF-8"?>
+<oor:items xmlns:oor="http://openoffice.org/2001/registry" \
+xmlns:xs="http://www.w3.org/2001/XMLSchema" xmlns:xsi="http://www.w3.org/2001/XMLSchema-instance">
+<item oor:path="/org.openoffice.Office.Common/Save/Document">\
+<prop oor:name="WarnAlienFormat" oor:op="fuse"><value>false</value></prop></item>
+<item oor:path="/org.openoffice.Office.Common/Misc">\
+<prop oor:name="ShowTipOfTheDay" oor:op="fuse"><value>false</value></prop></item>
+<item oor:path="/org.openoffice.Office.Common/Misc">\
+<prop oor:name="FirstRun" oor:op="fuse"><value>false</value></prop></item>
+<item oor:path="/org.openoffice.Setup/Product">\
+<prop oor:name="ooSetupLastVersion" oor:op="fuse"><value>@VERSION@</value></prop></item>
+</oor:items>
+"""
+LIBREOFFICE_PROFILE_PATH = ".config/libreoffice/4/user/registrymodifications.xcu"
+
+
+@functools.cache
+def libreoffice_version() -> str | None:
+    """This machine's LibreOffice major.minor (``soffice --version``), None when absent."""
+    soffice = shutil.which("soffice")
+    if soffice is None:
+        return None
+    try:
+        out = subprocess.run(
+            [soffice, "--version"], capture_output=True, text=True, timeout=30, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"\b(\d+\.\d+)\.\d", out)
+    return m.group(1) if m else None
+
+
+def _seed_app_profiles(home: Path) -> None:
+    """LibreOffice's profile as OSWorld's images have it (see LIBREOFFICE_PROFILE)."""
+    version = libreoffice_version()
+    profile = home / LIBREOFFICE_PROFILE_PATH
+    if version is None or profile.exists():
+        return
+    profile.parent.mkdir(parents=True, exist_ok=True)
+    profile.write_text(LIBREOFFICE_PROFILE.replace("@VERSION@", version))
+
+
 def missing_programs(
     programs: Iterable[str] = ("Xvfb", "openbox", "xdotool", "wmctrl"),
 ) -> list[str]:
@@ -356,6 +404,7 @@ class LocalDesktop:
             self.home.mkdir()
         for d in ("Desktop", "Documents", "Downloads"):  # OSWorld's tasks assume them
             (self.home / d).mkdir(exist_ok=True)
+        _seed_app_profiles(self.home)
         bin_dir = self._root / "bin"
         bin_dir.mkdir()
         digest = hashlib.sha256(self.client_password.encode()).hexdigest()

@@ -422,8 +422,10 @@ class VMServer:
         if opener is None:
             return error("xdg-open is not installed in the VM (apt-get install xdg-utils)")
         self._track(await spawn_detached([opener, str(path)], shell=False))
-        # Like OSWorld: wait (bounded) for a window whose title names the file.
-        wait = data.get("timeout", 10)
+        # Like OSWorld: wait (bounded) for a window whose title names the file. OSWorld's client
+        # sends no timeout and its server waits up to 1800 s; 60 s here (capped at the exec
+        # limit) covers LibreOffice's cold start on a loaded machine (1-3 s idle).
+        wait = data.get("timeout", 60)
         if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait < math.inf:
             return error(f"timeout must be a number of seconds >= 0, got {wait!r:.100}", 400)
         deadline = time.monotonic() + min(wait, self.exec_limit_s)
