@@ -30,6 +30,9 @@ class Template:
     summary: str  # what the task asks, with the seeded parts left generic
     heldout: bool = False  # eval split only
     max_steps: int = 10
+    # only when named (`templates_for(names=...)`): variants that would otherwise change the
+    # task lists of every config that takes a whole split or category
+    opt_in: bool = False
 
 
 TEMPLATES: tuple[Template, ...] = (
@@ -165,6 +168,35 @@ TEMPLATES: tuple[Template, ...] = (
         "edit-profile", "workflow", "hard", "Open the profile, edit the city, save.", max_steps=12
     ),
 )
+# Forgiving variants of three one-click templates (static/templates_retry.js): a wrong pick is
+# crossed out and the episode goes on, so trying another candidate after a miss pays. Same
+# categories as their bases; listed only when named.
+TEMPLATES += (
+    Template(
+        "retry-color",
+        "click",
+        "easy",
+        "Click the named color; a wrong pick is crossed out.",
+        max_steps=5,
+        opt_in=True,
+    ),
+    Template(
+        "retry-label",
+        "click",
+        "easy",
+        "Click the labelled button; a wrong pick is crossed out.",
+        max_steps=5,
+        opt_in=True,
+    ),
+    Template(
+        "retry-tabs",
+        "navigation",
+        "easy",
+        "Open the named tab; a wrong tab is crossed out.",
+        max_steps=5,
+        opt_in=True,
+    ),
+)
 BY_NAME = {t.name: t for t in TEMPLATES}
 # The ones a tiny policy can learn in a smoke run: one big target, solved by one click.
 SMOKE_TEMPLATES = ("click-button", "click-color", "click-label", "nav-tabs")
@@ -218,6 +250,8 @@ def templates_for(
     out = []
     for t in TEMPLATES:
         if split == "train" and t.heldout:
+            continue
+        if t.opt_in and (names is None or t.name not in names):
             continue
         if category and t.category != category:
             continue

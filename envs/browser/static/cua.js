@@ -69,7 +69,7 @@
   let KEY = "cua:" + NAME + ":" + SEED;
   let state = {};
   try { state = JSON.parse(sessionStorage.getItem(KEY) || "{}"); } catch (e) { state = {}; }
-  const fresh = { instruction: "", ready: false, done: false, error: null, score: () => 0, plan: () => [], explain: null };
+  const fresh = { instruction: "", ready: false, done: false, error: null, score: () => 0, plan: () => [], explain: null, forgive: null };
 
   window.cua = {
     name: NAME, seed: SEED, view: VIEW, R: R, h: h,
@@ -77,6 +77,8 @@
     state: state,
     save() { sessionStorage.setItem(KEY, JSON.stringify(this.state)); },
     finish() {
+      // a forgiving template (templates_retry.js) goes on after a wrong pick
+      if (this.forgive && !(this.score() >= 1)) { this.forgive(); return; }
       this.done = true; this.state.__done = true; this.save();
       if (window.__cuaSignal) window.__cuaSignal(0);  // tells the env the episode is over
     },
@@ -84,6 +86,7 @@
     go(view) { location.href = this.url(view); },
     score: () => 0,
     plan: () => [],
+    forgive: null,  // optional: () => void, called instead of ending the episode on a wrong pick
     explain: null,  // optional: (answer) -> a sentence on what was wrong, added to the report
     root: null,
     // What the checker can tell about an attempt, beyond its score: the clicks the page got
