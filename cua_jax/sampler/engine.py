@@ -26,6 +26,15 @@ turns. Sampling keys are fold_in(key(seed), token index), so a preempted and rec
 continues with the same random stream. Only a request that cannot fit even alone fails, with
 finish_reason "error".
 
+Hybrid models (Qwen3.5, Gated DeltaNet + full attention): the cache keeps K/V pages for the
+full-attention layers and, per slot, the linear layers' conv and recurrent states (rows of
+`cache.linear`, zeroed when a slot starts a new sequence, continued by every prefill and
+decode of that slot). Finished sessions keep their states in rows of their own
+(`session_states` of them); a session continues only from exactly the tokens its state
+covers, a preempted request is recomputed from scratch, and running requests' pages are not
+forked (`scheduler`'s docstring says why). Weights taken by `update_params` apply from the next
+step; states already computed are kept, as K/V pages are.
+
 On a mesh (`mesh=`, see `placement.py`): the learner's sharded parameters are used in place,
 K/V pages are split by kv head over `tensor`, every jitted call has explicit in/out shardings,
 and K/V writes + attention run under `shard_map` on each device's own kv heads.
@@ -128,6 +137,8 @@ class Engine:
         under `rules` (a sampler sub-mesh; update_params reshards new weights the same way).
         None: the parameters' own mesh if they are sharded, else their device.
       rules: logical-axis rules for parameters moved onto `mesh` (pass the learner's).
+      session_states: hybrid models only: finished sessions whose linear states are kept
+        (default max_slots); each row costs the linear layers' conv + recurrent state.
     """
 
     def __init__(
@@ -149,10 +160,14 @@ class Engine:
         version: int = 0,
         mesh: Mesh | None = None,
         rules: shd.Rules = shd.DEFAULT_RULES,
+        session_states: int | None = None,
     ):
         cfg = model.config
         t = cfg.text
         self.config = cfg
+        self.hybrid = steps.is_hybrid(cfg)
+        if session_states is not None and session_states < 0:
+            raise ValueError(f"Engine: session_states={session_states} must be >= 0")
         self.sched = Scheduler(
             max_slots=max_slots,
             page_size=page_size,
@@ -163,6 +178,9 @@ class Engine:
             static_batching=static_batching,
             detokenize=detokenize,
             route_shape=steps.route_shape(cfg),
+            session_states=(max_slots if session_states is None else session_states)
+            if self.hybrid
+            else None,
         )
         self.max_slots, self.page_size, self.num_pages = max_slots, page_size, num_pages
         self.max_seq_len, self.decode_chunk = max_seq_len, decode_chunk
@@ -192,10 +210,17 @@ class Engine:
         self._state, self._param_sh = params, param_sh
         self.version = version
         dtype = cache_dtype or jnp.dtype(cfg.dtype)
-        shape = (t.num_hidden_layers, t.num_key_value_heads, num_pages, page_size, t.head_dim)
+        n_kv = len(kv_cache.kv_layers(cfg))
+        shape = (n_kv, t.num_key_value_heads, num_pages, page_size, t.head_dim)
+        linear = steps.linear_cache_shapes(cfg, self.sched.num_state_rows)
+
         # Committed to its devices up front: a first call with uncommitted inputs would
         # otherwise compile a second time.
-        self._init_cache = lambda: kv_cache.init_cache(*shape, dtype, kv_sharding)
+        def init_cache() -> kv_cache.KVCache:
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), linear)
+            return kv_cache.init_cache(*shape, dtype, kv_sharding, zeros, small)
+
+        self._init_cache = init_cache
         self.cache = self._init_cache()
         platform = next(iter(kv_sharding.device_set)).platform
         # Decided once, for the cache's platform: an explicit backend whose kernel cannot take
@@ -219,7 +244,7 @@ class Engine:
             self._model_def,
             self.step_config,
             self.shardings,
-            t.num_hidden_layers,
+            n_kv,
             dict(_CPU_COMPILER_OPTIONS) if platform == "cpu" else None,
         )
         self._lock = threading.RLock()  # held by step(): one scheduler iteration at a time
@@ -505,6 +530,7 @@ class Engine:
         Text-only chunks of the same length bucket share one call; a chunk with images runs alone
         (its vision tower input has its own shape). First tokens are sampled in one call.
         """
+        self._copy_states()
         for a in batch:
             self._copy(a.copies)
         groups: dict[Any, list[Admitted]] = {}
@@ -545,6 +571,18 @@ class Engine:
                     a.req, [int(tok[j])], [float(lp[j])], [float(mlp[j])], self.version
                 )
 
+    def _copy_states(self) -> None:
+        """Hybrid models: runs the scheduler's pending (slot row -> session row) state copies
+        (sessions that finished since), before any slot row is written again."""
+        copies = self.sched.take_state_copies()
+        if not copies:
+            return
+        n = token_bucket(len(copies), 4)
+        pairs = np.zeros((2, n), np.int32)
+        pairs[1] = self.sched.num_state_rows  # padding: written out of range, dropped
+        pairs[:, : len(copies)] = np.asarray(copies, np.int32).T
+        self.cache = self._fns.copy_states(self.cache, pairs[0], pairs[1])
+
     def _copy(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
@@ -573,11 +611,15 @@ class Engine:
         start = np.zeros((B,), np.int32)
         n = np.zeros((B,), np.int32)
         slots = np.zeros((B,), np.int64)
+        # hybrid models' state rows: padding rows read zeros and write out of range (dropped)
+        dst = np.full((B,), self.sched.num_state_rows, np.int32)
+        src = np.full((B,), -1, np.int32)
         for b, a in enumerate(group):
             k = a.end - a.start
             ids[b, :k] = a.req.seq[a.start : a.end]
             pos[:, b, :k] = a.req.positions_of(a.start, a.end)
             start[b], n[b], slots[b] = a.start, k, a.slot
+            dst[b], src[b] = a.slot, a.state_src
         pix, grid = None, ()
         if len(group) == 1:
             # Images whose token runs lie in [start, end) (admission never splits a run).
@@ -590,7 +632,7 @@ class Engine:
         table = self.alloc.table()[slots, : self._pages_bucket(int(np.max(start + n)))]
         table[len(group) :] = TRASH_PAGE
         self.cache, logits = self._fns.prefill(grid)(
-            self._state, self.cache, ids, pix, pos, table, start, n
+            self._state, self.cache, ids, pix, pos, table, start, n, dst, src
         )
         self.stats["prefill_tokens"] += int(n.sum())
         self.stats["prefill_calls"] += 1
@@ -609,6 +651,7 @@ class Engine:
         return fn(state, cache, table_SP, *rest)
 
     def _decode(self) -> None:
+        self._copy_states()
         plan = self.sched.plan_decode(self.decode_chunk, self.version)
         for copies in plan.copies:
             self._copy(copies)
@@ -634,3 +677,4 @@ class Engine:
         self.stats["decode_calls"] += 1
         self.stats["slot_steps"] += self.max_slots * self.decode_chunk
         self.sched.apply_decode(out_tok, out_lp, out_mlp, self.version, out_routes)
+        self._copy_states()

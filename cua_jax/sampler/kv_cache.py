@@ -1,8 +1,13 @@
-"""Paged KV cache: one page pool per layer, and the scatter/gather/copy ops on it.
+"""Paged KV cache: one page pool per attention layer, and the scatter/gather/copy ops on it.
 
 Layout per layer: k, v f[K, P_total, L, H] (kv-heads major), the layout JAX's shipped TPU
 paged-attention kernel takes, so the TPU path needs no transpose. The cache is a pytree of
 per-layer arrays; jitted functions take it donated and return the updated one.
+
+Hybrid models (Qwen3.5: Gated DeltaNet + full attention) keep pools for their full-attention
+layers only (`kv_layers`) and, in `linear`, one `LinearAttnState` per linear layer with a row
+per state slot: rows [0, max_slots) are the decode slots' live states, the rows after them
+hold finished sessions' states (the engine's hybrid cache; see `engine.py`).
 
 Letters: B batch, T new tokens, K kv-heads, H head-dim, L page size, P pages per sequence.
 """
@@ -19,10 +24,13 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Per-layer page pools. k[i], v[i]: f[K, num_pages, L, H]."""
+    """Per-layer page pools. k[i], v[i]: f[K, num_pages, L, H] (i: the i-th layer of
+    `kv_layers`). linear[j]: the j-th linear layer's states, conv [R, W-1, C] and recurrent
+    f32[R, N, H, V] for R state rows (empty for models without linear layers)."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
+    linear: tuple[Any, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -51,6 +59,12 @@ class PageTable:
     lengths: jax.Array  # i32[S]
 
 
+def kv_layers(cfg: Any) -> tuple[int, ...]:
+    """Decoder indices of the layers with K/V pages (every layer but Qwen3.5's linear ones)."""
+    t = cfg.text
+    return tuple(i for i in range(t.num_hidden_layers) if t.layer_type(i) == "full_attention")
+
+
 def init_cache(
     num_layers: int,
     num_kv_heads: int,
@@ -59,16 +73,23 @@ def init_cache(
     head_dim: int,
     dtype: jnp.dtype = jnp.float32,
     sharding: jax.sharding.Sharding | None = None,
+    linear: tuple[Any, ...] = (),
+    linear_sharding: jax.sharding.Sharding | None = None,
 ) -> KVCache:
-    """Zero-filled cache; `sharding` (e.g. kv-heads over the `tensor` mesh axis) is applied."""
+    """Zero-filled cache; `sharding` (e.g. kv-heads over the `tensor` mesh axis) is applied.
+    `linear`: the linear layers' zero states (each array put on `linear_sharding`)."""
     shape = (num_kv_heads, num_pages, page_size, head_dim)
 
     def make():
         z = jnp.zeros(shape, dtype)
         return jax.device_put(z, sharding) if sharding is not None else z
 
+    if linear_sharding is not None:
+        linear = jax.device_put(linear, linear_sharding)
     return KVCache(
-        tuple(make() for _ in range(num_layers)), tuple(make() for _ in range(num_layers))
+        tuple(make() for _ in range(num_layers)),
+        tuple(make() for _ in range(num_layers)),
+        tuple(linear),
     )
 
 
@@ -112,17 +133,25 @@ def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     """Copies pages src[i] -> dst[i] in every layer (copy-on-write). Pad with (0, 0) pairs."""
     k = tuple(kp.at[:, dst].set(kp[:, src]) for kp in cache.k)
     v = tuple(vp.at[:, dst].set(vp[:, src]) for vp in cache.v)
-    return KVCache(k, v)
+    return KVCache(k, v, cache.linear)
+
+
+def copy_state_rows(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """Copies linear-state rows src[i] -> dst[i] in every linear layer (a finished session's
+    slot state into its session row). Pad with dst out of range (dropped)."""
+    linear = jax.tree.map(lambda x: x.at[dst].set(x[src], mode="drop"), cache.linear)
+    return KVCache(cache.k, cache.v, linear)
 
 
 def kv_pool_bytes_per_device(
     cfg: Any, num_pages: int, page_size: int, dtype: Any, tensor: int
 ) -> int:
-    """pages x page_size x kv_heads x head_dim x 2 (K and V) x layers x dtype size / tensor."""
+    """pages x page_size x kv_heads x head_dim x 2 (K and V) x attention layers (`kv_layers`)
+    x dtype size / tensor."""
     t = cfg.text
     return (
         num_pages * page_size * (t.num_key_value_heads // tensor) * t.head_dim * 2
-        * t.num_hidden_layers * jnp.dtype(dtype).itemsize
+        * len(kv_layers(cfg)) * jnp.dtype(dtype).itemsize
     )  # fmt: skip
 
 

@@ -22,6 +22,21 @@ alone: finished with finish_reason "error").
 Pages running out during decode: session caches are evicted first (least recently used), then
 the most recently admitted running request is preempted: its pages are freed and it goes back
 to the front of the queue with its tokens so far, to be recomputed.
+
+Hybrid models (`session_states` set: Qwen3.5's Gated DeltaNet layers carry a recurrent state
+per sequence besides the K/V pages). The state after exactly n tokens can only continue from
+token n, so:
+* state rows: slot s uses row s; a finishing request with a session id has its slot's state
+  copied into a session row (`pending_state_copies`, run by the engine before the slot is
+  reused), together with `state_len`, the tokens it covers (every fed token: the K/V length);
+* a session is reused only when the common prefix equals `state_len` exactly (the next turn
+  extends the transcript as it was); otherwise the request is prefilled from token 0. The state
+  is not stored at page boundaries: a snapshot is the whole recurrent state (Qwen3.5-27B: 48
+  linear layers x 48 heads x 128 x 128 f32 = 151 MB), too big to keep per page;
+* a preempted request is recomputed from scratch (its pages and state are given up);
+* forking a running request's pages (`share_prefix`, GRPO groups) is off: the donor's state
+  covers its own tokens, not the shared prefix, so the group's copies are prefilled (in one
+  batched call when they are text-only).
 """
 
 from __future__ import annotations
@@ -210,18 +225,23 @@ class Session:
     pages: list[int]
     image_runs: list[tuple[int, int]]
     image_hashes: list[bytes]
+    state_row: int = -1  # hybrid models: the row holding the linear states (-1: none)
+    state_len: int = -1  # tokens those states cover
 
 
 @dataclasses.dataclass
 class Admitted:
     """The request holds `slot` and its pages; tokens [start, end) still have to be prefilled
-    after the page `copies` (copy-on-write, (src, dst) pairs) are done."""
+    after the page `copies` (copy-on-write, (src, dst) pairs) are done. Hybrid models: the
+    linear states start from state row `state_src` (-1: zeros; a session row when continuing a
+    session from token `start`)."""
 
     req: Request
     slot: int
     start: int
     end: int
     copies: list[tuple[int, int]]
+    state_src: int = -1
 
 
 @dataclasses.dataclass
@@ -279,6 +299,9 @@ class Scheduler:
       detokenize: ids -> text, for stop strings.
       route_shape: (sparse layers L, top-k K) of a MoE model whose decode steps return each
         fed token's experts (recorded per generated token); None for a dense model.
+      session_states: hybrid models only (None otherwise): how many finished sessions keep
+        their linear states (state rows max_slots .. max_slots + session_states - 1); a
+        session whose state cannot be kept is not cached at all.
     """
 
     def __init__(
@@ -293,8 +316,13 @@ class Scheduler:
         static_batching: bool = False,
         detokenize: Callable[[Sequence[int]], str] | None = None,
         route_shape: tuple[int, int] | None = None,
+        session_states: int | None = None,
     ):
         self.route_shape = route_shape
+        self.hybrid = session_states is not None
+        self.session_states = session_states or 0
+        if self.hybrid:
+            share_prefix = False  # see the module docstring
         self.max_slots, self.page_size, self.num_pages = max_slots, page_size, num_pages
         self.max_seq_len = max_seq_len
         self.pages_per_seq = -(-max_seq_len // page_size)
@@ -326,6 +354,12 @@ class Scheduler:
         self.admit_order: list[int] = []  # slots, oldest first (preemption takes the last)
         self.next_tok = np.zeros(self.max_slots, np.int32)
         self.sessions: OrderedDict[Any, Session] = OrderedDict()
+        # hybrid models: free session state rows, and (slot, row) copies the engine runs
+        # before the slot's row is written again
+        self.free_state_rows = list(
+            range(self.max_slots + self.session_states - 1, self.max_slots - 1, -1)
+        )
+        self.pending_state_copies: list[tuple[int, int]] = []
         for req in held:
             req.slot = -1
         return held
@@ -387,12 +421,23 @@ class Scheduler:
         same_session = req.session_id is not None and req.session_id == other.session_id
         return same_prompt or same_session
 
+    @property
+    def num_state_rows(self) -> int:
+        """Rows of the hybrid cache's linear states: the slots', then the sessions'."""
+        return self.max_slots + self.session_states if self.hybrid else 0
+
     def evict_session(self) -> bool:
         if not self.sessions:
             return False
         _, sess = self.sessions.popitem(last=False)
-        self.alloc.decref(sess.pages)
+        self._free_session(sess)
         return True
+
+    def _free_session(self, sess: Session) -> None:
+        self.alloc.decref(sess.pages)
+        if sess.state_row >= 0:
+            self.free_state_rows.append(sess.state_row)
+            sess.state_row = -1
 
     def reuse_len(self, req: Request, tokens, runs, hashes, avail: int, target) -> int:
         """Tokens of `target` whose cached K/V (from a sequence `tokens`) can be reused."""
@@ -413,12 +458,21 @@ class Scheduler:
         # Prefill everything but the last token when resuming (it is fed by the next decode).
         target = seq[:-1] if req.generated else seq
         start = 0
+        state_src = -1
         sess = self.sessions.get(req.session_id) if req.session_id is not None else None
         if sess is not None:
             start = self.reuse_len(
                 req, sess.tokens, sess.image_runs, sess.image_hashes, sess.kv_len, target
             )
             del self.sessions[req.session_id]
+            if self.hybrid:
+                # the linear states cover exactly state_len tokens: continue from there or
+                # recompute everything; the row is freed once the prefill has read it
+                if start != sess.state_len or sess.state_row < 0:
+                    start = 0
+                state_src = sess.state_row if start > 0 else -1
+                if state_src < 0 and sess.state_row >= 0:
+                    self.free_state_rows.append(sess.state_row)
             keep = self.alloc.pages_for(start)
             self.alloc.decref(sess.pages[keep:])
             self.alloc.attach(slot, sess.pages[:keep], start)
@@ -442,6 +496,8 @@ class Scheduler:
                 if self.evict_session():
                     continue
                 self.alloc.release(slot)
+                if state_src >= 0:  # back to the start: the state row stays unread
+                    self.free_state_rows.append(state_src)
                 if not self.running:
                     return Rejected(
                         f"request needs {self.alloc.pages_for(len(target))} KV pages but the "
@@ -456,7 +512,7 @@ class Scheduler:
         self.running[slot] = req
         self.admit_order.append(slot)
         req.slot = slot
-        return Admitted(req, slot, start, len(target), copies)
+        return Admitted(req, slot, start, len(target), copies, state_src)
 
     def prefilled(self, batch: list[Admitted]) -> list[Admitted]:
         """Marks a batch's tokens as cached; returns the fresh requests (their first token is to
@@ -464,6 +520,9 @@ class Scheduler:
         fresh = []
         for a in batch:
             self.alloc.set_length(a.slot, a.end)
+            if a.state_src >= 0:  # read by the prefill: the session row is free again
+                self.free_state_rows.append(a.state_src)
+                a.state_src = -1
             if a.req.generated:
                 self.next_tok[a.slot] = a.req.generated[-1]
             else:
@@ -590,14 +649,21 @@ class Scheduler:
             del self.running[slot]
             self.admit_order.remove(slot)
             if req.session_id is not None:
-                pages, kv_len = self.alloc.detach(slot)
-                seq = req.seq
-                kv_len = min(kv_len, len(seq))
                 old = self.sessions.pop(req.session_id, None)
                 if old is not None:
-                    self.alloc.decref(old.pages)
-                runs = image_runs(seq, self.image_token_id)
-                self.sessions[req.session_id] = Session(seq, kv_len, pages, runs, req.image_hashes)
+                    self._free_session(old)
+                row = self._session_state_row() if self.hybrid else -1
+                if self.hybrid and row < 0:  # no state kept: the pages are no use alone
+                    self.alloc.release(slot)
+                else:
+                    pages, kv_len = self.alloc.detach(slot)
+                    seq = req.seq
+                    runs = image_runs(seq, self.image_token_id)
+                    sess = Session(seq, min(kv_len, len(seq)), pages, runs, req.image_hashes)
+                    if row >= 0:
+                        sess.state_row, sess.state_len = row, kv_len
+                        self.pending_state_copies.append((slot, row))
+                    self.sessions[req.session_id] = sess
             else:
                 self.alloc.release(slot)
         req.slot = -1
@@ -624,10 +690,22 @@ class Scheduler:
             out[: len(req.routes)] = np.stack(req.routes)
         return out
 
+    def _session_state_row(self) -> int:
+        """A free session state row, evicting the least recently used sessions for one
+        (-1 when none can be had: no session rows)."""
+        while not self.free_state_rows and self.evict_session():
+            pass
+        return self.free_state_rows.pop() if self.free_state_rows else -1
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The (slot row, session row) copies to run now (then forgotten)."""
+        out, self.pending_state_copies = self.pending_state_copies, []
+        return out
+
     def drop_session(self, session_id: Any) -> None:
         sess = self.sessions.pop(session_id, None)
         if sess is not None:
-            self.alloc.decref(sess.pages)
+            self._free_session(sess)
 
     def check_pages(self) -> None:
         """Raises AssertionError unless refcounts equal the owners (slots + session caches)."""

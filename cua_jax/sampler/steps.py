@@ -15,6 +15,13 @@ Decode has two loops. `decode_paged`: every step writes its K/V into the pages a
 slot's pages are gathered into contiguous K/V buffers once per chunk, each step writes into and
 attends to those buffers, and the chunk's new tokens go into the pages once at the end.
 
+Hybrid models (Qwen3.5): K/V pages exist for the full-attention layers only (`attn_fn`'s
+decoder layer index maps to its pool through `ModelDef.kv_index`), and the cache's `linear`
+holds the Gated DeltaNet layers' states, one row per decode slot (then the session rows).
+Prefill row b starts from state row src[b] (-1: zeros, a fresh sequence) and leaves its state
+after its n[b] real tokens in row dst[b] (the slot); a decode step advances only the active
+slots' states (`lengths` = active: an idle slot's state passes unchanged).
+
 On a mesh (`StepConfig.mesh`), the K/V pools are sharded by kv head over `tensor` and the K/V
 writes and attention run inside `shard_map`: each device writes and attends over its own kv
 heads (q heads split over `tensor` the same way, so every q head meets its GQA kv head on the
@@ -84,10 +91,26 @@ class ModelDef:
         return nnx.merge(self.graphdef, params, self.other)
 
     @property
+    def kv_index(self) -> dict[int, int]:
+        """Decoder layer index -> index of its page pool (`kv_cache.kv_layers`)."""
+        return {li: j for j, li in enumerate(kv_cache.kv_layers(self.config))}
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the model has linear-attention layers (states carried in `cache.linear`)."""
+        return is_hybrid(self.config)
+
+    @property
     def route_shape(self) -> tuple[int, int] | None:
         """(sparse layers L, experts per token K) of a MoE model (the decode steps then also
         return each token's chosen experts); None for a dense model."""
         return route_shape(self.config)
+
+
+def is_hybrid(config: Any) -> bool:
+    """Whether `config`'s decoder has linear-attention (Gated DeltaNet) layers."""
+    t = config.text
+    return any(t.layer_type(i) != "full_attention" for i in range(t.num_hidden_layers))
 
 
 def route_shape(config: Any) -> tuple[int, int] | None:
@@ -189,6 +212,8 @@ def prefill(
     table_BP,
     start_B,
     n_B,
+    dst_B,
+    src_B,
     *,
     model: ModelDef,
     cfg: StepConfig,
@@ -196,7 +221,9 @@ def prefill(
 ):
     """Runs rows b: tokens start[b] .. start[b] + n[b] - 1 (n[b] = 0: a padding row) into the
     cache. Returns (cache, f32[B, V] logits of each row's last token). `grid`: the image grids
-    (t, h, w) of the images in `pix` (static: the vision tower's shapes depend on it)."""
+    (t, h, w) of the images in `pix` (static: the vision tower's shapes depend on it).
+    Hybrid models: row b's linear states start from state row src[b] (-1: zeros) and end in
+    row dst[b] (out of range for a padding row: dropped); ignored by other models."""
     m = model.merge(params)
     B, T = ids_BT.shape
     meta = vision_metadata(model.config, np.asarray(grid, np.int64)) if grid else None
@@ -220,16 +247,42 @@ def prefill(
         (("kv",), ("kv",), bt_kv),
     )
 
-    def attn_fn(i, q_BTNH, k_BTKH, v_BTKH):
+    kv_index = model.kv_index
+
+    def attn_fn(li, q_BTNH, k_BTKH, v_BTKH):
+        i = kv_index[li]
         k_pools[i], v_pools[i], out = write_attend(
             k_pools[i], v_pools[i], q_BTNH, k_BTKH, v_BTKH, page, off, table_BP, q_pos, kv_lengths
         )
         return out
 
-    hidden = m.decode(embeds, pos_3BT, attn_fn, vis_mask, ds)
+    linear = cache.linear
+    if model.hybrid:
+        fresh = src_B < 0
+        states = [
+            jax.tree.map(
+                lambda x: jnp.where(
+                    fresh.reshape((B,) + (1,) * (x.ndim - 1)),
+                    jnp.zeros((), x.dtype),
+                    jnp.take(x, jnp.maximum(src_B, 0), axis=0, mode="clip"),
+                ),
+                st,
+            )
+            for st in linear
+        ]
+        hidden, states = m.decode(
+            embeds, pos_3BT, attn_fn, linear_states=states, return_linear_states=True,
+            lengths=n_B,
+        )  # fmt: skip
+        linear = tuple(
+            jax.tree.map(lambda x, y: x.at[dst_B].set(y.astype(x.dtype), mode="drop"), old, new)
+            for old, new in zip(linear, states, strict=True)
+        )
+    else:
+        hidden = m.decode(embeds, pos_3BT, attn_fn, vis_mask, ds)
     last = jnp.take_along_axis(hidden, jnp.maximum(n_B - 1, 0)[:, None, None], axis=1)
     logits = m.logits(last)[:, 0]
-    return kv_cache.KVCache(tuple(k_pools), tuple(v_pools)), logits
+    return kv_cache.KVCache(tuple(k_pools), tuple(v_pools), linear), logits
 
 
 # ----------------------------------------------------------------------------------- decode
@@ -237,6 +290,7 @@ def _decode_loop(
     model: ModelDef,
     params,
     kv0,
+    lin0,
     attend,
     table_SP,
     lengths_S,
@@ -248,46 +302,60 @@ def _decode_loop(
     sampling,
     chunk: int,
 ):
-    """The decode while_loop shared by both layouts; `attend(kv, li, q, k, v, active, lengths)`
-    writes the step's K/V of layer li into `kv` and returns (kv, attention output).
+    """The decode while_loop shared by both layouts; `attend(kv, j, q, k, v, active, lengths)`
+    writes the step's K/V of page pool j into `kv` and returns (kv, attention output).
+    `lin0`: the linear layers' states (state rows; the first S are the slots'), () when none.
 
-    Returns (kv, lengths, out_tok, out_lp, out_mlp, out_routes): out_routes is None for a dense
-    model; for a MoE model i32[S, C, L, K], the experts each sparse layer chose for the token
-    fed at step i (-1 where the slot was inactive)."""
+    Returns (kv, lin, lengths, out_tok, out_lp, out_mlp, out_routes): out_routes is None for a
+    dense model; for a MoE model i32[S, C, L, K], the experts each sparse layer chose for the
+    token fed at step i (-1 where the slot was inactive)."""
     m = model.merge(params)
     S, C = tok_S.shape[0], chunk
     moe = model.route_shape
+    kv_index = model.kv_index
+    hybrid = model.hybrid
     # Dense models carry a [S, C, 0, 0] placeholder (no extra work), dropped at the end.
     L, K = moe if moe is not None else (0, 0)
 
     def cond(carry):
-        i, done = carry[0], carry[4]
+        i, done = carry[0], carry[5]
         return (i < C) & jnp.any(~done & (i < steps_S))
 
     def body(carry):
-        i, kv, lengths, tok, done, out_tok, out_lp, out_mlp, out_routes = carry
+        i, kv, lin, lengths, tok, done, out_tok, out_lp, out_mlp, out_routes = carry
         active = (~done) & (i < steps_S)
         pos_S = lengths + delta_S
         pos = jnp.broadcast_to(pos_S[None, :, None], (3, S, 1))
         box = [kv]
 
         def attn_fn(li, q_BTNH, k_BTKH, v_BTKH):
-            box[0], o = attend(box[0], li, q_BTNH, k_BTKH, v_BTKH, active, lengths)
+            box[0], o = attend(box[0], kv_index[li], q_BTNH, k_BTKH, v_BTKH, active, lengths)
             return o[:, None].astype(q_BTNH.dtype)
 
         embeds, _, _ = m.embed(tok[:, None])
+        kw: dict[str, Any] = {}
+        if hybrid:  # the slots' rows; an idle slot (length 0) passes its state unchanged
+            slots = [jax.tree.map(lambda x: x[:S], st) for st in lin]
+            kw = dict(linear_states=slots, return_linear_states=True, lengths=active * 1)
+        out = m.decode(embeds, pos, attn_fn, return_routing=moe is not None, **kw)
+        out = out if isinstance(out, tuple) else (out,)
+        hidden = out[0]
+        if hybrid:
+            lin = tuple(
+                jax.tree.map(lambda x, y: x.at[:S].set(y.astype(x.dtype)), old, new)
+                for old, new in zip(lin, out[-1], strict=True)
+            )
         if moe is not None:
-            hidden, info = m.decode(embeds, pos, attn_fn, return_routing=True)
+            info = out[1]
             e_SLK = jnp.transpose(info.experts[:, :, 0], (1, 0, 2)).astype(jnp.int32)
             out_routes = out_routes.at[:, i].set(jnp.where(active[:, None, None], e_SLK, -1))
-        else:
-            hidden = m.decode(embeds, pos, attn_fn)
         logits = m.logits(hidden)[:, 0]
         new, lp, mlp = sample_tokens(logits, sampling, gen_S + i)
         is_stop = jnp.any(new[:, None] == stop_SX, axis=1)
         return (
             i + 1,
             box[0],
+            lin,
             lengths + active,
             jnp.where(active, new, tok),
             done | (active & is_stop),
@@ -300,6 +368,7 @@ def _decode_loop(
     init = (
         jnp.int32(0),
         kv0,
+        tuple(lin0),
         lengths_S,
         tok_S,
         jnp.zeros((S,), bool),
@@ -309,10 +378,10 @@ def _decode_loop(
         jnp.full((S, C, L, K), -1, jnp.int32),
     )
     # while_loop, not fori_loop: the chunk ends early once every slot has stopped.
-    _, kv, lengths, _, _, out_tok, out_lp, out_mlp, out_routes = jax.lax.while_loop(
+    _, kv, lin, lengths, _, _, out_tok, out_lp, out_mlp, out_routes = jax.lax.while_loop(
         cond, body, init
     )
-    return kv, lengths, out_tok, out_lp, out_mlp, out_routes if moe is not None else None
+    return kv, lin, lengths, out_tok, out_lp, out_mlp, out_routes if moe is not None else None
 
 
 def decode_paged(
@@ -367,10 +436,11 @@ def decode_paged(
         )
         return kv_cache.KVCache(tuple(k_bufs), tuple(v_bufs)), o
 
-    kv, _, out_tok, out_lp, out_mlp, out_routes = _decode_loop(
+    kv, lin, _, out_tok, out_lp, out_mlp, out_routes = _decode_loop(
         model,
         params,
-        cache,
+        kv_cache.KVCache(cache.k, cache.v),
+        cache.linear,
         attend,
         table_SP,
         lengths_S,
@@ -382,6 +452,7 @@ def decode_paged(
         sampling,
         cfg.decode_chunk,
     )
+    kv = kv_cache.KVCache(kv.k, kv.v, lin)
     return _decode_outputs(kv, out_tok, out_lp, out_mlp, out_routes)
 
 
@@ -455,10 +526,11 @@ def decode_contiguous(
         )
         return (tuple(k_bufs), tuple(v_bufs)), o
 
-    kv, lengths, out_tok, out_lp, out_mlp, out_routes = _decode_loop(
+    kv, lin, lengths, out_tok, out_lp, out_mlp, out_routes = _decode_loop(
         model,
         params,
         (tuple(ks), tuple(vs)),
+        cache.linear,
         attend,
         table_SP,
         lengths_S,
@@ -487,7 +559,7 @@ def decode_contiguous(
             page,
             off,
         )
-    cache = kv_cache.KVCache(tuple(k_pools), tuple(v_pools))
+    cache = kv_cache.KVCache(tuple(k_pools), tuple(v_pools), lin)
     return _decode_outputs(cache, out_tok, out_lp, out_mlp, out_routes)
 
 
@@ -507,7 +579,12 @@ class StepShardings:
     small: jax.sharding.Sharding
 
     def cache_tree(self, cache: kv_cache.KVCache) -> kv_cache.KVCache:
-        return jax.tree.map(lambda _: self.cache, cache)
+        """Shardings of `cache`: the pools' for K/V, replicated (`small`) for linear states."""
+        return kv_cache.KVCache(
+            tuple(self.cache for _ in cache.k),
+            tuple(self.cache for _ in cache.v),
+            jax.tree.map(lambda _: self.small, cache.linear),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -519,6 +596,25 @@ class StepFns:
     prefill: Callable[[tuple], Callable]
     sample_first: Callable
     copy_pages: Callable
+    copy_states: Callable
+
+
+def linear_cache_shapes(config: Any, rows: int, dtype: Any = None) -> tuple:
+    """ShapeDtypeStructs of a hybrid model's `cache.linear` with `rows` state rows (() for a
+    model without linear layers). `dtype`: of the conv states (default: the compute dtype)."""
+    from cua_jax.models.qwen_vl import qwen35  # the model package (steps imports vision only)
+
+    if not is_hybrid(config):
+        return ()
+    zero = qwen35.LinearAttnState.zeros(qwen35.gated_deltanet_config(config), 1)
+    conv_dtype = zero.conv.dtype if dtype is None else jnp.dtype(dtype)
+    return tuple(
+        qwen35.LinearAttnState(
+            jax.ShapeDtypeStruct((rows, *zero.conv.shape[1:]), conv_dtype),
+            jax.ShapeDtypeStruct((rows, *zero.recurrent.shape[1:]), zero.recurrent.dtype),
+        )
+        for _ in qwen35.linear_attention_layers(config)
+    )
 
 
 def build_step_fns(
@@ -537,13 +633,22 @@ def build_step_fns(
            MoE models (`model.route_shape` not None) also return routes i32[S, C, L, K]: the
            experts of the L sparse layers for the token fed at each step, -1 where inactive.
       prefill(grid)(params, cache, ids i32[B, T], pix f32[n_patches, D] | None,
-               pos i32[3, B, T], table i32[B, P], start i32[B], n i32[B]) -> (cache, f32[B, V])
+               pos i32[3, B, T], table i32[B, P], start i32[B], n i32[B], dst i32[B],
+               src i32[B]) -> (cache, f32[B, V])   (dst / src: hybrid models' state rows)
       sample_first(logits f32[X, V], idx i32[B], sampling SlotSampling[B], step i32[B])
         -> (tok i32[B], lp f32[B], mlp f32[B])
       copy_pages(cache, src i32[n], dst i32[n]) -> cache
+      copy_states(cache, src i32[n], dst i32[n]) -> cache   (hybrid models' state rows)
+
+    `num_layers`: the page pools (`kv_cache.kv_layers`: a hybrid model's attention layers).
     """
-    cache_sh = kv_cache.KVCache((sh.cache,) * num_layers, (sh.cache,) * num_layers)
+    n_linear = len(linear_cache_shapes(model.config, 1))
     small = sh.small
+    cache_sh = kv_cache.KVCache(
+        (sh.cache,) * num_layers,
+        (sh.cache,) * num_layers,
+        tuple(linear_state_sharding(small) for _ in range(n_linear)),
+    )
     decode_kw = dict(
         in_shardings=(sh.params, cache_sh, *[small] * 8),
         out_shardings=(cache_sh, small, small, small, *[small] * (model.route_shape is not None)),
@@ -557,7 +662,7 @@ def build_step_fns(
     def prefill_for(grid: tuple) -> Callable:
         return jax.jit(
             functools.partial(prefill, model=model, cfg=cfg, grid=grid),
-            in_shardings=(sh.params, cache_sh, *[small] * 6),
+            in_shardings=(sh.params, cache_sh, *[small] * 8),
             out_shardings=(cache_sh, small),
             donate_argnums=(1,),
             compiler_options=compiler_options,
@@ -572,7 +677,21 @@ def build_step_fns(
         out_shardings=cache_sh,
         donate_argnums=(0,),
     )
-    return StepFns(d_paged, d_contig, prefill_for, sample, copy)
+    copy_states = jax.jit(
+        kv_cache.copy_state_rows,
+        in_shardings=(cache_sh, small, small),
+        out_shardings=cache_sh,
+        donate_argnums=(0,),
+    )
+    return StepFns(d_paged, d_contig, prefill_for, sample, copy, copy_states)
+
+
+def linear_state_sharding(small: jax.sharding.Sharding) -> Any:
+    """Sharding of one linear layer's states: replicated, like the other small arrays (the
+    Gated DeltaNet layers run under GSPMD with the parameters' own shardings)."""
+    from cua_jax.models.qwen_vl import qwen35
+
+    return qwen35.LinearAttnState(small, small)
 
 
 def decode_arg_shapes(num_slots: int, table_cols: int) -> tuple:
@@ -614,6 +733,8 @@ def prefill_arg_shapes(
         sds((B, table_cols), i32),
         sds((B,), i32),
         sds((B,), i32),
+        sds((B,), i32),
+        sds((B,), i32),
     )
 
 
@@ -625,9 +746,11 @@ def abstract_cache(
     head_dim: int,
     dtype: Any,
     sharding: jax.sharding.Sharding | None = None,
+    linear: tuple = (),
 ) -> kv_cache.KVCache:
-    """ShapeDtypeStructs of a page cache (for `.lower` without allocating it)."""
+    """ShapeDtypeStructs of a page cache (for `.lower` without allocating it); `linear`: a
+    hybrid model's `linear_cache_shapes`."""
     x = jax.ShapeDtypeStruct(
         (num_kv_heads, num_pages, page_size, head_dim), dtype, sharding=sharding
     )
-    return kv_cache.KVCache((x,) * num_layers, (x,) * num_layers)
+    return kv_cache.KVCache((x,) * num_layers, (x,) * num_layers, tuple(linear))

@@ -49,9 +49,9 @@ def _recording(engine):
     def prefill_for(grid):
         f = fns.prefill(grid)
 
-        def call(state, cache, ids, pix, pos, table, start, n):
+        def call(state, cache, ids, pix, pos, table, start, n, dst, src):
             seen["prefill"].add((grid, ids.shape[0], ids.shape[1], table.shape[1]))
-            return f(state, cache, ids, pix, pos, table, start, n)
+            return f(state, cache, ids, pix, pos, table, start, n, dst, src)
 
         return call
 

@@ -160,13 +160,19 @@ class GatedDeltaNet(nnx.Module):
         state: LinearAttnState | None = None,
         segment_ids: jax.Array | None = None,
         attention_mask: jax.Array | None = None,
+        lengths: jax.Array | None = None,
     ) -> tuple[jax.Array, LinearAttnState]:
         """x [B, T, D] -> (y [B, T, D], the state after the last token).
 
         state: carried from an earlier call (zeros when None). segment_ids i32[B, T]: packed
         rows, the conv and the recurrent state restart wherever the id changes (the incoming
         state continues the first token's segment). attention_mask [B, T]: as transformers,
-        inputs at 0 are zeroed (left padding then leaves the state at zero)."""
+        inputs at 0 are zeroed (left padding then leaves the state at zero). lengths i32[B]:
+        row b's tokens at t >= lengths[b] are right padding (a sampler's bucketed prefill, an
+        idle decode slot): they get g = 0 and beta = 0, so the recurrent state passes them
+        unchanged, and the returned conv state is the W-1 inputs up to token lengths[b] - 1;
+        the state returned is the one after each row's last real token (their outputs are
+        not meaningful)."""
         cfg = self.cfg
         B, T, _ = x_BTD.shape
         M, N = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -187,17 +193,30 @@ class GatedDeltaNet(nnx.Module):
             mixed_BTC, self.conv1d.weight[...][:, 0, :], conv_state=state.conv,
             segment_ids=segment_ids,
         )  # fmt: skip
+        conv_in_BTC = mixed_BTC
         mixed_BTC = jax.nn.silu(conv_BTC).astype(dt)
         q, k, v = jnp.split(mixed_BTC, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
         q, k = q.reshape(B, T, M, H), k.reshape(B, T, M, H)
         v = v.reshape(B, T, N, V)
 
         beta = jax.nn.sigmoid(b_BTN)
+        if lengths is not None:
+            if segment_ids is not None:
+                raise ValueError("GatedDeltaNet: pass lengths or segment_ids, not both")
+            live_BT1 = (jnp.arange(T)[None] < jnp.asarray(lengths)[:, None])[..., None]
+            beta = jnp.where(live_BT1, beta, 0.0)
+            # the conv window ending at each row's last real token (xx index W-1+t is token t)
+            W = cfg.linear_conv_kernel_dim
+            xx = jnp.concatenate([state.conv.astype(dt), conv_in_BTC.astype(dt)], axis=1)
+            idx = jnp.asarray(lengths)[:, None] + jnp.arange(W - 1)[None]
+            conv_state = jnp.take_along_axis(xx, idx[..., None], axis=1)
         a_log = self.A_log[...].astype(jnp.float32)
         dt_bias = self.dt_bias[...].astype(jnp.float32)
         g = -jnp.exp(a_log)[None, None] * jax.nn.softplus(
             a_BTN.astype(jnp.float32) + dt_bias[None, None]
         )
+        if lengths is not None:
+            g = jnp.where(live_BT1, g, 0.0)
 
         rule_kw = dict(initial_state=state.recurrent, segment_ids=segment_ids)
         if T == 1:

@@ -203,13 +203,15 @@ class QwenVL(nnx.Module):
         attention_mask: jax.Array | None = None,
         linear_states: list[LinearAttnState] | None = None,
         return_linear_states: bool = False,
+        lengths: jax.Array | None = None,
     ) -> jax.Array | tuple:
         """Decoder layers + final norm. DeepStack features are added after layers 0..k-1.
 
         MoE only: `routes` i32[L, B, T, K] replays the experts of the L sparse layers;
         `return_routing` returns (hidden, RoutingInfo). Qwen3.5 only: `segment_ids`,
         `attention_mask`, `linear_states`, and `return_linear_states` (appends the list of
-        new linear states to the result); see the module docstring."""
+        new linear states to the result), `lengths` i32[B] (right-padded rows: the states
+        returned are those after each row's last real token); see the module docstring."""
         t = self.config.text
         if self.config.family == "qwen3_5":
             if deepstack_embeds is not None:
@@ -225,11 +227,12 @@ class QwenVL(nnx.Module):
                 segment_ids=segment_ids,
                 attention_mask=attention_mask,
                 linear_states=linear_states,
+                lengths=lengths,
             )
             out = (h, routing) if return_routing else (h,)
             out = (*out, states) if return_linear_states else out
             return out if len(out) > 1 else h
-        if return_linear_states or linear_states is not None:
+        if return_linear_states or linear_states is not None or lengths is not None:
             raise ValueError("linear_states are for Qwen3.5 (family 'qwen3_5') only")
         lm = self.model.language_model
         sparse = [i for i in range(t.num_hidden_layers) if t.is_sparse_layer(i)]

@@ -208,6 +208,7 @@ class HybridDecoderLayer(nnx.Module):
         state: LinearAttnState | None = None,
         segment_ids: jax.Array | None = None,
         attention_mask: jax.Array | None = None,
+        lengths: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, LinearAttnState | None]:
         """-> (hidden, (router logits, experts) of a sparse layer or None, the linear layer's
         new state or None)."""
@@ -215,7 +216,11 @@ class HybridDecoderLayer(nnx.Module):
         new_state = None
         if self.linear_attn is not None:
             y, new_state = self.linear_attn(
-                x, state=state, segment_ids=segment_ids, attention_mask=attention_mask
+                x,
+                state=state,
+                segment_ids=segment_ids,
+                attention_mask=attention_mask,
+                lengths=lengths,
             )
         else:
             y = self.self_attn(x, cos, sin, attn_fn, layer_idx)
@@ -251,11 +256,12 @@ class HybridTextModel(nnx.Module):
         state: LinearAttnState | None = None,
         segment_ids: jax.Array | None = None,
         attention_mask: jax.Array | None = None,
+        lengths: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, LinearAttnState | None]:
         """Layer i (see HybridDecoderLayer.__call__), wrapped in jax.checkpoint per cfg.remat."""
 
-        def call(layer, h, cos, sin, routes, state, seg, mask):
-            return layer(h, cos, sin, attn_fn, i, routes, state, seg, mask)
+        def call(layer, h, cos, sin, routes, state, seg, mask, lengths):
+            return layer(h, cos, sin, attn_fn, i, routes, state, seg, mask, lengths)
 
         return remat_call(
             self.layers[i],
@@ -268,6 +274,7 @@ class HybridTextModel(nnx.Module):
             state,
             segment_ids,
             attention_mask,
+            lengths,
         )
 
 
@@ -281,6 +288,7 @@ def decode(
     segment_ids: jax.Array | None = None,
     attention_mask: jax.Array | None = None,
     linear_states: Sequence[LinearAttnState] | None = None,
+    lengths: jax.Array | None = None,
 ) -> tuple[jax.Array, RoutingInfo | None, list[LinearAttnState]]:
     """Decoder layers + final norm -> (hidden f[B, T, D], RoutingInfo of the sparse layers or
     None, the linear layers' states after the last token).
@@ -289,7 +297,9 @@ def decode(
     `linear_states`: one per linear layer (`linear_attention_layers`), continuing an earlier
     call; None means zeros and is only accepted with a `RowAttnFn` (`QwenVL.attn_fn`: whole
     sequences), so a KV-cache caller cannot forget them. A call with T == 1 takes the
-    recurrent (decode) form."""
+    recurrent (decode) form. `lengths` i32[B]: real tokens of each right-padded row; the
+    linear states returned are those after each row's last real token (`GatedDeltaNet`), so a
+    sampler can bucket its prefill lengths and leave idle decode slots' states untouched."""
     cfg = lm.cfg
     t = cfg.text
     linear = linear_attention_layers(cfg)
@@ -330,7 +340,7 @@ def decode(
         if i in linear and linear_states is not None:
             st = linear_states[linear.index(i)]
         h, info, new_state = lm.run_layer(
-            i, h, cos, sin, attn_fn, r, st, segment_ids, attention_mask
+            i, h, cos, sin, attn_fn, r, st, segment_ids, attention_mask, lengths
         )
         if info is not None:
             infos.append(info)
