@@ -8,10 +8,12 @@ from an offline cache in OSWorld's layout that the test fills with small stand-i
 policy would play them: keys typed into the app, which then saves the file itself.
 
 The tasks: Calc ``01b269ae`` (fill the blanks, desktop-env's ``compare_table``), in the default
-suite; Writer ``3ef2b351`` (centre the heading, ``is_first_line_centered``) with
-``CUA_LONG_TESTS=1``. Needs LibreOffice (``make apt-office``) and the ``osworld`` extra; without
-either every test here skips with one line saying which. Timings (the desktop's start, the reset
-with the app's start, each action, each evaluation), for BENCHMARKS.md::
+suite; Writer ``3ef2b351`` (centre the heading, ``is_first_line_centered``) and Impress
+``73c99fb9`` (type into slide 2's content box, ``compare_pptx_files`` against a gold that
+LibreOffice itself saved) with ``CUA_LONG_TESTS=1``. Needs LibreOffice (``make apt-office``)
+and the ``osworld`` extra; without either every test here skips with one line saying which.
+Timings (the desktop's start, the reset with the app's start, each action, each evaluation), for
+BENCHMARKS.md::
 
     python tests/envs/vm/test_vm_osworld_office.py --runs 3
 """
@@ -222,6 +224,113 @@ def _centered_heading() -> list[tuple[str, bool]]:
     return [(t, i == 0) for i, (t, _) in enumerate(_paragraphs(_constitution_docx()))]
 
 
+_I = "libreoffice_impress/73c99fb9-f828-43ce-b87a-01dc07faa224/"
+# OSWorld's evaluation_examples/examples/<_I>.json
+IMPRESS_73C99FB9: dict[str, Any] = {
+    "id": "73c99fb9-f828-43ce-b87a-01dc07faa224",
+    "snapshot": "libreoffice_impress",
+    "instruction": 'Add "Page 1" into the content textbox on Slide 2.',
+    "source": "https://arxiv.org/pdf/2311.01767.pdf",
+    "config": [
+        {
+            "type": "download",
+            "parameters": {
+                "files": [{"url": f"{HF}{_I}109_4.pptx", "path": "/home/user/Desktop/109_4.pptx"}]
+            },
+        },
+        {"type": "open", "parameters": {"path": "/home/user/Desktop/109_4.pptx"}},
+    ],
+    "trajectory": "trajectories/",
+    "related_apps": ["libreoffice_impress"],
+    "evaluator": {
+        "postconfig": [
+            {
+                "type": "activate_window",
+                "parameters": {"window_name": "109_4.pptx - LibreOffice Impress", "strict": True},
+            },
+            {"type": "sleep", "parameters": {"seconds": 0.5}},
+            {
+                "type": "execute",
+                "parameters": {
+                    "command": [
+                        "python",
+                        "-c",
+                        "import pyautogui; import time; pyautogui.hotkey('ctrl', 's'); "
+                        "time.sleep(0.5);",
+                    ]
+                },
+            },
+            {"type": "sleep", "parameters": {"seconds": 0.5}},
+        ],
+        "func": "compare_pptx_files",
+        "expected": {
+            "type": "cloud_file",
+            "path": f"{HF}{_I}109_4_Gold.pptx",
+            "dest": "109_4_Gold.pptx",
+        },
+        "result": {
+            "type": "vm_file",
+            "path": "/home/user/Desktop/109_4.pptx",
+            "dest": "109_4.pptx",
+        },
+        "options": {},
+    },
+    "proxy": False,
+    "fixed_ip": False,
+    "possibility_of_env_change": "low",
+}
+
+
+def _slides_pptx(body: str | None) -> bytes:
+    """A stand-in for the task's deck: two title-and-content slides, slide 2's content empty
+    (or ``body``)."""
+    import pptx
+
+    p = pptx.Presentation()
+    for title, text in (("Introduction", "Why we measure"), ("Results", body)):
+        s = p.slides.add_slide(p.slide_layouts[1])
+        s.shapes.title.text = title
+        if text is not None:
+            s.placeholders[1].text = text
+    buf = io.BytesIO()
+    p.save(buf)
+    return buf.getvalue()
+
+
+def _as_libreoffice_saves(data: bytes, suffix: str) -> bytes:
+    """``data`` opened and saved again by LibreOffice (headless, a throwaway profile): a gold
+    in the serialization the app writes, as OSWorld's golds were made in the app."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        src, out = Path(d, f"in.{suffix}"), Path(d, "out")
+        src.write_bytes(data)
+        subprocess.run(
+            [
+                "soffice",
+                f"-env:UserInstallation=file://{d}/profile",
+                "--headless",
+                "--convert-to",
+                suffix,
+                "--outdir",
+                str(out),
+                str(src),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        return (out / src.name).read_bytes()
+
+
+def _slide_texts(data: bytes) -> list[list[str]]:
+    import pptx
+
+    deck = pptx.Presentation(io.BytesIO(data))
+    return [[sh.text_frame.text for sh in s.shapes if sh.has_text_frame] for s in deck.slides]
+
+
 def _sheet_rows(data: bytes) -> list[list[Any]]:
     import openpyxl
 
@@ -275,6 +384,26 @@ CASES: dict[str, OfficeCase] = {
         _W_TITLE,
         _paragraphs,
         _centered_heading(),
+    ),
+    "impress_73c99fb9": (
+        IMPRESS_73C99FB9,
+        "libreoffice_impress",
+        lambda: {
+            "109_4.pptx": _slides_pptx(None),
+            "109_4_Gold.pptx": _as_libreoffice_saves(_slides_pptx("Page 1"), "pptx"),
+        },
+        # to slide 2, select its title then its content box, edit it, type, leave the box
+        lambda: [
+            Key(("pagedown",)),
+            Key(("tab",)),
+            Key(("tab",)),
+            Key(("enter",)),
+            TypeText("Page 1"),
+            Key(("esc",)),
+        ],
+        "109_4.pptx - LibreOffice Impress",
+        _slide_texts,
+        [["Introduction", "Why we measure"], ["Results", "Page 1"]],
     ),
 }
 
