@@ -484,9 +484,8 @@ def apply_smoke(c: ConfigDict) -> None:
     train = {"source_type": "builtin", "split": "train", "templates": smoke, "seed": 0}
     c.tasks = ({**train, "per_template": 250},)
     c.eval_tasks = ({**train, "split": "eval", "seed": 5000, "limit": 128},)
-    # steps 0 (after SFT), 8 and 16 kept: tools/eval.py --step=0 scores the post-SFT policy
     c.ckpt.save_every = 8
-    c.ckpt.keep = 3
+    c.ckpt.keep = 2
     c.log.eval_every = 8
     c.log.num_groups_to_log = 1
 

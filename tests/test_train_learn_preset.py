@@ -28,9 +28,9 @@ def test_learn_preset_builds_valid_and_keeps_the_post_sft_checkpoint(module):
 def test_smoke_keeps_its_settings_and_unknown_presets_still_name_learn():
     smoke, learn = qwen3vl_grpo.get_config("smoke"), qwen3vl_grpo.get_config("learn")
     assert not smoke.rl.dynamic_sampling and smoke.sft.steps == 200 and smoke.total_steps == 16
-    # smoke: forgiving pages with room for two more picks, its post-SFT checkpoint kept, and
-    # eval on 128 held-out pages; learn keeps its own templates and in-run eval
-    assert smoke.env.max_turns == 3 and smoke.ckpt.keep * smoke.ckpt.save_every > 16
+    # smoke: forgiving pages with room for two more picks, and eval on 128 held-out pages;
+    # learn keeps its own templates and in-run eval
+    assert smoke.env.max_turns == 3
     assert {t for src in smoke.tasks for t in src["templates"]} == set(common.SMOKE_RL_TEMPLATES)
     assert [src["limit"] for src in smoke.eval_tasks] == [128]
     assert all(src["split"] == "eval" for src in smoke.eval_tasks)
