@@ -47,8 +47,10 @@ def mesh_and_rules(config: Any, devices: Any = None) -> tuple[Any, tuple]:
 def build_model_and_processor(config: Any, mesh: Any, rules: Any):
     """The policy and its processor: a local HF checkpoint, or the tiny preset at random init
     with the tokenizer the project ships (`model.preset`: "tiny"; "small": the tiny model at
-    twice the depth and width, `qwen_vl.tiny(scale=2)`; or "tiny_moe": the tiny Qwen3-VL-MoE,
-    8 experts top-2 in every decoder layer)."""
+    twice the depth and width, `qwen_vl.tiny(scale=2)`; or "tiny_moe": the tiny MoE of the
+    family (Qwen3-VL-MoE, or Qwen3.5-MoE with its shared expert), 8 experts top-2 in every
+    decoder layer). Qwen3.5 takes Qwen3-VL's processor and chat rendering (transformers maps
+    its model types to Qwen3VLProcessor)."""
     from cua_jax.data.processor import QwenVLProcessor
     from cua_jax.models import qwen_vl
 
@@ -62,7 +64,8 @@ def build_model_and_processor(config: Any, mesh: Any, rules: Any):
         return model, processor
     # Tiny screens: a screenshot of the smoke viewport is a few dozen merged tokens.
     w, h = config.env.viewport_width, config.env.viewport_height
-    processor = QwenVLProcessor.default(mc.family, max_pixels=w * h, min_pixels=32 * 32)
+    family = "qwen3_vl" if mc.family == "qwen3_5" else mc.family  # the processor's family
+    processor = QwenVLProcessor.default(family, max_pixels=w * h, min_pixels=32 * 32)
     tok = processor.tokenizer
     cfg = qwen_vl.tiny(
         mc.family,

@@ -20,7 +20,7 @@ from cua_jax.sampler.kernels.paged_attention import GpuKernelOptions
 
 # Keys whose value must be one of a fixed set.
 ENUMS = {
-    "model.family": ("qwen2_5_vl", "qwen3_vl"),
+    "model.family": ("qwen2_5_vl", "qwen3_vl", "qwen3_5"),
     "model.dtype": ("float32", "bfloat16"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.remat": ("none", "full", "dots"),
@@ -152,6 +152,13 @@ def _check_splash(config: Any) -> None:
 
 # model.preset values built at random init when model.hf_path is unset (builders)
 TINY_PRESETS = ("tiny", "small", "tiny_moe")
+# families with a MoE variant (tiny_moe), and the HF model types each family reads
+MOE_FAMILIES = ("qwen3_vl", "qwen3_5")
+MODEL_TYPES = {
+    "qwen2_5_vl": ("qwen2_5_vl",),
+    "qwen3_vl": ("qwen3_vl", "qwen3_vl_moe"),
+    "qwen3_5": ("qwen3_5", "qwen3_5_moe"),
+}
 
 
 def _check_model(config: Any) -> None:
@@ -164,10 +171,10 @@ def _check_model(config: Any) -> None:
                 "--config.model.hf_path=/path/to/local/hf_dir (a Qwen2.5-VL / Qwen3-VL directory)"
                 f" (without one, config.model.preset is one of {', '.join(TINY_PRESETS)})"
             )
-        if preset == "tiny_moe" and config.model.family != "qwen3_vl":
+        if preset == "tiny_moe" and config.model.family not in MOE_FAMILIES:
             raise ConfigError(
-                f"config.model.preset='tiny_moe' needs config.model.family='qwen3_vl' (MoE "
-                f"decoders are Qwen3-VL-MoE), got {config.model.family!r}"
+                f"config.model.preset='tiny_moe' needs config.model.family in {MOE_FAMILIES} "
+                f"(MoE decoders are Qwen3-VL-MoE and Qwen3.5-MoE), got {config.model.family!r}"
             )
         _check_moe(config, TINY_MOE["num_experts"] if preset == "tiny_moe" else 0)
         return
@@ -180,14 +187,21 @@ def _check_model(config: Any) -> None:
     with open(cfg_file) as f:
         hf = json.load(f)
     model_type = hf.get("model_type")
-    if model_type not in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
+    if model_type not in sum(MODEL_TYPES.values(), ()):
         raise ConfigError(
             f"config.model.hf_path={path!r} holds a {model_type!r} model; cua_jax trains "
-            "Qwen2.5-VL ('qwen2_5_vl'), Qwen3-VL ('qwen3_vl') and Qwen3-VL-MoE ('qwen3_vl_moe') "
-            "checkpoints"
+            "Qwen2.5-VL ('qwen2_5_vl'), Qwen3-VL ('qwen3_vl'), Qwen3-VL-MoE ('qwen3_vl_moe'), "
+            "Qwen3.5 ('qwen3_5') and Qwen3.5-MoE ('qwen3_5_moe') checkpoints"
+        )
+    family = config.model.family
+    if family in MODEL_TYPES and model_type not in MODEL_TYPES[family]:
+        want = next(f for f, types in MODEL_TYPES.items() if model_type in types)
+        raise ConfigError(
+            f"config.model.hf_path={path!r} holds a {model_type!r} model but config.model.family"
+            f"={family!r}: use the {want!r} config file (or --config.model.family={want})"
         )
     experts = 0
-    if model_type == "qwen3_vl_moe":
+    if model_type in ("qwen3_vl_moe", "qwen3_5_moe"):
         text = hf.get("text_config") or {}
         experts = int(text.get("num_experts") or text.get("num_local_experts") or 0)
     _check_moe(config, experts)
