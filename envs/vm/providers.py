@@ -188,8 +188,37 @@ while True:
 """
 
 
+# Debian builds VLC without --enable-run-as-root: as root (a desktop of a root process) it prints
+# "VLC is not supposed to be run as root" and exits. The desktop's `vlc` then runs the real one in
+# a user namespace as uid 1000, mapped back to root, so it starts and the desktop's files (its
+# ~/.config/vlc/vlcrc, which OSWorld's VLC tasks read) stay the desktop's.
+VLC_SHIM = r"""#!/bin/sh
+exec unshare --user --map-user=1000 --map-group=1000 @VLC@ "$@"
+"""
+
+
+@functools.cache
+def _user_namespace_ok() -> bool:
+    """Whether `unshare --user --map-user=1000` works here (util-linux >= 2.38, userns allowed)."""
+    try:
+        return (
+            subprocess.run(
+                ["unshare", "--user", "--map-user=1000", "--map-group=1000", "true"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=10,
+                check=False,
+            ).returncode
+            == 0
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 def _write_app_shims(bin_dir: Path) -> None:
-    """Chrome and socat stand-ins for OSWorld's Chrome tasks, where the real ones are missing."""
+    """Stand-ins for OSWorld's apps where the real ones are missing or refuse to run: Chrome and
+    socat for its Chrome tasks, VLC as root."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium and not (shutil.which("google-chrome") or shutil.which("google-chrome-stable")):
         text = CHROME_SHIM.replace("@CHROMIUM@", chromium)
@@ -199,6 +228,10 @@ def _write_app_shims(bin_dir: Path) -> None:
     if not shutil.which("socat"):
         (bin_dir / "socat").write_text(SOCAT_SHIM)
         (bin_dir / "socat").chmod(0o755)
+    vlc = shutil.which("vlc")
+    if vlc and os.geteuid() == 0 and _user_namespace_ok():
+        (bin_dir / "vlc").write_text(VLC_SHIM.replace("@VLC@", vlc))
+        (bin_dir / "vlc").chmod(0o755)
 
 
 # OSWorld's images run LibreOffice with a used profile: its tasks' postconfig saves with ctrl+s
@@ -237,14 +270,23 @@ def libreoffice_version() -> str | None:
     return m.group(1) if m else None
 
 
+# VLC's first start asks about its privacy and network policy in a dialog over the player;
+# OSWorld's image has answered it.
+VLC_PROFILE = "[qt]\nqt-privacy-ask=0\n"
+
+
 def _seed_app_profiles(home: Path) -> None:
-    """LibreOffice's profile as OSWorld's images have it (see LIBREOFFICE_PROFILE)."""
+    """The app settings OSWorld's images have, for the apps installed here (LIBREOFFICE_PROFILE,
+    VLC_PROFILE); a template_home's own files are kept."""
     version = libreoffice_version()
     profile = home / LIBREOFFICE_PROFILE_PATH
-    if version is None or profile.exists():
-        return
-    profile.parent.mkdir(parents=True, exist_ok=True)
-    profile.write_text(LIBREOFFICE_PROFILE.replace("@VERSION@", version))
+    if version is not None and not profile.exists():
+        profile.parent.mkdir(parents=True, exist_ok=True)
+        profile.write_text(LIBREOFFICE_PROFILE.replace("@VERSION@", version))
+    vlcrc = home / ".config" / "vlc" / "vlcrc"
+    if shutil.which("vlc") and not vlcrc.exists():
+        vlcrc.parent.mkdir(parents=True, exist_ok=True)
+        vlcrc.write_text(VLC_PROFILE)
 
 
 def missing_programs(

@@ -10,7 +10,10 @@ policy would play them: keys typed into the app, which then saves the file itsel
 The tasks: Calc ``01b269ae`` (fill the blanks, desktop-env's ``compare_table``), in the default
 suite; Writer ``3ef2b351`` (centre the heading, ``is_first_line_centered``) and Impress
 ``73c99fb9`` (type into slide 2's content box, ``compare_pptx_files`` against a gold that
-LibreOffice itself saved) with ``CUA_LONG_TESTS=1``. Needs LibreOffice (``make apt-office``)
+LibreOffice itself saved) and VLC ``215dfd39`` (no background cone: VLC started by the task, as
+root through the desktop's ``vlc`` stand-in; killed and restarted by its postconfig;
+``vlc_config`` + ``check_qt_bgcone``; solved by a shell action that writes the setting VLC's
+preferences dialog writes) with ``CUA_LONG_TESTS=1``. Needs LibreOffice (``make apt-office``)
 and the ``osworld`` extra; without either every test here skips with one line saying which.
 Timings (the desktop's start, the reset with the app's start, each action, each evaluation), for
 BENCHMARKS.md::
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import io
 import os
 import shutil
@@ -33,7 +37,7 @@ from typing import Any
 
 import pytest
 
-from cua_jax.actions import Action, Key, TypeText
+from cua_jax.actions import Action, Key, RunShell, TypeText
 from envs.vm import osworld
 from envs.vm import osworld_evaluators as desktop_env
 from envs.vm.env import VMEnv, task_from_osworld
@@ -331,6 +335,55 @@ def _slide_texts(data: bytes) -> list[list[str]]:
     return [[sh.text_frame.text for sh in s.shapes if sh.has_text_frame] for s in deck.slides]
 
 
+# OSWorld's evaluation_examples/examples/vlc/215dfd39-f493-4bc3-a027-8a97d72c61bf.json
+VLC_215DFD39: dict[str, Any] = {
+    "id": "215dfd39-f493-4bc3-a027-8a97d72c61bf",
+    "snapshot": "base_setup",
+    "instruction": "Can you disable the cone icon in the splash screen? I am tired of its "
+    "skeuomorphic design.",
+    "source": "https://www.youtube.com/watch?v=XHprwDJ0-fU&t=436s, "
+    "https://help.ubuntu.com/stable/ubuntu-help/video-sending.html.en",
+    "config": [
+        {
+            "type": "launch",
+            "parameters": {
+                "command": "VLC_VERBOSE=-1 vlc --no-audio --no-video-title-show",
+                "shell": True,
+            },
+        },
+        {
+            "type": "execute",
+            "parameters": {
+                "command": [
+                    "python",
+                    "-c",
+                    "import pyautogui; import time; pyautogui.click({SCREEN_WIDTH_HALF}, "
+                    "{SCREEN_HEIGHT_HALF}); time.sleep(0.5);",
+                ]
+            },
+        },
+    ],
+    "trajectory": "trajectories/",
+    "related_apps": ["vlc"],
+    "evaluator": {
+        "postconfig": [
+            {"type": "launch", "parameters": {"command": ["pkill", "vlc"]}},
+            {
+                "type": "launch",
+                "parameters": {"command": "vlc --no-audio --no-video-title-show", "shell": True},
+            },
+        ],
+        "func": "check_qt_bgcone",
+        "expected": {"type": "rule", "rules": {"expected_qt_bgcone": 0}},
+        "result": {"type": "vlc_config", "dest": "vlcrc"},
+    },
+    "proxy": False,
+    "fixed_ip": False,
+    "possibility_of_env_change": "low",
+}
+_VLC_NO_CONE = "printf '[qt]\\nqt-bgcone=0\\n' >> ~/.config/vlc/vlcrc"
+
+
 def _sheet_rows(data: bytes) -> list[list[Any]]:
     import openpyxl
 
@@ -351,20 +404,25 @@ def _calc_solution() -> list[Action]:
     ]
 
 
-# name -> (task JSON, domain, {cached file name: bytes}, solution, the app's window title,
-#          the file the app saved -> its content as openpyxl / python-docx / python-pptx read it,
-#          and that content when solved): an independent check beside OSWorld's metric
-OfficeCase = tuple[
-    dict[str, Any],
-    str,
-    Callable[[], dict[str, bytes]],
-    Callable[[], list],
-    str,
-    Callable[[bytes], Any],
-    Any,
-]
+@dataclasses.dataclass(frozen=True)
+class OfficeCase:
+    """One OSWorld task, its stand-in files and its solution, with an independent check: the
+    file the app saved read back by openpyxl / python-docx / python-pptx (``read``) equals
+    ``solved()`` after the solution."""
+
+    raw: dict[str, Any]
+    domain: str
+    files: Callable[[], dict[str, bytes]]  # the offline cache: file name -> bytes
+    solve: Callable[[], list[Action]]
+    window: str  # a window the reset must show: the app started (on the task's file)
+    saved: str  # the file the app writes
+    read: Callable[[bytes], Any]
+    solved: Callable[[], Any]
+    api_actions: tuple[str, ...] = ()
+
+
 CASES: dict[str, OfficeCase] = {
-    "calc_01b269ae": (
+    "calc_01b269ae": OfficeCase(
         CALC_01B269AE,
         "libreoffice_calc",
         lambda: {
@@ -373,19 +431,21 @@ CASES: dict[str, OfficeCase] = {
         },
         _calc_solution,
         "Student_Level_Fill_Blank.xlsx - LibreOffice Calc",
+        "/home/user/Student_Level_Fill_Blank.xlsx",
         _sheet_rows,
-        _FILLED,
+        lambda: _FILLED,
     ),
-    "writer_3ef2b351": (
+    "writer_3ef2b351": OfficeCase(
         WRITER_3EF2B351,
         "libreoffice_writer",
         lambda: {"Constitution_Template_With_Guidelines.docx": _constitution_docx()},
         lambda: [Key(("ctrl", "home")), Key(("ctrl", "e"))],  # the task's source: Ctrl+E
         _W_TITLE,
+        "/home/user/Desktop/Constitution_Template_With_Guidelines.docx",
         _paragraphs,
-        _centered_heading(),
+        _centered_heading,
     ),
-    "impress_73c99fb9": (
+    "impress_73c99fb9": OfficeCase(
         IMPRESS_73C99FB9,
         "libreoffice_impress",
         lambda: {
@@ -402,8 +462,22 @@ CASES: dict[str, OfficeCase] = {
             Key(("esc",)),
         ],
         "109_4.pptx - LibreOffice Impress",
+        "/home/user/Desktop/109_4.pptx",
         _slide_texts,
-        [["Introduction", "Why we measure"], ["Results", "Page 1"]],
+        lambda: [["Introduction", "Why we measure"], ["Results", "Page 1"]],
+    ),
+    "vlc_215dfd39": OfficeCase(
+        VLC_215DFD39,
+        "vlc",
+        dict,
+        # what VLC's preferences write (Interface > Main interfaces > Qt: "Display background
+        # cone or art" off); set here by a shell action, not the dialog
+        lambda: [RunShell(_VLC_NO_CONE)],
+        "VLC media player",
+        "/home/user/.config/vlc/vlcrc",
+        lambda data: [ln for ln in data.decode().splitlines() if ln.startswith("qt-bgcone=")],
+        lambda: ["qt-bgcone=0"],
+        ("run_shell",),
     ),
 }
 
@@ -420,8 +494,9 @@ def _cache(root: Path, raw: dict[str, Any], files: dict[str, bytes]) -> ContentC
 async def play(desk: LocalDesktop, case: OfficeCase, cache: ContentCache) -> dict[str, Any]:
     """One episode: reset (desktop, download, the app opening the file), evaluate, the solution,
     evaluate again. Returns the scores, the windows after reset and the times (s)."""
-    raw, domain, _, solve, *_ = case
-    task = task_from_osworld(osworld.parse_task(raw, where=raw["id"], domain=domain))
+    raw = case.raw
+    ot = osworld.parse_task(raw, where=raw["id"], domain=case.domain)
+    task = task_from_osworld(ot, api_actions=case.api_actions)
     env = VMEnv(desk, cache=cache)
     out: dict[str, Any] = {"step_s": []}
     t = time.monotonic()
@@ -431,7 +506,7 @@ async def play(desk: LocalDesktop, case: OfficeCase, cache: ContentCache) -> dic
     t = time.monotonic()
     out["before"] = await env.evaluate()
     out["eval_before_s"] = time.monotonic() - t
-    for a in solve():
+    for a in case.solve():
         t = time.monotonic()
         r = await env.step(a)
         out["step_s"].append(time.monotonic() - t)
@@ -440,7 +515,7 @@ async def play(desk: LocalDesktop, case: OfficeCase, cache: ContentCache) -> dic
     out["after"] = await env.evaluate()
     out["eval_after_s"] = time.monotonic() - t
     out["details"] = env.last_eval.details
-    out["saved"] = await desk.client.download(raw["evaluator"]["result"]["path"])
+    out["saved"] = await desk.client.download(case.saved)
     return out
 
 
@@ -452,22 +527,30 @@ _LONG = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize(
-    "name", [n if n.startswith("calc_") else pytest.param(n, marks=_LONG) for n in CASES]
+_NO_VLC = pytest.mark.skipif(
+    shutil.which("vlc") is None, reason="VLC is not installed: make apt-office"
 )
+
+
+def _marks(name: str) -> list[pytest.MarkDecorator]:
+    return ([] if name.startswith("calc_") else [_LONG]) + (
+        [_NO_VLC] if name.startswith("vlc_") else []
+    )
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in CASES])
 def test_office_task_in_the_real_app_scores_0_then_1(xserver, aio, tmp_path, name):
     case = CASES[name]
-    raw, _, files, _, title, read, solved = case
-    cache = _cache(tmp_path / "cache", raw, files())
+    cache = _cache(tmp_path / "cache", case.raw, case.files())
 
     async def go() -> dict[str, Any]:
         async with LocalDesktop(*SCREEN) as desk:
             return await play(desk, case, cache)
 
     out = aio(go(), timeout=240)
-    assert title in out["windows"], out["windows"]  # the open step started the app on the file
+    assert case.window in out["windows"], out["windows"]  # setup started the app (on the file)
     assert (out["before"], out["after"]) == (0.0, 1.0), out["details"]
-    assert read(out["saved"]) == solved  # the app saved the typed values in the task's format
+    assert case.read(out["saved"]) == case.solved()  # the app saved what was typed
 
 
 # ----------------------------------------------------------------------------- timings
@@ -500,8 +583,8 @@ async def _timed_episode(case: OfficeCase, cache: ContentCache) -> dict[str, Any
     await desk.start()
     start_s = time.monotonic() - t
     try:
-        raw, domain, *_ = case
-        task = task_from_osworld(osworld.parse_task(raw, where=raw["id"], domain=domain))
+        ot = osworld.parse_task(case.raw, where=case.raw["id"], domain=case.domain)
+        task = task_from_osworld(ot, api_actions=case.api_actions)
         t = time.monotonic()
         await VMEnv(desk, cache=cache).reset(task)
         reset_s = time.monotonic() - t
@@ -522,7 +605,7 @@ def _bench(runs: int, names: list[str]) -> None:
         rows = []
         for _ in range(runs):
             with tempfile.TemporaryDirectory() as tmp:
-                cache = _cache(Path(tmp) / "cache", case[0], case[2]())
+                cache = _cache(Path(tmp) / "cache", case.raw, case.files())
                 rows.append(asyncio.run(_timed_episode(case, cache)))
         for r in rows:
             print(
