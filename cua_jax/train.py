@@ -134,7 +134,8 @@ async def run(
         config=config.to_dict(),
         decode=decode,
         advantage=learner.advantage_config,
-        enabled=is_main and config.log.db,
+        enabled=config.log.db,
+        process_index=jax.process_index(),  # multi-host: each process records its own groups
     )
     step, meta = 0, None
     if resume_from is not None:
@@ -237,12 +238,18 @@ async def run(
 
             # ---- GRPO steps (with Entropulse: an SFT phase every rl.entropulse_every) ----------
             pulse = entropulse.from_config(config)
-            await asyncio.to_thread(warm.wait, compiles)
+            warm_pending = True  # the RL programs' warm-up: waited for before the first update
+            if not warm.overlap:
+                await asyncio.to_thread(warm.wait, compiles)
+                warm_pending = False
             rl_signal = _SignalCount()  # did any step of this run update the policy?
             while step < config.total_steps:
                 t_step = time.perf_counter()
                 step_mark = compiles.snapshot()
                 rollouts = await _next_groups(source, step)
+                if warm_pending:  # the first step's rollouts ran while the learner compiled
+                    await asyncio.to_thread(warm.wait, compiles)
+                    warm_pending = False
                 trained_on = learner.version  # these groups' staleness is counted from it
                 t0 = time.perf_counter()
                 info, train_metrics = await asyncio.to_thread(
@@ -323,6 +330,7 @@ async def run(
             db_status = f"failed: {type(e).__name__}: {e}"
             raise
         finally:
+            warm.cancel()  # a failed run does not wait for the rest of the warm-up
             if server is not None:
                 await server.stop()
             await source.close()

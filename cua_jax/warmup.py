@@ -8,15 +8,17 @@ rerun the persistent compilation cache (`compile_cache_dir`) serves it.
 
     report = warmup.warm_up(learner, engine, modes=("rl",), screens=shapes.grid, images=2)
 
-`train.py` runs it in a thread while the environments start (`begin` ... `Warmup.wait`); after
-it, a compile of a warmed program is unplanned (`compile_stats`: logged and counted, an error
-with `rl.strict_shapes`).
+`train.py` runs it in a thread while the environments start, the step-0 eval runs and (with
+`rl.warmup='learner'`) the first step's rollouts are sampled (`begin` ... `Warmup.wait`, just
+before the first update); after it, a compile of a warmed program is unplanned
+(`compile_stats`: logged and counted, an error with `rl.strict_shapes`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import math
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -113,10 +115,14 @@ def sampler_programs(
     return out
 
 
-def compile_all(programs: Sequence[tuple[str, Any, tuple]]) -> dict[str, float]:
-    """Lowers and compiles each program; {name: seconds}."""
+def compile_all(
+    programs: Sequence[tuple[str, Any, tuple]], stop: threading.Event | None = None
+) -> dict[str, float]:
+    """Lowers and compiles each program; {name: seconds}. A set `stop` ends it before the next."""
     times = {}
     for name, fn, args in programs:
+        if stop is not None and stop.is_set():
+            break
         t0 = time.perf_counter()
         fn.lower(*args).compile()
         times[name] = time.perf_counter() - t0
@@ -130,15 +136,17 @@ def warm_up(
     modes: Sequence[str] = ("rl",),
     screen: tuple[int, int, int] | None = None,
     max_images: int = 0,
+    stop: threading.Event | None = None,
 ) -> dict[str, float]:
     """Compiles the learner's steps for its shape set in `modes` (`Learner.warmup`) and, with
-    an `engine`, the sampler's bucket set; returns {program: seconds}."""
+    an `engine`, the sampler's bucket set; returns {program: seconds}. A set `stop` ends it
+    before the next program."""
     t0 = time.perf_counter()
     times: dict[str, float] = {}
     for mode in modes:
-        times.update(learner.warmup(mode))
+        times.update(learner.warmup(mode, stop))
     if engine is not None:
-        times.update(compile_all(sampler_programs(engine, screen, max_images)))
+        times.update(compile_all(sampler_programs(engine, screen, max_images), stop))
     logging.info("warm-up: %d programs compiled in %.1f s", len(times), time.perf_counter() - t0)
     return times
 
@@ -148,12 +156,24 @@ WARMUP_CHOICES = ("none", "learner", "all")
 
 
 class Warmup:
-    """A warm-up compiling in a background thread (`begin`); `wait` joins it."""
+    """A warm-up compiling in a background thread (`begin`); `wait` joins it, `cancel` (a run
+    that failed before it needed the programs) stops it at the next program. `fn` takes the
+    stop event."""
 
-    def __init__(self, fn, watched: tuple[str, ...], strict: bool) -> None:
+    def __init__(self, fn, watched: tuple[str, ...], strict: bool, *, overlap: bool) -> None:
+        self._stop = threading.Event()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="warmup")
-        self._future = self._pool.submit(fn)
+        self._future = self._pool.submit(fn, self._stop)
         self.watched, self.strict = watched, strict
+        # the first step's rollouts may run before `wait` (only the learner is compiling: a
+        # sampler program compiled by both threads would be compiled twice)
+        self.overlap = overlap
+
+    def cancel(self) -> None:
+        """Stops the warm-up before its next program (the one compiling finishes; XLA cannot
+        interrupt it) and does not wait for it."""
+        self._stop.set()
+        self._pool.shutdown(wait=False)
 
     def wait(self, stats: compile_stats.CompileStats | None = None) -> dict[str, float]:
         """Waits for the compiles (re-raising their error); from then on a compile of a warmed
@@ -200,7 +220,7 @@ def begin(
     if engine is not None:
         logging.info("%s", sampler_buckets(engine))
     if rl.warmup == "none":
-        return Warmup(dict, (), False)
+        return Warmup(lambda stop: {}, (), False, overlap=True)
     modes = ("sft",) if sft_phase else ("rl", "sft") if rl.entropulse_every > 0 else ("rl",)
     sdpo_warm = distiller is not None and not sft_phase
     if sdpo_warm:  # every update is an SDPO step: the plain RL step never runs
@@ -214,19 +234,20 @@ def begin(
         watched += (*learner.program_names(distiller.step_mode), sdpo.TEACHER_PROGRAM)
     screens = config.env.max_history_images
 
-    def run() -> dict[str, float]:
+    def run(stop: threading.Event | None = None) -> dict[str, float]:
         times = warm_up(
-            learner, sampler, modes=modes, screen=learner.shapes.grid, max_images=screens
+            learner, sampler, modes=modes, screen=learner.shapes.grid, max_images=screens, stop=stop
         )
-        if sdpo_warm:
-            times.update(distiller.warmup(learner))
+        if sdpo_warm and not (stop is not None and stop.is_set()):
+            times.update(distiller.warmup(learner, stop))
         return times
 
+    strict = bool(rl.strict_shapes)
     if n > 1:
         # Multi-process: placing the blank batches' images on the job's replicated sharding is
         # a collective, which must not interleave with the main thread's (gloo would pair the
         # wrong messages): compile here, in program order on every process.
         done = run()
-        return Warmup(lambda: done, watched, bool(rl.strict_shapes))
+        return Warmup(lambda stop: done, watched, strict, overlap=True)
 
-    return Warmup(run, watched, bool(rl.strict_shapes))
+    return Warmup(run, watched, strict, overlap=sampler is None)

@@ -8,15 +8,24 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(ROOT, "launch", "tpu.py")
+# One persistent compilation cache for every main job of a test session (both xdist workers):
+# the smoke preset's sampler buckets and learner steps are compiled once, not once a job.
+SESSION_CACHE = os.path.join(
+    tempfile.gettempdir(),
+    f"cua_test_jax_cache_{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}",
+)
 
 
 def job_env(devices: int | None = None) -> dict[str, str]:
     """This process's environment for a child job on the CPU: one device, as a laptop run has
-    (the test session's forced 8 are dropped), or `devices` forced ones."""
+    (the test session's forced 8 are dropped), or `devices` forced ones. A job run with
+    `--config.compile_cache_dir=` (empty) uses the session's cache (JAX's own default)."""
     env = dict(os.environ)
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", SESSION_CACHE)
     env.pop("XLA_FLAGS", None)
     if devices is not None:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"

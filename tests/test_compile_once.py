@@ -3,6 +3,8 @@ set, and a few GRPO steps with varied episodes that compile nothing after the wa
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,6 +84,33 @@ def test_busy_seconds_count_overlapping_compiles_once():
     ]:
         stats._on_span(event, a, b)
     assert stats.busy_seconds(mark) == pytest.approx(0.5 + 5 + 1)
+
+
+def test_a_cancelled_warm_up_stops_before_its_next_program():
+    """A run that fails during its warm-up (every rollout an env fault) does not wait for the
+    rest of it: `Warmup.cancel` lets the program compiling finish and starts no other."""
+    from cua_jax import warmup
+
+    compiling, release, compiled = threading.Event(), threading.Event(), []
+
+    class _Program:
+        def __init__(self, name):
+            self.name = name
+
+        def lower(self):
+            return self
+
+        def compile(self):
+            compiled.append(self.name)
+            compiling.set()
+            assert release.wait(10)
+
+    programs = [(n, _Program(n), ()) for n in ("a", "b", "c")]
+    warm = warmup.Warmup(lambda stop: warmup.compile_all(programs, stop), (), False, overlap=True)
+    assert compiling.wait(10)
+    warm.cancel()
+    release.set()
+    assert list(warm.wait()) == ["a"] and compiled == ["a"]
 
 
 def test_wall_share_from_metrics_rows():

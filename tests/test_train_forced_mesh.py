@@ -136,8 +136,9 @@ def test_sdpo_steps_on_all_forced_devices_compile_nothing_after_the_warm_up(tmp_
     assert sum(r["train/sdpo/teacher_samples"] for r in steps) >= 1  # a failure was distilled
     for r in steps:  # (the sampler's programs compile in step 1: rl.warmup="learner")
         assert np.isfinite(r["train/loss"]) and r["compile/unplanned"] == 0.0
-        learner_compiles = {k: v for k, v in r.items() if k.startswith("compile/count/sdpo")}
-        assert learner_compiles == {}, learner_compiles
+    # step 1's rollouts ran while the warm-up compiled the learner's programs (its compiles
+    # are in step 1's counts); step 2 compiled none of them
+    assert steps[1].get("compile/count/sdpo_teacher", 0.0) == 0.0
     # nothing of the learner's compiled in step 2 (a sampler bucket may: rl.warmup="learner"
     # warms the learner only, and which prefill lengths a step meets depends on its timing)
     compiled = {k: v for k, v in steps[1].items() if k.startswith("compile/count/")}

@@ -12,14 +12,11 @@ decoding of two such policies may differ where two tokens' logits nearly tie, so
 may differ by one task (1/8). Seen on this machine: 0.125 and 0.125.
 """
 
-import os
-import tempfile
-
 import pytest
 
-from tests.main_job import metrics_rows, run_main_job
+from tests.main_job import SESSION_CACHE, metrics_rows, run_main_job
 
-CACHE = os.path.join(tempfile.gettempdir(), f"cua_test_jax_cache_parity_{os.getpid()}")
+CACHE = SESSION_CACHE  # the session's compiled programs (tests/main_job.py)
 NUM_EVAL = 8
 
 ARGS = [

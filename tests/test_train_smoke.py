@@ -10,17 +10,16 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 
 from tests.db.train_checks import check_train_database, wait_for_db_step
-from tests.main_job import LAUNCH, ROOT, job_env, metrics_rows, run_main_job
+from tests.main_job import LAUNCH, ROOT, SESSION_CACHE, job_env, metrics_rows, run_main_job
 
 # One persistent compilation cache for this module's runs: the killed and resumed runs load the
 # steps the first run compiled.
-CACHE = os.path.join(tempfile.gettempdir(), f"cua_test_jax_cache_{os.getpid()}")
+CACHE = SESSION_CACHE  # the session's compiled programs (tests/main_job.py)
 
 SHORT = [
     "--config=configs/qwen3vl_grpo.py:smoke",

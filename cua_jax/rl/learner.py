@@ -55,6 +55,7 @@ of the batch's trained tokens (= the whole batch's loss with one micro-batch), l
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -423,17 +424,20 @@ class Learner:
         """The optimizer update of a token-budget batch (`APPLY_PROGRAM`), lowered."""
         return self._get_apply().lower(self._trainable, self._opt_state, self._trainable)
 
-    def warmup(self, mode: Literal["rl", "sft"] = "rl") -> dict[str, float]:
+    def warmup(
+        self, mode: Literal["rl", "sft"] = "rl", stop: threading.Event | None = None
+    ) -> dict[str, float]:
         """Compiles the train step of `mode` for every shape of the shape set (`self.shapes`)
         ahead of time, from a blank batch of each shape packed as real ones are; a later step
-        of that shape runs the compiled program. Returns {program and shape: seconds}."""
+        of that shape runs the compiled program. Returns {program and shape: seconds}. A set
+        `stop` ends it before the next program (`compile_each`)."""
         if self.shapes is None:
             raise ValueError("warmup needs a shape set: learner.shapes = ShapeSet.from_config(...)")
         name = self.program_names(mode)[0]
         times = compile_each(
-            self.shapes.of(mode), name, lambda s: self.lower_step(self.blank_batch(s), mode)
+            self.shapes.of(mode), name, lambda s: self.lower_step(self.blank_batch(s), mode), stop
         )
-        if self.shapes.budgeted:
+        if self.shapes.budgeted and not (stop is not None and stop.is_set()):
             times.update(self.warmup_apply())
         return times
 

@@ -6,6 +6,7 @@ on a non-finite loss.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -65,12 +66,18 @@ def combine_micro_metrics(metrics: dict[str, Any], xp: Any = np) -> dict[str, An
 
 
 def compile_each(
-    shapes: Sequence[Any], program: str, lower: Callable[[Any], Any]
+    shapes: Sequence[Any],
+    program: str,
+    lower: Callable[[Any], Any],
+    stop: threading.Event | None = None,
 ) -> dict[str, float]:
     """Compiles `lower(shape)` (a `jax.stages.Lowered`) for every shape ahead of time: the
-    warm-up's loop (#23). Returns {"<program> <shape>": seconds}."""
+    warm-up's loop (#23). Returns {"<program> <shape>": seconds}. A set `stop` (the run failed:
+    `warmup.Warmup.cancel`) ends the loop before the next shape."""
     out = {}
     for shape in shapes:
+        if stop is not None and stop.is_set():
+            break
         t0 = time.perf_counter()
         lower(shape).compile()
         out[f"{program} {shape}"] = time.perf_counter() - t0

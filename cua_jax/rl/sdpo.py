@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -716,12 +717,12 @@ class SelfDistiller:
         """The learner step mode (and jit key) every SDPO update runs (`TeacherTargets.mode`)."""
         return step_mode(self.divergence, self.js_beta, self.weight)
 
-    def warmup(self, learner: Any) -> dict[str, float]:
+    def warmup(self, learner: Any, stop: threading.Event | None = None) -> dict[str, float]:
         """Compiles ahead what an SDPO step runs, for the learner's shape set (#23): the
         learner's SDPO step for every RL shape (with all-zero teacher targets of the step's
         top-k width) and the teacher pass for every shape a teacher batch takes (the shape
         set's teacher shapes: the RL rows, a screen more per sample). Returns {program and
-        shape: seconds}."""
+        shape: seconds}. A set `stop` ends it before the next program."""
 
         if learner.shapes is None:
             raise ValueError("warmup needs a shape set: learner.shapes = ShapeSet.from_config(...)")
@@ -753,10 +754,10 @@ class SelfDistiller:
         mode = zeros(1, 1).mode
         step_name = learner.program_names(mode)[0]
         out = {
-            **compile_each(learner.shapes.of("rl"), step_name, lower_step),
-            **compile_each(learner.shapes.of("teacher"), TEACHER_PROGRAM, lower_teacher),
+            **compile_each(learner.shapes.of("rl"), step_name, lower_step, stop),
+            **compile_each(learner.shapes.of("teacher"), TEACHER_PROGRAM, lower_teacher, stop),
         }
-        if learner.shapes.budgeted:
+        if learner.shapes.budgeted and not (stop is not None and stop.is_set()):
             out.update(learner.warmup_apply())
         return out
 

@@ -11,13 +11,16 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
-import tempfile
 import time
 
+from cua_jax.db.records import PROCESS_STRIDE
+from tests.main_job import SESSION_CACHE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CACHE = os.path.join(tempfile.gettempdir(), f"cua_test_jax_cache_mh_{os.getpid()}")
+CACHE = SESSION_CACHE  # the session's compiled programs (tests/main_job.py)
 
 ARGS = [
     "--config=configs/qwen3vl_grpo.py:smoke",
@@ -144,3 +147,11 @@ def test_two_processes_train_checkpoint_and_resume_after_sigkill(tmp_path):
     assert len(shares) == 2 and all(s["cursor"] == 2 for s in shares)  # one group per step
     summary = json.load(open(os.path.join(wd, "summary.json")))
     assert summary["steps"] == 2
+    # the trajectory database: one run, each process's own groups and eval share (#40)
+    with sqlite3.connect(os.path.join(wd, "trajectories.sqlite")) as db:
+        ((status,),) = db.execute("SELECT status FROM runs").fetchall()
+        indices = [i for (i,) in db.execute("SELECT [index] FROM groups WHERE step = 2")]
+        tags = {t for (t,) in db.execute("SELECT tag FROM evals WHERE step = 2")}
+    assert status == "finished", status
+    assert sorted(i // PROCESS_STRIDE for i in indices) == [0, 1], indices  # a group each
+    assert len(tags) == 2 and any(t.endswith("/p1") for t in tags), tags
