@@ -33,10 +33,12 @@ apt:
 	fi
 
 # Opt-in: OSWorld's office and media apps on this machine, so a LocalDesktop runs the task domains
-# Debian packages (LibreOffice Calc/Writer/Impress; GIMP, VLC, Thunderbird). `make apt` and
-# `make test` never pull them (224 packages, 270 MB of .debs, 1 GB installed); without them the
-# office tests skip (tests/envs/vm/test_vm_osworld_office.py).
-OFFICE_APT_PKGS := libreoffice-calc libreoffice-writer libreoffice-impress gimp vlc thunderbird
+# Debian packages (LibreOffice Calc/Writer/Impress; GIMP, VLC, Thunderbird, Evince). `make apt`
+# and `make test` never pull them (about 250 packages, 1 GB installed); without them the office
+# tests skip (tests/envs/vm/test_vm_osworld_office.py). Not here: gnome-terminal and nautilus
+# (they need a D-Bus session, which a LocalDesktop does not start), VS Code (not in Debian).
+OFFICE_APT_PKGS := libreoffice-calc libreoffice-writer libreoffice-impress gimp vlc thunderbird \
+	evince
 
 apt-office:
 	@$(MAKE) --no-print-directory apt APT_PKGS="$(OFFICE_APT_PKGS)"
