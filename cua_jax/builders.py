@@ -182,6 +182,7 @@ def kv_pages(
     import numpy as np
 
     from cua_jax import warmup
+    from cua_jax.sampler import steps
     from cua_jax.sampler.kv_cache import kv_pages_for_budget, kv_pool_bytes_per_device
 
     sc = config.sampler
@@ -209,6 +210,10 @@ def kv_pages(
     scratch += shape.patches * np.dtype(np.float32).itemsize * _patch_dim(learner.config)
     budget = int(stats["bytes_limit"] * frac) - int(stats.get("bytes_in_use", 0)) - scratch
     cfg, tensor = learner.config, learner.mesh.shape["tensor"]
+    # Hybrid models (Qwen3.5): the Engine's linear-state rows (max_slots slots + as many
+    # sessions, replicated) come out of the same budget; none for the other families
+    rows = steps.linear_cache_shapes(cfg, 2 * sc.max_slots)
+    budget -= sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(rows))
     pages = kv_pages_for_budget(cfg, budget, sc.page_size, cfg.dtype, tensor)
     limit, in_use = stats["bytes_limit"] / 2**30, stats.get("bytes_in_use", 0) / 2**30
     logging.info(
