@@ -15,7 +15,8 @@ it) and with it, how many of those find every program they need on a LocalDeskto
 machine (the apps of their ``related_apps`` and the programs their setup steps start, on the
 desktop's PATH with its Chrome and socat stand-ins), and how many of those name no web address
 (no download, cloud_file gold or page outside loopback: runnable with no internet and no
-filled cache). Programs missing most often are listed under it.
+filled cache). Programs missing most often are listed under it; `make apt-office` installs the
+Debian-packaged ones OSWorld's domains need (LibreOffice, GIMP, VLC, Thunderbird, Evince).
 """
 
 from __future__ import annotations
@@ -195,6 +196,9 @@ def domain_table(root: Path) -> str:
         "Programs missing on this machine's LocalDesktop (tasks that need each, among those "
         "that load): " + ", ".join(f"{p} {n}" for p, n in missing.most_common())
     )
+    office = ("libreoffice", "gimp", "vlc", "thunderbird", "evince")
+    if any(p in missing for p in office):
+        lines.append("(`make apt-office` installs LibreOffice, GIMP, VLC, Thunderbird and Evince)")
     return "\n".join(lines)
 
 
