@@ -210,3 +210,20 @@ def test_lengths_leave_state_after_last_real_token():
         for got, want in zip(padded, st, strict=True):
             np.testing.assert_allclose(got.conv[b], want.conv[0], atol=1e-6)
             np.testing.assert_allclose(got.recurrent[b], want.recurrent[0], atol=1e-5)
+
+
+@pytest.mark.skipif(not LONG, reason="two engines' compiles (~2 min of CPU): CUA_LONG_TESTS=1")
+def test_hybrid_cache_on_a_mesh_equals_one_device():
+    """The tiny Qwen3.5 sharded data 4 x tensor 2 (the learner's arrays used in place, K/V
+    pages split by kv head, linear states replicated): two text prompts (one sampled) and a
+    two-turn session with a screenshot a turn give what one device gives."""
+    from cua_jax import sharding as shd
+    from tests.sampler import test_engine_mesh as on_mesh
+
+    want = on_mesh._run(Engine(on_mesh._model("qwen3_5"), **on_mesh.KW), "qwen3_5")
+    mesh = shd.make_mesh(4, 1, 2)
+    model = on_mesh._model("qwen3_5", mesh)
+    engine = Engine(model, **on_mesh.KW)
+    assert engine.mesh == mesh
+    on_mesh._check_placement(engine, model, mesh)
+    on_mesh._assert_same(on_mesh._run(engine, "qwen3_5"), want)
