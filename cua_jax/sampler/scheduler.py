@@ -708,9 +708,18 @@ class Scheduler:
             self._free_session(sess)
 
     def check_pages(self) -> None:
-        """Raises AssertionError unless refcounts equal the owners (slots + session caches)."""
+        """Raises AssertionError unless refcounts equal the owners (slots + session caches),
+        and (hybrid models) each session state row has one owner or is free."""
         counts = self.alloc.owned_counts([s.pages for s in self.sessions.values()])
         if not np.array_equal(counts, self.alloc.refcount):
             raise AssertionError("page refcounts disagree with the owners")
         if TRASH_PAGE in [p for s in self.sessions.values() for p in s.pages]:
             raise AssertionError("a session cache holds the scratch page")
+        if self.hybrid:  # every session state row is free or held by exactly one session
+            held = [s.state_row for s in self.sessions.values() if s.state_row >= 0]
+            rows = sorted(held + self.free_state_rows)
+            if rows != list(range(self.max_slots, self.num_state_rows)):
+                raise AssertionError(
+                    f"linear-state rows disagree with their owners: sessions hold {held}, "
+                    f"free {self.free_state_rows}"
+                )

@@ -168,3 +168,53 @@ def test_decode_plan_preempts_the_newest_and_requeues_it():
     b.generated = [41, 42]
     (batch,) = _admit_all(s)
     assert (batch[0].start, batch[0].end) == (0, 15) and s.next_tok[b.slot] == 42
+
+
+def test_hybrid_sessions_continue_only_from_their_state():
+    """Hybrid models (session_states set): a finished session's slot state is queued for copy
+    into a session row, with the tokens it covers; a next turn that extends exactly those tokens
+    starts there from that row (freed once prefilled), any other prefix from token 0; with one
+    session row the least recently used session is evicted for a new one; running requests'
+    pages are never forked (the donor's state covers its own tokens)."""
+    s = _sched(session_states=1)
+    assert s.num_state_rows == 5 and not s.share_prefix
+    done = []
+    prompt = [1, 2, IMG, IMG, 3, 4]
+    r1 = _req(prompt, session="ep", params=_params(max_new_tokens=2), done=done)
+    s.waiting.append(r1)
+    _admit_all(s)
+    s.append(r1, [7], [0.0], [0.0], version=0)
+    s.alloc.set_length(r1.slot, 7)  # the decode step that fed token 7
+    s.append(r1, [8], [0.0], [0.0], version=0)
+    sess = s.sessions["ep"]
+    assert (sess.state_row, sess.state_len) == (4, 7)
+    assert s.take_state_copies() == [(0, 4)] and s.take_state_copies() == []  # slot 0's
+    s.check_pages()
+    # the transcript extended: continue from the 7 tokens the state covers, reading row 4
+    r2 = _req([*prompt, 7, 8, 5], session="ep", params=_params(max_new_tokens=1))
+    s.waiting.append(r2)
+    (batch,) = list(s.admit(version=1))
+    assert (batch[0].start, batch[0].end, batch[0].state_src) == (7, 9, 4)
+    assert s.free_state_rows == []  # still to be read by the prefill
+    s.prefilled(batch)
+    assert s.free_state_rows == [4] and batch[0].state_src == -1
+    s.append(r2, [9], [0.0], [0.0], version=1)  # finished: a new session state (row 4)
+    assert s.sessions["ep"].state_len == 9 and s.take_state_copies() == [(0, 4)]
+    # history rewritten at token 0: no stored state there, prefill everything
+    r3 = _req([5, *prompt[1:], 7, 8, 5, 9, 6], session="ep", params=_params(max_new_tokens=1))
+    got = s.try_admit(r3, 0, version=2)
+    assert isinstance(got, Admitted) and (got.start, got.state_src) == (0, -1)
+    assert s.free_state_rows == [4]
+    s.append(r3, [1], [0.0], [0.0], version=2)
+    # a second session takes the only row: the first ("ep") is evicted, pages and all
+    r4 = _req([3, 3, 3], session="other", params=_params(max_new_tokens=1))
+    s.waiting.append(r4)
+    _admit_all(s)
+    s.append(r4, [1], [0.0], [0.0], version=2)
+    assert list(s.sessions) == ["other"] and s.sessions["other"].state_row == 4
+    s.check_pages()
+    # the same prompt twice while the first runs: no fork, both prefilled from 0
+    a, b = _req([4, 4, 4, 4, 4]), _req([4, 4, 4, 4, 4])
+    s.waiting += [a, b]
+    starts = [x.start for batch in _admit_all(s) for x in batch]
+    assert starts == [0, 0]
