@@ -216,9 +216,12 @@ class Engine:
 
         # Committed to its devices up front: a first call with uncommitted inputs would
         # otherwise compile a second time.
+        state_sh = steps.StepShardings(None, kv_sharding, small)
+        state_sh = tuple(steps.linear_state_sharding(state_sh, cfg) for _ in linear)
+
         def init_cache() -> kv_cache.KVCache:
             zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), linear)
-            return kv_cache.init_cache(*shape, dtype, kv_sharding, zeros, small)
+            return kv_cache.init_cache(*shape, dtype, kv_sharding, zeros, state_sh)
 
         self._init_cache = init_cache
         self.cache = self._init_cache()

@@ -74,10 +74,11 @@ def init_cache(
     dtype: jnp.dtype = jnp.float32,
     sharding: jax.sharding.Sharding | None = None,
     linear: tuple[Any, ...] = (),
-    linear_sharding: jax.sharding.Sharding | None = None,
+    linear_sharding: Any = None,
 ) -> KVCache:
     """Zero-filled cache; `sharding` (e.g. kv-heads over the `tensor` mesh axis) is applied.
-    `linear`: the linear layers' zero states (each array put on `linear_sharding`)."""
+    `linear`: the linear layers' zero states, put on `linear_sharding` (a sharding or a
+    pytree prefix of them)."""
     shape = (num_kv_heads, num_pages, page_size, head_dim)
 
     def make():

@@ -578,12 +578,18 @@ class StepShardings:
     cache: jax.sharding.Sharding
     small: jax.sharding.Sharding
 
-    def cache_tree(self, cache: kv_cache.KVCache) -> kv_cache.KVCache:
-        """Shardings of `cache`: the pools' for K/V, replicated (`small`) for linear states."""
+    def cache_tree(self, cache: kv_cache.KVCache, config: Any = None) -> kv_cache.KVCache:
+        """Shardings of `cache`: the pools' for K/V, `linear_state_sharding` for the linear
+        states (replicated without `config`)."""
+        lin = (
+            linear_state_sharding(self, config)
+            if config is not None and cache.linear
+            else qwen35_state(self.small)
+        )
         return kv_cache.KVCache(
             tuple(self.cache for _ in cache.k),
             tuple(self.cache for _ in cache.v),
-            jax.tree.map(lambda _: self.small, cache.linear),
+            tuple(lin for _ in cache.linear),
         )
 
 
@@ -647,7 +653,7 @@ def build_step_fns(
     cache_sh = kv_cache.KVCache(
         (sh.cache,) * num_layers,
         (sh.cache,) * num_layers,
-        tuple(linear_state_sharding(small) for _ in range(n_linear)),
+        tuple(linear_state_sharding(sh, model.config) for _ in range(n_linear)) if n_linear else (),
     )
     decode_kw = dict(
         in_shardings=(sh.params, cache_sh, *[small] * 8),
@@ -686,12 +692,30 @@ def build_step_fns(
     return StepFns(d_paged, d_contig, prefill_for, sample, copy, copy_states)
 
 
-def linear_state_sharding(small: jax.sharding.Sharding) -> Any:
-    """Sharding of one linear layer's states: replicated, like the other small arrays (the
-    Gated DeltaNet layers run under GSPMD with the parameters' own shardings)."""
+def qwen35_state(x: Any) -> Any:
+    """A `LinearAttnState` of `x` for both fields."""
     from cua_jax.models.qwen_vl import qwen35
 
-    return qwen35.LinearAttnState(small, small)
+    return qwen35.LinearAttnState(x, x)
+
+
+def linear_state_sharding(sh: StepShardings, config: Any) -> Any:
+    """Sharding of one linear layer's states (the Gated DeltaNet layers run under GSPMD with
+    the parameters' own shardings): where the K/V pools are split over `tensor` and it divides
+    the value heads and conv channels, the recurrent state f32[R, N, H, V] is split by value
+    head and the conv window [R, W-1, C] by channel, as the layer's projections split them;
+    else replicated, like the other small arrays."""
+    from cua_jax.models.qwen_vl import qwen35
+
+    kv = sh.cache
+    if isinstance(kv, jax.sharding.NamedSharding) and kv.mesh.shape.get(KV_AXIS, 1) > 1:
+        t, g = kv.mesh.shape[KV_AXIS], qwen35.gated_deltanet_config(config)
+        if g.linear_num_value_heads % t == 0 and g.conv_dim % t == 0:
+            return qwen35.LinearAttnState(
+                jax.sharding.NamedSharding(kv.mesh, PartitionSpec(None, None, KV_AXIS)),
+                jax.sharding.NamedSharding(kv.mesh, PartitionSpec(None, KV_AXIS)),
+            )
+    return qwen35.LinearAttnState(sh.small, sh.small)
 
 
 def decode_arg_shapes(num_slots: int, table_cols: int) -> tuple:

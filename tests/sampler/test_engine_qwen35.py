@@ -28,6 +28,7 @@ pytest.importorskip("transformers")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import PartitionSpec  # noqa: E402
 
 from cua_jax.models import qwen_vl  # noqa: E402
 from cua_jax.sampler.engine import Engine  # noqa: E402
@@ -215,8 +216,8 @@ def test_lengths_leave_state_after_last_real_token():
 @pytest.mark.skipif(not LONG, reason="two engines' compiles (~2 min of CPU): CUA_LONG_TESTS=1")
 def test_hybrid_cache_on_a_mesh_equals_one_device():
     """The tiny Qwen3.5 sharded data 4 x tensor 2 (the learner's arrays used in place, K/V
-    pages split by kv head, linear states replicated): two text prompts (one sampled) and a
-    two-turn session with a screenshot a turn give what one device gives."""
+    pages split by kv head, linear states by value head / conv channel): two text prompts (one
+    sampled) and a two-turn session with a screenshot a turn give what one device gives."""
     from cua_jax import sharding as shd
     from tests.sampler import test_engine_mesh as on_mesh
 
@@ -226,4 +227,9 @@ def test_hybrid_cache_on_a_mesh_equals_one_device():
     engine = Engine(model, **on_mesh.KW)
     assert engine.mesh == mesh
     on_mesh._check_placement(engine, model, mesh)
+    for st in engine.cache.linear:  # split by value head / conv channel over `tensor`
+        assert st.recurrent.sharding.spec == PartitionSpec(None, "tensor")
+        assert st.conv.sharding.spec == PartitionSpec(None, None, "tensor")
     on_mesh._assert_same(on_mesh._run(engine, "qwen3_5"), want)
+    for st in engine.cache.linear:  # and kept so through prefill and decode
+        assert st.recurrent.sharding.spec == PartitionSpec(None, "tensor")
