@@ -211,9 +211,15 @@ def kv_pages(
     budget = int(stats["bytes_limit"] * frac) - int(stats.get("bytes_in_use", 0)) - scratch
     cfg, tensor = learner.config, learner.mesh.shape["tensor"]
     # Hybrid models (Qwen3.5): the Engine's linear-state rows (max_slots slots + as many
-    # sessions, replicated) come out of the same budget; none for the other families
+    # sessions; split over `tensor` as steps.linear_state_sharding splits them, when the
+    # heads and channels divide) come out of the same budget; none for the other families
     rows = steps.linear_cache_shapes(cfg, 2 * sc.max_slots)
-    budget -= sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(rows))
+    state_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(rows))
+    if rows and tensor > 1:
+        g = rows[0]
+        if g.recurrent.shape[1] % tensor == 0 and g.conv.shape[2] % tensor == 0:
+            state_bytes //= tensor
+    budget -= state_bytes
     pages = kv_pages_for_budget(cfg, budget, sc.page_size, cfg.dtype, tensor)
     limit, in_use = stats["bytes_limit"] / 2**30, stats.get("bytes_in_use", 0) / 2**30
     logging.info(
