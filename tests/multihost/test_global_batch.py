@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from tests.main_job import xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -28,9 +30,7 @@ def _job(processes: int, devices: int, agg: str, *extra: str) -> list[dict]:
     procs = []
     for i in range(processes):
         env = dict(os.environ)
-        env.update(
-            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu"
-        )
+        env.update(XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu")
         for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
             env.pop(k, None)
         if processes > 1:

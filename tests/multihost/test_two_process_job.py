@@ -17,7 +17,7 @@ import sys
 import time
 
 from cua_jax.db.records import PROCESS_STRIDE
-from tests.main_job import SESSION_CACHE
+from tests.main_job import SESSION_CACHE, xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CACHE = SESSION_CACHE  # the session's compiled programs (tests/main_job.py)
@@ -59,7 +59,7 @@ def _start(workdir: str) -> list[subprocess.Popen]:
     for i in range(2):
         env = dict(os.environ)
         env.update(
-            XLA_FLAGS="--xla_force_host_platform_device_count=2",
+            XLA_FLAGS=xla_flags(2),
             JAX_PLATFORMS="cpu",
             JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
             JAX_NUM_PROCESSES="2",

@@ -13,6 +13,7 @@ import threading
 import pytest
 
 from envs.vm.providers import missing_programs
+from tests.main_job import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = "--config=" + os.path.join(ROOT, "configs", "qwen3vl_grpo.py") + ":smoke"
@@ -80,7 +81,7 @@ def test_eval_takes_a_meta_file_and_writes_osworld_layout_that_show_results_read
     threading.Thread(target=server.serve_forever, daemon=True).start()
     out, results = tmp_path / "out", tmp_path / "results"
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = xla_flags()
     try:
         r = subprocess.run(
             [

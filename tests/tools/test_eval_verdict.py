@@ -16,6 +16,7 @@ import pytest
 
 from cua_jax.evaluation import verdict
 from envs.browser.host import CHROMIUM_CANDIDATES
+from tests.main_job import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = "--config=" + os.path.join(ROOT, "configs", "qwen3vl_grpo.py") + ":smoke"
@@ -23,7 +24,7 @@ CONFIG = "--config=" + os.path.join(ROOT, "configs", "qwen3vl_grpo.py") + ":smok
 
 def _eval_tool(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = xla_flags()
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "eval.py"), CONFIG, *args],
         cwd=ROOT,

@@ -12,6 +12,7 @@ import urllib.request
 
 import pytest
 
+from tests.main_job import xla_flags
 from tools import show_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,7 +25,7 @@ TASKS = (
 
 def _env():
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's run
+    env["XLA_FLAGS"] = xla_flags()  # one CPU device, as a user's run
     return env
 
 
