@@ -36,7 +36,9 @@ STEPS, GROUP, GROUPS = 4, 2, 2
 ARGS = [
     "--config=configs/qwen3vl_grpo.py:smoke",
     f"--config.total_steps={STEPS}",
-    "--config.sft.steps=0",
+    "--config.sft.steps=2",  # a token SFT: a run whose groups all tie is then a warning
+    "--config.sft.episodes_per_task=1",
+    "--config.sft.num_tasks=2",
     f"--config.rl.group_size={GROUP}",
     f"--config.rl.groups_per_batch={GROUPS}",
     "--config.rl.max_tokens=40",
@@ -78,7 +80,7 @@ def _host_infos() -> dict[str, dict]:
     return out
 
 
-def _until(cond, timeout_s: float, what: str, proc=None):
+def _until(cond, timeout_s: float, what: str, proc=None, every_s: float = 0.2):
     t0 = time.monotonic()
     while True:
         got = cond()
@@ -88,7 +90,7 @@ def _until(cond, timeout_s: float, what: str, proc=None):
             raise AssertionError(f"{what}: the job exited {proc.returncode} first")
         if time.monotonic() - t0 > timeout_s:
             raise AssertionError(f"{what}: not after {timeout_s:g} s")
-        time.sleep(0.2)
+        time.sleep(every_s)
 
 
 def test_smoke_job_on_a_ray_fleet_survives_a_killed_node(tmp_path):
@@ -109,7 +111,7 @@ def test_smoke_job_on_a_ray_fleet_survives_a_killed_node(tmp_path):
         ours = start_hosts(
             2,
             "browser",
-            4,
+            16,  # as the job's own host: the fleet leases from the host with most free envs
             token=TOKEN,
             first=1000,
             actor_options=host_actor_options("browser", num_cpus=0),
@@ -130,9 +132,9 @@ def test_smoke_job_on_a_ray_fleet_survives_a_killed_node(tmp_path):
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-        # The step-0 eval is done (its rows written): the episodes in flight now are training's.
+        # The step-0 eval and the SFT are done (two step-0 rows): episodes in flight are GRPO's.
         metrics = os.path.join(wd, "metrics.jsonl")
-        _until(lambda: os.path.exists(metrics) and os.path.getsize(metrics), 900, "eval", proc)
+        _until(lambda: os.path.exists(metrics) and len(metrics_rows(wd)) >= 2, 900, "SFT", proc)
 
         def three_hosts():
             h = _host_infos()
@@ -141,13 +143,17 @@ def test_smoke_job_on_a_ray_fleet_survives_a_killed_node(tmp_path):
         hosts = _until(three_hosts, 120, "three hosts up")
         worker_ids = {w.node_id for w in workers}
 
+        on_workers = {n: i for n, i in hosts.items() if i["node_id"] in worker_ids}
+
         def busy_worker():
-            for name, info in _host_infos().items():
-                if info["node_id"] in worker_ids and _leases(info["endpoint"]) > 0:
-                    return name, info
+            for name, info in on_workers.items():
+                if (n := _leases(info["endpoint"])) > 0:
+                    return name, info, n
             return None
 
-        victim, old = _until(busy_worker, 600, "a worker's host with leased envs", proc)
+        victim, old, in_flight = _until(
+            busy_worker, 600, "a worker's host with leased envs", proc, 0.02
+        )
         victim_node = next(w for w in workers if w.node_id == old["node_id"])
         killed = {n: i for n, i in hosts.items() if i["node_id"] == old["node_id"]}
         c.remove_node(victim_node, allow_graceful=False)
@@ -163,7 +169,9 @@ def test_smoke_job_on_a_ray_fleet_survives_a_killed_node(tmp_path):
         assert all(r["rollout/groups_sampled"] == GROUPS for r in steps), steps
         # The killed host's episodes: faults, retried elsewhere, none a policy failure.
         last = steps[-1]
-        assert last["rollout/env_faults"] >= 1 and last["rollout/env_retries"] >= 1, last
+        faults, retries = last["rollout/env_faults"], last["rollout/env_retries"]
+        assert 1 <= faults <= in_flight and retries == faults, (faults, retries, in_flight)
+        assert all(r["rollout/env_failures"] == 0 for r in steps), steps
         assert sum(r["rollout/faults_env_error"] for r in steps) == 0, steps
         # Nothing counted twice: the database holds each step's group_size x groups episodes.
         check_train_database(wd, group_size=GROUP, groups_per_step=GROUPS, logged_groups=1)
@@ -179,7 +187,9 @@ def test_smoke_job_on_a_ray_fleet_survives_a_killed_node(tmp_path):
             "RAY_FLEET_TRAIN",
             json.dumps(
                 {
+                    "victim": victim,
                     "killed": sorted(killed),
+                    "in_flight": in_flight,
                     "t_kill_s": round(t_kill, 1),
                     "wall_s": round(time.monotonic() - t0, 1),
                     "faults": last["rollout/env_faults"],
