@@ -236,9 +236,8 @@ def test_splits_and_templates():
     assert heldout <= {t.spec["template"] for t in evals}
     assert max(t.seed for t in train) < suite.EVAL_SEED_OFFSET <= min(t.seed for t in evals)
     assert [t.id for t in train] == [t.id for t in suite.sample_tasks("train", limit=200, seed=1)]
-    # every template the Python side lists is defined by templates.js (and vice versa)
-    js = suite.__file__.rsplit("/", 1)[0] + "/static/templates.js"
-    with open(js) as f:
-        src = f.read()
+    # every template the Python side lists is defined by templates*.js (and vice versa)
+    static = suite.__file__.rsplit("/", 1)[0] + "/static/"
+    src = "".join(open(static + name).read() for name in ("templates.js", "templates_retry.js"))
     defined = set(__import__("re").findall(r'T\["([a-z0-9-]+)"\] =', src))
     assert defined == set(suite.BY_NAME)
