@@ -2,7 +2,10 @@
 model on 8 fixed samples (half with a screenshot), this process packing its
 share (every process_count-th sample); prints the steps' metrics as one JSON line.
 
-    python -m tests.multihost.global_batch_worker AGG_MODE [shapes | sdpo | entropulse]
+    python -m tests.multihost.global_batch_worker AGG_MODE:VARIANT [AGG_MODE:VARIANT ...]
+
+Each VARIANT (plain, shapes, sdpo, entropulse, budget) builds its own learner from the same
+initial params and prints `RESULT AGG_MODE:VARIANT {json}`; one process start serves them all.
 
 With `shapes`, the learner has a strict shape set (one RL shape: 8 rows x 512 tokens, 8
 screens of 4x6 patches), compiled ahead by `learner.warmup("rl")`; the result then also holds
@@ -96,8 +99,9 @@ def sdpo_groups(processor, size, n_groups=4, hit_every=1):
     return groups
 
 
-def main():
-    maybe_initialize_distributed()
+def run_variant(agg, variant):
+    """Two steps of `variant` ("plain", "shapes", "sdpo", "entropulse", "budget") on a fresh
+    learner (the same initial params on every process and in every variant); its metrics."""
     import jax
 
     from configs.qwen3vl_grpo import get_config
@@ -105,14 +109,13 @@ def main():
 
     c = get_config("smoke")
     c.mesh.fsdp = -1
-    c.rl.loss_agg = sys.argv[1]
+    c.rl.loss_agg = agg
     c.rl.learning_rate = 1e-3
     mesh, rules = builders.mesh_and_rules(c)
     model, processor = builders.build_model_and_processor(c, mesh, rules)
     learner = builders.build_learner(model, c, mesh, rules, sft=False)
     mine = samples(learner.config)[jax.process_index() :: jax.process_count()]
     out = {}
-    variant = sys.argv[2] if len(sys.argv) > 2 else ""
     if variant == "sdpo":
         from cua_jax.rl import sdpo
 
@@ -127,8 +130,7 @@ def main():
             out[f"sdpo{k}/teacher_samples"] = int(
                 multihost.allgather_ints([int(m["sdpo/teacher_samples"])]).sum()
             )
-        print("RESULT " + json.dumps(out), flush=True)
-        os._exit(0)
+        return out
     if variant == "entropulse":
         from cua_jax.rl.entropulse import Entropulse
 
@@ -139,9 +141,7 @@ def main():
         pulse = Entropulse(every=1, sft_steps=2, rows=4 // jax.process_count())
         m = pulse.after_step(1, learner, groups)
         keys = ("entropy_before", "entropy_after", "sft_loss_first", "sft_loss_last")
-        out.update({f"entropulse/{k}": m[f"entropulse/{k}"] for k in keys})
-        print("RESULT " + json.dumps(out), flush=True)
-        os._exit(0)
+        return {f"entropulse/{k}": m[f"entropulse/{k}"] for k in keys}
     if variant == "budget":
         from cua_jax.rl.image_groups import ImageGroups
         from cua_jax.rl.shapes import Shape, ShapeSet
@@ -164,8 +164,7 @@ def main():
             if isinstance(images, ImageGroups):  # each device holds only its own group
                 shard = images.pixel_values.addressable_shards[0].data
                 out[f"rl{k}/screen_shard"] = list(shard.shape[:2])
-        print("RESULT " + json.dumps(out), flush=True)
-        os._exit(0)
+        return out
     with_shapes = variant == "shapes"
     if with_shapes:
         from cua_jax import compile_stats
@@ -187,7 +186,15 @@ def main():
             out[f"rl{k}/rows"] = batch.shape[0] * jax.process_count()
     if with_shapes:
         out["compiles_after_warmup"] = stats.since(mark).per_program.get("rl_step", 0)
-    print("RESULT " + json.dumps(out), flush=True)
+        stats.reset_expectations()  # the next variant compiles its own steps
+    return out
+
+
+def main():
+    maybe_initialize_distributed()
+    for spec in sys.argv[1:]:  # AGG_MODE:VARIANT, run in this order on every process
+        agg, variant = spec.split(":")
+        print(f"RESULT {spec} " + json.dumps(run_variant(agg, variant)), flush=True)
     os._exit(0)  # no distributed shutdown handshake needed for a test worker
 
 

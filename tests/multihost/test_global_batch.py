@@ -25,7 +25,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _job(processes: int, devices: int, agg: str, *extra: str) -> list[dict]:
+# Every variant, in this order, in one job of each kind (one process start serves them all)
+SPECS = (
+    "seq-mean-token-mean:plain",
+    "token-mean:shapes",
+    "token-mean:sdpo",
+    "token-mean:entropulse",
+    "token-mean:budget",
+)
+
+
+def _job(processes: int, devices: int) -> list[dict[str, dict]]:
+    """Each process's {spec: metrics} for SPECS."""
     port = _free_port()
     procs = []
     for i in range(processes):
@@ -41,7 +52,7 @@ def _job(processes: int, devices: int, agg: str, *extra: str) -> list[dict]:
             )
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "tests.multihost.global_batch_worker", agg, *extra],
+                [sys.executable, "-m", "tests.multihost.global_batch_worker", *SPECS],
                 cwd=ROOT,
                 env=env,
                 stdout=subprocess.PIPE,
@@ -51,17 +62,32 @@ def _job(processes: int, devices: int, agg: str, *extra: str) -> list[dict]:
         )
     out = []
     for p in procs:
-        stdout, stderr = p.communicate(timeout=600)
+        stdout, stderr = p.communicate(timeout=900)
         assert p.returncode == 0, stderr[-3000:]
-        line = next(ln for ln in stdout.splitlines() if ln.startswith("RESULT "))
-        out.append(json.loads(line[len("RESULT ") :]))
+        results = {}
+        for ln in stdout.splitlines():
+            if ln.startswith("RESULT "):
+                spec, payload = ln[len("RESULT ") :].split(" ", 1)
+                results[spec] = json.loads(payload)
+        assert set(results) == set(SPECS), (sorted(results), stderr[-3000:])
+        out.append(results)
     return out
 
 
-def test_two_processes_train_on_the_batch_one_process_would():
-    agg = "seq-mean-token-mean"
-    (one,) = _job(1, 4, agg)
-    two = _job(2, 2, agg)
+@pytest.fixture(scope="module")
+def jobs():
+    """The 1-process x 4-device job and the 2-process x 2-device job, each over every variant."""
+    (one,) = _job(1, 4)
+    return one, _job(2, 2)
+
+
+def _variant(jobs, spec):
+    one, two = jobs
+    return one[spec], [two[0][spec], two[1][spec]]
+
+
+def test_two_processes_train_on_the_batch_one_process_would(jobs):
+    one, two = _variant(jobs, "seq-mean-token-mean:plain")
     assert two[0] == two[1]  # every process sees the job's metrics
     assert one.keys() == two[0].keys()
     assert one["rl0/num_tokens"] == 8 * 12
@@ -69,14 +95,12 @@ def test_two_processes_train_on_the_batch_one_process_would():
         assert two[0][k] == pytest.approx(v, rel=2e-4, abs=1e-6), k
 
 
-def test_two_processes_pack_their_shares_of_the_shape_set_and_compile_once():
+def test_two_processes_pack_their_shares_of_the_shape_set_and_compile_once(jobs):
     """With a strict shape set (#23), each of 2 processes packs its half of the one RL shape
     (4 of 8 rows, the images of both gathered and padded to the shape's budget): the warm-up's
     compile serves both steps, and the loss and gradient norm are the 1-process job's with the
     same shape set."""
-    agg = "token-mean"
-    (one,) = _job(1, 4, agg, "shapes")
-    two = _job(2, 2, agg, "shapes")
+    one, two = _variant(jobs, "token-mean:shapes")
     assert two[0] == two[1]
     for r in (one, *two):
         assert r["compiles_after_warmup"] == 0 and r["rl0/rows"] == r["rl1/rows"] == 8
@@ -84,14 +108,12 @@ def test_two_processes_pack_their_shares_of_the_shape_set_and_compile_once():
         assert two[0][k] == pytest.approx(v, rel=2e-4, abs=1e-6), k
 
 
-def test_two_processes_distill_as_one_process_would():
+def test_two_processes_distill_as_one_process_would(jobs):
     """SDPO (#16) on 2 processes: each packs its share of the failed episodes' teacher
     sequences (its rows, the images of both gathered), the teacher pass runs on the global
     batch, each process reads back its own rows, and the distilled-token mean is over the job:
     the loss, SDPO loss, divergence and gradient norm are the 1-process job's."""
-    agg = "token-mean"
-    (one,) = _job(1, 4, agg, "sdpo")
-    two = _job(2, 2, agg, "sdpo")
+    one, two = _variant(jobs, "token-mean:sdpo")
     assert two[0] == two[1]
     assert one["sdpo0/teacher_samples"] == two[0]["sdpo0/teacher_samples"] == 4
     assert one["sdpo0/sdpo_tokens"] > 0 and one["sdpo0/sdpo_loss"] > 0
@@ -99,28 +121,24 @@ def test_two_processes_distill_as_one_process_would():
         assert two[0][k] == pytest.approx(v, rel=2e-4, abs=1e-6), k
 
 
-def test_two_processes_run_the_entropulse_phase_one_process_would():
+def test_two_processes_run_the_entropulse_phase_one_process_would(jobs):
     """Entropulse on 2 processes: each keeps the successes of its own groups and packs its share
     of every SFT batch, one with no success of its own packing empty rows; the phase's SFT
     losses and the entropy before and after it are the 1-process job's (2 successes a batch
     there; 2 on the first process and none on the second here)."""
-    agg = "token-mean"
-    (one,) = _job(1, 4, agg, "entropulse")
-    two = _job(2, 2, agg, "entropulse")
+    one, two = _variant(jobs, "token-mean:entropulse")
     assert two[0] == two[1]
     assert one["entropulse/sft_loss_last"] < one["entropulse/sft_loss_first"]
     for k, v in one.items():
         assert two[0][k] == pytest.approx(v, rel=2e-4, abs=1e-6), k
 
 
-def test_two_processes_take_a_token_budget_step_with_their_own_screens():
+def test_two_processes_take_a_token_budget_step_with_their_own_screens(jobs):
     """A token-budget batch (`rl.tokens_per_chip`) on 2 processes x 2 devices: each process packs
     its samples into the agreed shape and chunk count and gives only its own devices' screen
     groups (`make_array_from_process_local_data`, no gather, nothing replicated); the loss,
     gradient norm and token count of two steps are the 1-process, 4-device job's."""
-    agg = "token-mean"
-    (one,) = _job(1, 4, agg, "budget")
-    two = _job(2, 2, agg, "budget")
+    one, two = _variant(jobs, "token-mean:budget")
     for k in range(2):
         for r in (one, *two):
             assert r[f"rl{k}/grouped"] and r[f"rl{k}/chunks_gt_1"]
