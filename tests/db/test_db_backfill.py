@@ -149,6 +149,9 @@ def test_multi_host_processes_write_their_own_rows(db_url, tmp_path):
     p1 = db_lib.open_run(wd, db_url, decode=synth.decode, retry_s=0.2, process_index=1)
     for db in (p0, p1):
         db.truncate_after(-1)
+    # process 0's truncate (the resume's) is applied before process 1 writes: two writer
+    # threads are not ordered, and a late truncate would delete process 1's new rows
+    assert p0.flush(60)
     for s in (1, 2):
         p0.log_step(s, synth.metrics_row(s), step(s), version=s)
         p1.log_step(s, {"rollout/reward": -1.0}, step(s + 10), version=s)
