@@ -113,6 +113,22 @@ HOME_ALIAS_SCRIPT = (
 _unshare_argv: list[str] | None = None
 
 
+def _succeeds(argv: list[str]) -> bool:
+    """Whether `argv` exits 0 within 10 s, quietly (a probe of what this machine allows)."""
+    try:
+        run = subprocess.run(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return run.returncode == 0
+
+
 def _home_alias_argv() -> list[str]:
     """The `unshare` prefix that gives the desktop's processes a private /home ([] where this
     machine allows no mount namespace: no unshare, no privilege, no user namespaces)."""
@@ -121,23 +137,9 @@ def _home_alias_argv() -> list[str]:
         argv = ["unshare", "-m", "--propagation", "private"]
         if os.geteuid() != 0:
             argv.insert(1, "-r")
-        ok = shutil.which("unshare") is not None
-        if ok:
-            probe = "mount -t tmpfs cua-probe /home"
-            try:
-                ok = (
-                    subprocess.run(
-                        [*argv, "sh", "-c", probe],
-                        stdin=subprocess.DEVNULL,
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                        timeout=10,
-                        check=False,
-                    ).returncode
-                    == 0
-                )
-            except (OSError, subprocess.SubprocessError):
-                ok = False
+        ok = shutil.which("unshare") is not None and _succeeds(
+            [*argv, "sh", "-c", "mount -t tmpfs cua-probe /home"]
+        )
         _unshare_argv = argv if ok else []
     return list(_unshare_argv)
 
@@ -200,20 +202,7 @@ exec unshare --user --map-user=1000 --map-group=1000 @VLC@ "$@"
 @functools.cache
 def _user_namespace_ok() -> bool:
     """Whether `unshare --user --map-user=1000` works here (util-linux >= 2.38, userns allowed)."""
-    try:
-        return (
-            subprocess.run(
-                ["unshare", "--user", "--map-user=1000", "--map-group=1000", "true"],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                timeout=10,
-                check=False,
-            ).returncode
-            == 0
-        )
-    except (OSError, subprocess.SubprocessError):
-        return False
+    return _succeeds(["unshare", "--user", "--map-user=1000", "--map-group=1000", "true"])
 
 
 def _write_app_shims(bin_dir: Path) -> None:
