@@ -51,6 +51,7 @@ LINEAR_DIMS = (
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots")
 ATTN_IMPLS = ("xla", "splash")
+MOE_DISPATCHES = ("all_to_all", "all_gather")
 _DEFAULT_MROPE = {"qwen2_5_vl": (16, 24, 24), "qwen3_vl": (24, 20, 20), "qwen3_5": (11, 11, 10)}
 
 
@@ -172,6 +173,10 @@ class QwenVLConfig:
     # attention kernel (flash-style: no [T, T] scores, segment-aware causal mask) in tiles of
     # attn_block (512 when 0) tokens; a TPU kernel, run in interpret mode on CPU (tests only).
     attn_impl: str = "xla"
+    # MoE expert parallelism (`moe.SparseMoeBlock` on a mesh with an expert axis): "all_to_all"
+    # sends each (token, expert) row to the device holding its expert and back; "all_gather"
+    # gathers every expert device's tokens, runs the local experts on all of them and psums.
+    moe_dispatch: str = "all_to_all"
 
     @property
     def model_type(self) -> str:
@@ -205,6 +210,8 @@ class QwenVLConfig:
             raise ValueError(f"attn_block={self.attn_block}: use 0 (dense) or a block length")
         if self.attn_impl not in ATTN_IMPLS:
             raise ValueError(f"attn_impl={self.attn_impl!r}: use one of {ATTN_IMPLS}")
+        if self.moe_dispatch not in MOE_DISPATCHES:
+            raise ValueError(f"moe_dispatch={self.moe_dispatch!r}: use one of {MOE_DISPATCHES}")
         t, v = self.text, self.vision
         if t.num_attention_heads % t.num_key_value_heads:
             raise ValueError(

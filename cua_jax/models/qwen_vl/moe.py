@@ -17,10 +17,18 @@ Expert parallelism: when the block has a mesh (`set_expert_mesh`, called by
 `cua_jax.sharding.shard_model` and `from_pretrained(mesh=...)`), the block runs under
 `jax.shard_map`: expert weights are split over the mesh axes of the logical "expert" axis (each
 device holds El = E / ep experts) and over those of "mlp" (tensor parallel, Fl = F / tp);
-tokens are split over the remaining batch axes and all-gathered over the expert/tensor axes by
-the in-specs, so every device routes its tokens, runs ragged_dot on the rows that chose one of
-its local experts, and a psum over the expert and tensor axes combines the partial outputs.
 FSDP-sharded expert weights are gathered on entry (the in-specs keep only expert/tensor axes).
+The config's `moe_dispatch` picks how tokens meet their experts:
+  "all_to_all" (default; `expert_mlp_all_to_all`): the B*T tokens are split over the batch AND
+    expert axes; each device routes its own tokens, sends every (token, expert) row to the
+    device holding that expert (`jax.lax.ragged_all_to_all`; on XLA:CPU, which does not lower
+    it, `ragged_all_to_all_emulated`, a padded dense all_to_all), runs its local experts with
+    ragged_dot, sends the outputs back, and combines them with the routing weights; a psum over
+    the tensor axes adds the width slices. Traffic: each device's own n*K rows, twice.
+  "all_gather": tokens are split over the batch axes only and all-gathered over the
+    expert/tensor axes by the in-specs; every device routes them all, runs ragged_dot on the rows
+    that chose one of its local experts, and a psum over the expert and tensor axes combines:
+    traffic grows with all the expert group's tokens times the expert-parallel degree.
 
 Weights (HF names; the expert tensors keep HF's fused gate/up layout, transposed to [in, out]):
     mlp.gate.kernel               f[D, E]          ("embed", None): the router, replicated over
@@ -39,7 +47,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from cua_jax import sharding as shd
-from cua_jax.models.qwen_vl.config import QwenVLConfig
+from cua_jax.models.qwen_vl.config import MOE_DISPATCHES, QwenVLConfig
 from cua_jax.models.qwen_vl.weights import INIT_STD, jdtype, param
 
 GATE_UP_AXES = ("expert", "embed", None, "mlp")
@@ -108,6 +116,30 @@ def _lora(x: jax.Array, a: jax.Array, b: jax.Array, gs: jax.Array, scale: float)
     return jax.lax.ragged_dot(h, b.astype(x.dtype), gs) * jnp.asarray(scale, x.dtype)
 
 
+def grouped_mlp(
+    xs_MD: jax.Array, gs_E: jax.Array, p: dict[str, jax.Array], lora_scale: float = 0.0
+) -> jax.Array:
+    """The expert SwiGLU on rows already grouped by expert, f[M, D] in the rows' dtype.
+
+    Rows 0 .. gs_E[0]-1 go through expert 0 of `p`, the next gs_E[1] through expert 1, ...;
+    `p["gate_up"]` f[El, D, 2, Fl], `p["down"]` f[El, Fl, D] (a slice Fl of the width: the
+    output is then that slice's partial sum). Optional LoRA arrays: gate_up_a f[El, D, R],
+    gate_up_b f[El, R, 2, Fl], down_a f[El, Fl, R], down_b f[El, R, D]. Rows past sum(gs_E)
+    belong to no group and come out 0 (`ragged_dot`'s rule)."""
+    gate_up, down = p["gate_up"], p["down"]
+    El, D, _, Fl = gate_up.shape
+    dt = xs_MD.dtype
+    h = jax.lax.ragged_dot(xs_MD, gate_up.reshape(El, D, 2 * Fl).astype(dt), gs_E)
+    if "gate_up_a" in p:
+        b = p["gate_up_b"]
+        h = h + _lora(xs_MD, p["gate_up_a"], b.reshape(*b.shape[:2], 2 * Fl), gs_E, lora_scale)
+    act = jax.nn.silu(h[:, :Fl]) * h[:, Fl:]
+    y_MD = jax.lax.ragged_dot(act, down.astype(dt), gs_E)
+    if "down_a" in p:
+        y_MD = y_MD + _lora(act, p["down_a"], p["down_b"], gs_E, lora_scale)
+    return y_MD
+
+
 def expert_mlp(
     x_ND: jax.Array,
     w_NK: jax.Array,
@@ -118,36 +150,136 @@ def expert_mlp(
 ) -> jax.Array:
     """sum_k w_Nk * expert_{e_Nk}(x_N) over the experts held in `p`, f32[N, D].
 
-    `p["gate_up"]` f[El, D, 2, Fl], `p["down"]` f[El, Fl, D] hold experts first_expert ..
-    first_expert + El - 1 (and a slice Fl of their width); rows routed elsewhere contribute 0.
-    Optional LoRA arrays: gate_up_a f[El, D, R], gate_up_b f[El, R, 2, Fl], down_a f[El, Fl, R],
-    down_b f[El, R, D].
+    `p` (see `grouped_mlp`) holds experts first_expert .. first_expert + El - 1 (and a slice Fl
+    of their width); rows routed elsewhere, or to a negative id, contribute 0.
     """
     N, K = e_NK.shape
-    gate_up, down = p["gate_up"], p["down"]
-    El, D, _, Fl = gate_up.shape
+    El, D = p["gate_up"].shape[:2]
     dt = x_ND.dtype
     local_NK = e_NK - first_expert
-    is_local_NK = (local_NK >= 0) & (local_NK < El)
+    is_local_NK = (local_NK >= 0) & (local_NK < El) & (e_NK >= 0)
     key_M = jnp.where(is_local_NK, local_NK, El).reshape(N * K)  # El: "not here", sorted last
     order_M = jnp.argsort(key_M, stable=True)
-    tok_M = order_M // K
     gs_E = jnp.bincount(key_M, length=El + 1)[:El].astype(jnp.int32)
-    xs_MD = jnp.take(x_ND, tok_M, axis=0)
-    h = jax.lax.ragged_dot(xs_MD, gate_up.reshape(El, D, 2 * Fl).astype(dt), gs_E)
-    if "gate_up_a" in p:
-        b = p["gate_up_b"]
-        h = h + _lora(xs_MD, p["gate_up_a"], b.reshape(*b.shape[:2], 2 * Fl), gs_E, lora_scale)
-    act = jax.nn.silu(h[:, :Fl]) * h[:, Fl:]
-    y_MD = jax.lax.ragged_dot(act, down.astype(dt), gs_E)
-    if "down_a" in p:
-        y_MD = y_MD + _lora(act, p["down_a"], p["down_b"], gs_E, lora_scale)
+    y_MD = grouped_mlp(jnp.take(x_ND, order_M // K, axis=0), gs_E, p, lora_scale)
     # The reference casts the routing weights to the activation dtype before scaling.
     w_M = jnp.take(w_NK.astype(dt).reshape(N * K), order_M)
     here_M = jnp.take(is_local_NK.reshape(N * K), order_M)
     y_MD = jnp.where(here_M[:, None], y_MD * w_M[:, None], jnp.zeros((), dt))
     out_NKD = jnp.zeros((N * K, D), dt).at[order_M].set(y_MD).reshape(N, K, D)
     return jnp.sum(out_NKD.astype(jnp.float32), axis=1)
+
+
+def ragged_all_to_all_emulated(
+    operand: jax.Array,
+    output: jax.Array,
+    input_offsets: jax.Array,
+    send_sizes: jax.Array,
+    output_offsets: jax.Array,
+    recv_sizes: jax.Array,
+    *,
+    axis_name: str | tuple[str, ...],
+    chunk: int,
+) -> jax.Array:
+    """`jax.lax.ragged_all_to_all`'s result, built from a dense `jax.lax.all_to_all`, for
+    backends that do not lower the ragged op (XLA:CPU). Every (sender, receiver) slice travels
+    in a padded buffer of `chunk` rows, so `chunk` must bound every send size (a larger slice
+    would lose its tail); the bytes moved are P * chunk rows whatever the sizes, where the
+    ragged op moves only the rows sent. Differentiable (gathers, scatters and all_to_all).
+
+    operand f[Mi, ...], output f[Mo, ...]; the four int32[P] arrays as the ragged op's."""
+    P = input_offsets.shape[0]
+    r_C = jnp.arange(chunk, dtype=jnp.int32)
+    src_PC = input_offsets[:, None] + r_C[None, :]
+    sent_PC = r_C[None, :] < send_sizes[:, None]
+    src_PC = jnp.where(sent_PC, src_PC, 0)
+    trail = (1,) * (operand.ndim - 1)
+    buf = jnp.take(operand, src_PC.reshape(-1), axis=0).reshape(P, chunk, *operand.shape[1:])
+    buf = jnp.where(sent_PC.reshape(P, chunk, *trail), buf, jnp.zeros((), operand.dtype))
+    got = jax.lax.all_to_all(buf, axis_name, 0, 0, tiled=True)  # got[s]: source s's slice
+    at_P = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    dst_PC = at_P[:, None] + r_C[None, :]
+    dst_PC = jnp.where(r_C[None, :] < recv_sizes[:, None], dst_PC, output.shape[0])  # dropped
+    return output.at[dst_PC.reshape(-1)].set(
+        got.reshape(P * chunk, *operand.shape[1:]), mode="drop"
+    )
+
+
+def _ragged_all_to_all(*args, axis_name, chunk: int, emulate: bool) -> jax.Array:
+    if emulate:
+        return ragged_all_to_all_emulated(*args, axis_name=axis_name, chunk=chunk)
+    return jax.lax.ragged_all_to_all(*args, axis_name=axis_name)
+
+
+def expert_mlp_all_to_all(
+    x_nD: jax.Array,
+    w_nK: jax.Array,
+    e_nK: jax.Array,
+    p: dict[str, jax.Array],
+    num_experts: int,
+    axis_name: tuple[str, ...],
+    lora_scale: float = 0.0,
+    emulate: bool = False,
+) -> jax.Array:
+    """`expert_mlp` under `shard_map` with the experts split over `axis_name` (P devices, El =
+    E / P each, device i holding experts i*El .. i*El + El - 1), every device with its own n
+    tokens: f32[n, D], each token's combined output.
+
+    1. Sort this device's M = n*K (token, expert) rows by expert: the rows for device j are one
+       contiguous slice. Exchange the per-expert counts (an all_gather of int32[E]: P*E ints),
+       so every device knows every slice's size and where it lands.
+    2. `ragged_all_to_all` sends each slice to the device holding its experts; a receiver's
+       buffer holds source 0's rows, then source 1's, ..., each sorted by expert.
+    3. Re-sort the received rows by local expert, run `grouped_mlp` (ragged_dot), unsort.
+    4. `ragged_all_to_all` sends the outputs back to their senders' sorted positions; the
+       sender scales them by the routing weights and sums each token's K rows (in f32).
+
+    Dropless: the receive buffer has the worst case's P * n * min(K, El) rows (every source
+    sending all its rows for this device's experts; a token's K experts are distinct, so at most
+    min(K, El) of its rows go to one device). A negative expert id (padding) is not sent.
+    `emulate`: the dense `ragged_all_to_all_emulated` (CPU) instead of the ragged op.
+    """
+    n, K = e_nK.shape
+    D = x_nD.shape[1]
+    dt = x_nD.dtype
+    El = p["gate_up"].shape[0]
+    P = num_experts // El
+    M, R = n * K, P * n * min(K, El)
+    me = jax.lax.axis_index(axis_name)
+    # 1. this device's rows sorted by expert (padding, id E, last), the counts exchanged
+    key_M = jnp.where(e_nK >= 0, e_nK, num_experts).reshape(M)
+    order_M = jnp.argsort(key_M, stable=True)
+    xs_MD = jnp.take(x_nD, order_M // K, axis=0)
+    cnt_E = jnp.bincount(key_M, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    cnt_PE = jax.lax.all_gather(cnt_E, axis_name)  # [source, expert]
+    cnt_PPL = cnt_PE.reshape(P, P, El)  # [source, destination, local expert]
+    rows_PP = jnp.sum(cnt_PPL, axis=-1)  # rows_PP[s, j]: rows s sends to j
+    in_off_PP = jnp.cumsum(rows_PP, axis=1) - rows_PP  # where j's slice starts in s's xs_MD
+    land_PP = jnp.cumsum(rows_PP, axis=0) - rows_PP  # where s's slice lands in j's buffer
+    send_P, recv_P = rows_PP[me], rows_PP[:, me]
+    # 2. rows to their experts' devices
+    chunk = n * min(K, El)
+    a2a = dict(axis_name=axis_name, chunk=chunk, emulate=emulate)
+    buf_RD = _ragged_all_to_all(
+        xs_MD, jnp.zeros((R, D), dt), in_off_PP[me], send_P, land_PP[me], recv_P, **a2a
+    )
+    # 3. group the received rows by local expert: source-major segments (s, l) of cnt[s, me, l]
+    seg_end = jnp.cumsum(cnt_PPL[:, me, :].reshape(P * El))
+    seg_R = jnp.searchsorted(seg_end, jnp.arange(R, dtype=seg_end.dtype), side="right")
+    lkey_R = jnp.where(seg_R < P * El, seg_R % El, El)  # El: an unused row, sorted last
+    order_R = jnp.argsort(lkey_R, stable=True)
+    gs_E = jnp.bincount(lkey_R, length=El + 1)[:El].astype(jnp.int32)
+    ys_RD = grouped_mlp(jnp.take(buf_RD, order_R, axis=0), gs_E, p, lora_scale)
+    out_RD = jnp.zeros((R, D), dt).at[order_R].set(ys_RD)
+    # 4. outputs back to where their rows came from, weighted and summed per token
+    recv_off_P = jnp.cumsum(recv_P) - recv_P
+    back_MD = _ragged_all_to_all(
+        out_RD, jnp.zeros((M, D), dt), recv_off_P, recv_P, in_off_PP[:, me], send_P, **a2a
+    )
+    w_M = jnp.take(w_nK.astype(dt).reshape(M), order_M)
+    y_MD = jnp.where((jnp.take(key_M, order_M) < num_experts)[:, None], back_MD * w_M[:, None], 0)
+    out_nKD = jnp.zeros((M, D), dt).at[order_M].set(y_MD.astype(dt)).reshape(n, K, D)
+    return jnp.sum(out_nKD.astype(jnp.float32), axis=1)
 
 
 def _mesh_axes(rules: shd.Rules, logical: str) -> tuple[str, ...]:
@@ -176,11 +308,19 @@ class SparseMoeBlock(nnx.Module):
         self.top_k = t.num_experts_per_tok
         self.norm_topk_prob = t.norm_topk_prob
         self.num_experts = t.num_experts
+        self.dispatch = cfg.moe_dispatch
         self.mesh: Mesh | None = None
         self.rules: shd.Rules = shd.DEFAULT_RULES
 
-    def use_mesh(self, mesh: Mesh | None, rules: shd.Rules | None = None) -> None:
-        """Run expert-parallel on `mesh` under `rules` (None: one device, no shard_map)."""
+    def use_mesh(
+        self, mesh: Mesh | None, rules: shd.Rules | None = None, dispatch: str | None = None
+    ) -> None:
+        """Run expert-parallel on `mesh` under `rules` (None: one device, no shard_map), by
+        `dispatch` ("all_to_all" | "all_gather"; None keeps the current one)."""
+        if dispatch is not None:
+            if dispatch not in MOE_DISPATCHES:
+                raise ValueError(f"moe dispatch={dispatch!r}: use one of {MOE_DISPATCHES}")
+            self.dispatch = dispatch
         self.mesh = mesh
         self.rules = shd.DEFAULT_RULES if rules is None else rules
 
@@ -206,38 +346,48 @@ class SparseMoeBlock(nnx.Module):
         return y.astype(x_BTD.dtype), logits_NE.reshape(B, T, -1), e
 
     def _experts(self, x_BTD: jax.Array, w_BTK: jax.Array, e_BTK: jax.Array) -> jax.Array:
-        """The routed expert MLPs, f32[B, T, D]: locally, or under shard_map on self.mesh."""
-        B, _, D = x_BTD.shape
+        """The routed expert MLPs, f32[B, T, D]: locally, or under shard_map on self.mesh by
+        `self.dispatch` ("all_to_all" or "all_gather", see the module docstring)."""
         arrays, scale = self.experts.arrays()
         names = tuple(arrays)
         ws = [a for a, _ in arrays.values()]
-
-        def local(x_BTD, w_BTK, e_BTK, *ws, first_expert=0):
-            K = e_BTK.shape[-1]
-            p = dict(zip(names, ws, strict=True))
-            x_ND, w_NK, e_NK = x_BTD.reshape(-1, D), w_BTK.reshape(-1, K), e_BTK.reshape(-1, K)
-            return expert_mlp(x_ND, w_NK, e_NK, p, first_expert, scale).reshape(x_BTD.shape)
-
         mesh = self.mesh
         if mesh is None or mesh.size == 1:
-            return local(x_BTD, w_BTK, e_BTK, *ws)
-
+            B, T, D = x_BTD.shape
+            p = dict(zip(names, ws, strict=True))
+            x_ND, w_NK, e_NK = (
+                x_BTD.reshape(B * T, D),
+                w_BTK.reshape(B * T, -1),
+                e_BTK.reshape(B * T, -1),
+            )
+            return expert_mlp(x_ND, w_NK, e_NK, p, 0, scale).reshape(B, T, D)
         ep = tuple(a for a in _mesh_axes(self.rules, "expert") if a in mesh.axis_names)
         tp = tuple(a for a in _mesh_axes(self.rules, "mlp") if a in mesh.axis_names)
-        reduce_axes = ep + tp
         dp = tuple(
             a
             for a in _mesh_axes(self.rules, "batch")
-            if a in mesh.axis_names and a not in reduce_axes and mesh.shape[a] > 1
+            if a in mesh.axis_names and a not in ep + tp and mesh.shape[a] > 1
         )
-        n_dp = 1
-        for a in dp:
-            n_dp *= mesh.shape[a]
-        row_spec = PartitionSpec(dp if dp and B % n_dp == 0 else None, None, None)
-        w_specs = [_in_spec(ax, self.rules, reduce_axes) for _, ax in arrays.values()]
-        n_local = self.num_experts
-        for a in ep:
-            n_local //= mesh.shape[a]
+        w_specs = [_in_spec(ax, self.rules, ep + tp) for _, ax in arrays.values()]
+        n_ep = _size(mesh, ep)
+        if self.num_experts % n_ep:
+            raise ValueError(
+                f"the mesh's expert axes {ep} (size {n_ep}) do not divide num_experts="
+                f"{self.num_experts}"
+            )
+        if self.dispatch == "all_to_all" and n_ep > 1:
+            run = self._all_to_all
+        else:
+            run = self._all_gather
+        return run(x_BTD, w_BTK, e_BTK, names, ws, w_specs, scale, mesh, ep, tp, dp)
+
+    def _all_gather(self, x_BTD, w_BTK, e_BTK, names, ws, w_specs, scale, mesh, ep, tp, dp):
+        """Every expert/tensor device routes all its batch shard's tokens through its experts;
+        a psum over the expert and tensor axes combines."""
+        B, _, D = x_BTD.shape
+        reduce_axes = ep + tp
+        row_spec = PartitionSpec(dp if dp and B % _size(mesh, dp) == 0 else None, None, None)
+        n_local = self.num_experts // _size(mesh, ep)
 
         def sharded(x_BTD, w_BTK, e_BTK, *ws):
             # Tokens and routing are the same on every expert/tensor device; marking them as
@@ -245,7 +395,10 @@ class SparseMoeBlock(nnx.Module):
             # expert_mlp use per-device expert offsets).
             x_BTD, w_BTK = jax.lax.pcast((x_BTD, w_BTK), reduce_axes, to="varying")
             first = jax.lax.axis_index(ep[0] if len(ep) == 1 else ep) * n_local if ep else 0
-            y = local(x_BTD, w_BTK, e_BTK, *ws, first_expert=first)
+            K = e_BTK.shape[-1]
+            p = dict(zip(names, ws, strict=True))
+            x_ND, w_NK, e_NK = x_BTD.reshape(-1, D), w_BTK.reshape(-1, K), e_BTK.reshape(-1, K)
+            y = expert_mlp(x_ND, w_NK, e_NK, p, first, scale).reshape(x_BTD.shape)
             return jax.lax.psum(y, reduce_axes) if reduce_axes else y
 
         return jax.shard_map(
@@ -254,6 +407,44 @@ class SparseMoeBlock(nnx.Module):
             in_specs=(row_spec, row_spec, row_spec, *w_specs),
             out_specs=row_spec,
         )(x_BTD, w_BTK, e_BTK, *ws)
+
+    def _all_to_all(self, x_BTD, w_BTK, e_BTK, names, ws, w_specs, scale, mesh, ep, tp, dp):
+        """The B*T tokens split over the batch and expert axes (padded to a multiple of their
+        size with tokens routed nowhere); each device sends its rows to their experts' devices
+        and back (`expert_mlp_all_to_all`); a psum over the tensor axes adds the width
+        slices' partial outputs."""
+        B, T, D = x_BTD.shape
+        K = e_BTK.shape[-1]
+        N = B * T
+        shards = _size(mesh, dp + ep)
+        pad = -N % shards
+        x_ND = jnp.pad(x_BTD.reshape(N, D), ((0, pad), (0, 0)))
+        w_NK = jnp.pad(w_BTK.reshape(N, K), ((0, pad), (0, 0)))
+        e_NK = jnp.pad(e_BTK.reshape(N, K), ((0, pad), (0, 0)), constant_values=-1)
+        row_spec = PartitionSpec(dp + ep, None)
+        emulate = mesh.devices.flat[0].platform == "cpu"  # XLA:CPU has no ragged-all-to-all
+
+        def sharded(x_nD, w_nK, e_nK, *ws):
+            p = dict(zip(names, ws, strict=True))
+            y = expert_mlp_all_to_all(
+                x_nD, w_nK, e_nK, p, self.num_experts, ep, scale, emulate=emulate
+            )
+            return jax.lax.psum(y, tp) if tp else y
+
+        y_ND = jax.shard_map(
+            sharded,
+            mesh=mesh,
+            in_specs=(row_spec, row_spec, row_spec, *w_specs),
+            out_specs=row_spec,
+        )(x_ND, w_NK, e_NK, *ws)
+        return y_ND[:N].reshape(B, T, D)
+
+
+def _size(mesh: Mesh, axes: tuple[str, ...]) -> int:
+    n = 1
+    for a in axes:
+        n *= mesh.shape[a]
+    return n
 
 
 def replay_weights(logits_NE: jax.Array, e_NK: jax.Array, norm_topk_prob: bool = True) -> jax.Array:
@@ -305,12 +496,18 @@ def routing_mismatch(
     return jnp.sum(differ * m_LBT) / jnp.maximum(jnp.sum(m_LBT), 1.0)
 
 
-def set_expert_mesh(model: nnx.Module, mesh: Mesh | None, rules: shd.Rules | None = None) -> int:
+def set_expert_mesh(
+    model: nnx.Module,
+    mesh: Mesh | None,
+    rules: shd.Rules | None = None,
+    dispatch: str | None = None,
+) -> int:
     """Run every MoE block of `model` expert-parallel on `mesh` under `rules` (None: on one
-    device, no shard_map). Returns the number of MoE blocks set."""
+    device, no shard_map), by `dispatch` ("all_to_all" | "all_gather"; None: keep each block's,
+    from `config.moe_dispatch`). Returns the number of MoE blocks set."""
     n = 0
     for _, m in nnx.iter_modules(model):
         if isinstance(m, SparseMoeBlock):
-            m.use_mesh(mesh, rules)
+            m.use_mesh(mesh, rules, dispatch)
             n += 1
     return n
