@@ -142,14 +142,17 @@ async def run(
         state, meta = resume_from.restore(learner.abstract_state())
         learner.load_state_dict(state)
         step = int(meta["step"])
-        writer.truncate_after(step)
-        db.truncate_after(step)
         logging.info("resumed from %s at step %d", resume_from.directory, step)
         if resume_from is not ckpt:
             resume_from.close()
-    else:  # a rerun of a run that died before its first checkpoint starts its metrics afresh
-        writer.truncate_after(-1)
-        db.truncate_after(-1)
+    # a resume redoes the steps after `step`; a rerun of a run that died before its first
+    # checkpoint starts its metrics afresh (-1)
+    writer.truncate_after(step if resume_from is not None else -1)
+    db.truncate_after(step if resume_from is not None else -1)
+    if jax.process_count() > 1:  # process 0's truncate drops every process's rows: it lands
+        if is_main:  # before any process writes a redone step's groups
+            db.flush(60)
+        multihost.sync("db_truncate")
     num_pages = builders.kv_pages(config, learner, processor.image_config)
     engine = builders.build_engine(
         learner.model, config, processor.tokenizer, mesh=mesh, rules=rules, num_pages=num_pages

@@ -404,10 +404,18 @@ class TrajectoryDB:
                 time.sleep(1.0)
                 migrate(self._engine)
             self._migrated = True
-        with Session(self._engine) as session, session.begin():
-            with self._lock:
-                lost = list(self.lost)
-            records.apply_record(session, rec, lost)
+        with self._lock:
+            lost = list(self.lost)
+        try:
+            with Session(self._engine) as session, session.begin():
+                records.apply_record(session, rec, lost)
+        except sa.exc.IntegrityError:
+            if rec["op"] != "open":
+                raise
+            # another process of the job (or an eval attaching) inserted the run row between
+            # this open's SELECT and its INSERT: the row exists now, so the open joins it
+            with Session(self._engine) as session, session.begin():
+                records.apply_record(session, rec, lost)
         self.written += 1
 
     def _write_or_spill(self, rec: dict[str, Any]) -> bool:

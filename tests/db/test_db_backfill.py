@@ -242,3 +242,55 @@ def test_a_workdir_on_object_storage_is_recorded_with_a_database_url(db_url, tmp
     assert shots and all((epath.Path(wd) / s).exists() for s in shots)
     assert not os.path.exists(tmp_path / "gs:")  # nothing written to a local "gs:" folder
     FakeGCS.store.clear()
+
+
+def test_two_processes_opening_the_run_at_once_lose_no_open(db_url, tmp_path, monkeypatch):
+    """Process 1's open finds no run row, and process 0 inserts it before process 1's INSERT:
+    process 1 joins that row (an open that lost the race is not a refused record)."""
+    from cua_jax.db import writer as writer_mod
+
+    wd = str(tmp_path / "run")
+    url = normalize_url(db_url)
+    p0 = db_lib.open_run(wd, db_url, retry_s=0.2)  # makes the schema and the run's uid
+    assert p0.flush(60)
+    uid = p0.uid
+    e0 = db_lib.make_engine(url)
+    with e0.begin() as c:  # back to "no run row yet": process 0's open has not landed
+        c.execute(sa.text("DELETE FROM runs WHERE uid = :u"), {"u": uid})
+    raced = []
+
+    def make_engine(u, **kw):
+        engine = db_lib.make_engine(u, **kw)
+
+        @sa.event.listens_for(engine, "before_cursor_execute")
+        def _race(conn, cursor, statement, params, context, executemany):  # noqa: ANN001, ARG001
+            if statement.lstrip().upper().startswith("INSERT INTO RUNS") and not raced:
+                raced.append(statement)
+                with e0.begin() as c:  # process 0's open lands first
+                    c.execute(
+                        sa.text(
+                            "INSERT INTO runs (uid, name, kind, workdir, status, config, "
+                            "started_at, updated_at) VALUES (:u, 'p0', 'train', :w, 'running', "
+                            "'{}', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+                        ),
+                        {"u": uid, "w": wd},
+                    )
+
+        return engine
+
+    monkeypatch.setattr(writer_mod, "make_engine", make_engine)
+    p1 = db_lib.open_run(wd, db_url, retry_s=0.2, process_index=1)
+    p1.log_step(1, {}, step(1), version=1)
+    assert p1.flush(60)
+    assert raced, "process 1's open never tried to insert the run row"
+    assert p1.lost == []
+    p1.close("finished")
+    p0.close("finished")
+    with e0.connect() as c:
+        runs = c.execute(sa.text("SELECT count(*), max(status) FROM runs")).one()
+        groups = c.execute(
+            sa.text('SELECT count(*) FROM groups WHERE "index" >= :s'), {"s": PROCESS_STRIDE}
+        ).scalar()
+    e0.dispose()
+    assert tuple(runs) == (1, "finished")
+    assert groups == GROUPS
