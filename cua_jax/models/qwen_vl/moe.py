@@ -448,12 +448,15 @@ def _size(mesh: Mesh, axes: tuple[str, ...]) -> int:
 
 
 def replay_weights(logits_NE: jax.Array, e_NK: jax.Array, norm_topk_prob: bool = True) -> jax.Array:
-    """Routing weights f32[N, K] of given experts under the current router (routing replay)."""
-    probs = jax.nn.softmax(logits_NE.astype(jnp.float32), axis=-1)
-    w_NK = jnp.take_along_axis(probs, e_NK, axis=-1)
+    """Routing weights f32[N, K] of given experts under the current router (routing replay).
+
+    Renormalised: p_i / sum_k p_k = softmax over the k chosen logits, computed so, because a
+    replayed expert the current router has moved far away from has a probability that underflows
+    to 0 in f32 (all k of them: 0/0 = NaN, also in the router's gradient)."""
+    logits_NE = logits_NE.astype(jnp.float32)
     if norm_topk_prob:
-        w_NK = w_NK / jnp.sum(w_NK, axis=-1, keepdims=True)
-    return w_NK
+        return jax.nn.softmax(jnp.take_along_axis(logits_NE, e_NK, axis=-1), axis=-1)
+    return jnp.take_along_axis(jax.nn.softmax(logits_NE, axis=-1), e_NK, axis=-1)
 
 
 def load_balancing_loss(
