@@ -50,9 +50,12 @@ tools_agent_MODEL): with --workdir the run's own, else OUT/trajectories.sqlite (
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import sys
+from typing import Any
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
@@ -214,28 +217,27 @@ async def _sampled_episodes(agent, pool, played, seed, screens, on_episode):
     return list(await asyncio.gather(*(one(j, t) for j, t in enumerate(played))))
 
 
-def main(argv: list[str]) -> None:
-    import asyncio
-    import time
-
-    if len(argv) > 1:
-        raise EvalError(f"unexpected positional arguments: {argv[1:]}")
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
-    config, task_sources = _load_config()
+def _check_flags() -> None:
+    """The flag combinations that make no eval, before anything heavy is loaded."""
     from cua_jax.evaluation import verdict
 
     try:
         verdict.check_sampling(_SAMPLES.value, _TEMPERATURE.value)
     except ValueError as e:
         raise EvalError(str(e)) from None
+    if _AGENT.value == "openai" and _BASE_URL.value is None:
+        raise EvalError("--agent=openai needs --base_url (e.g. http://127.0.0.1:8000/v1)")
+    if _AGENT.value == "checkpoint" and _BASE_URL.value is not None:
+        raise EvalError("--base_url goes with --agent=openai or --agent=anthropic")
+    if _AGENT.value == "anthropic" and not _MODEL.value:
+        raise EvalError("--agent=anthropic needs --model")
+    if _AGENT.value != "checkpoint" and _STEP.value is not None:
+        raise EvalError("--step picks a checkpoint; with --agent=openai the endpoint plays")
 
-    from cua_jax import builders
-    from cua_jax import metrics as metrics_lib
-    from cua_jax.checkpoint.orbax_io import CheckpointError
+
+def _load_tasks(config, task_sources):
+    """The validated config's env factory and the tasks of `task_sources`."""
     from cua_jax.config_checks import ConfigError, validate_config
-    from cua_jax.evaluation import episodes
-    from cua_jax.rl.rollout import AgentLoop
     from launch import compose
 
     try:
@@ -252,75 +254,157 @@ def main(argv: list[str]) -> None:
         raise EvalError(str(e)) from None
     if not tasks:
         raise EvalError(f"the task source(s) {task_sources} hold no task")
+    return env_factory, tasks
 
-    openai = _AGENT.value != "checkpoint"  # an endpoint plays
-    if _AGENT.value == "openai" and _BASE_URL.value is None:
-        raise EvalError("--agent=openai needs --base_url (e.g. http://127.0.0.1:8000/v1)")
-    if _AGENT.value == "checkpoint" and _BASE_URL.value is not None:
-        raise EvalError("--base_url goes with --agent=openai or --agent=anthropic")
-    if _AGENT.value == "anthropic" and not _MODEL.value:
-        raise EvalError("--agent=anthropic needs --model")
-    step = None
-    if openai:  # the endpoint plays: only the processor (coordinates, the recorded ids)
+
+@dataclasses.dataclass
+class Player:
+    """Who plays the episodes: the project's agent loop over a checkpoint's policy, or over a
+    remote endpoint (`remote`), with the prompt and action settings of the config."""
+
+    agent: Any  # AgentLoop | tools.agents.AgentEvalLoop
+    processor: Any
+    settings: Any  # RolloutSettings
+    name: str  # eval.json's "agent"
+    tag: str  # step_N | agent_MODEL: the default output directory and the database tag
+    step: int | None = None  # the checkpoint's step (None: an endpoint plays)
+    remote: Any = None  # tools.agents.OpenAIAgent | AnthropicAgent
+
+    def texts(self, trajs) -> list[list[str]]:
+        """Each turn's generated text (the policy's ids decoded, stop tokens dropped)."""
+        stop = set(self.processor.tokenizer.stop_ids)
+        decode = self.processor.tokenizer.decode
+        return [
+            [decode([int(i) for i in t.generated_ids if i not in stop]) for t in traj.turns]
+            for traj in trajs
+        ]
+
+
+def _player(config) -> Player:
+    """--agent's player: the endpoint (only the processor is loaded: coordinates, recorded ids)
+    or the checkpoint's policy on the project's sampler."""
+    from cua_jax import builders
+
+    if _AGENT.value != "checkpoint":
         from types import SimpleNamespace
 
         from cua_jax.evaluation.loading import build_processor
+        from tools.agents import AgentEvalLoop, AnthropicAgent, OpenAIAgent
 
         processor = build_processor(config)
         no_model = SimpleNamespace(config=SimpleNamespace(vision_placeholder_ids=()))
         settings = builders.build_rollout_settings(config, no_model)
-        if _STEP.value is not None:
-            raise EvalError("--step picks a checkpoint; with --agent=openai the endpoint plays")
-    else:
-        from cua_jax.evaluation.loading import load_policy
-
-        try:
-            model, processor, step, mesh, rules = load_policy(
-                config, _WORKDIR.value, checkpoint_step(_STEP.value, _WORKDIR.value)
-            )
-        except CheckpointError as e:
-            raise EvalError(str(e)) from None
-        settings = builders.build_rollout_settings(config, model)
-    if openai:
-        import re
-
-        tag = "agent_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", _MODEL.value or _BASE_URL.value)
-    else:
-        tag = f"step_{step}"
-    out_dir = _OUT.value or os.path.join(_WORKDIR.value, "eval", tag)
-    os.makedirs(out_dir, exist_ok=True)
-    if openai:
-        from tools.agents import AgentEvalLoop, AnthropicAgent, OpenAIAgent
-
         if _AGENT.value == "openai":
-            remote = OpenAIAgent(
-                _BASE_URL.value, _MODEL.value, _API_KEY.value or os.environ.get("OPENAI_API_KEY")
-            )
+            key = _API_KEY.value or os.environ.get("OPENAI_API_KEY")
+            remote = OpenAIAgent(_BASE_URL.value, _MODEL.value, key)
         else:
-            remote = AnthropicAgent(
-                _BASE_URL.value or "https://api.anthropic.com",
-                _MODEL.value,
-                _API_KEY.value or os.environ.get("ANTHROPIC_API_KEY"),
-            )
+            key = _API_KEY.value or os.environ.get("ANTHROPIC_API_KEY")
+            url = _BASE_URL.value or "https://api.anthropic.com"
+            remote = AnthropicAgent(url, _MODEL.value, key)
+        tag = "agent_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", _MODEL.value or _BASE_URL.value)
         agent = AgentEvalLoop(processor, settings)
-        agent_name = remote.name
-    else:
-        engine = builders.build_engine(model, config, processor.tokenizer, mesh=mesh, rules=rules)
-        agent = AgentLoop(engine, processor, settings)
-        agent_name = f"checkpoint:{_WORKDIR.value or config.model.get('hf_path') or 'init'}"
+        return Player(agent, processor, settings, remote.name, tag, remote=remote)
+    from cua_jax.checkpoint.orbax_io import CheckpointError
+    from cua_jax.evaluation.loading import load_policy
+    from cua_jax.rl.rollout import AgentLoop
 
+    try:
+        model, processor, step, mesh, rules = load_policy(
+            config, _WORKDIR.value, checkpoint_step(_STEP.value, _WORKDIR.value)
+        )
+    except CheckpointError as e:
+        raise EvalError(str(e)) from None
+    settings = builders.build_rollout_settings(config, model)
+    engine = builders.build_engine(model, config, processor.tokenizer, mesh=mesh, rules=rules)
+    name = f"checkpoint:{_WORKDIR.value or config.model.get('hf_path') or 'init'}"
+    agent = AgentLoop(engine, processor, settings)
+    return Player(agent, processor, settings, name, f"step_{step}", step)
+
+
+async def _play(player: Player, env_factory, tasks, played, n_samples: int, seed: int, on_episode):
+    """Plays `played` (each task once greedily, or n_samples times sampled): the trajectories,
+    each episode's screenshots and each turn's text."""
+    screens: list = []
+    async with env_factory() as pool:
+        if player.remote is not None:
+            try:
+                trajs, texts = await player.agent.evaluate_agent(
+                    pool, played, player.remote, seed=seed, screens=screens, on_episode=on_episode
+                )
+            finally:
+                await player.remote.close()
+            return trajs, screens, texts
+        if n_samples:
+            trajs = await _sampled_episodes(player.agent, pool, played, seed, screens, on_episode)
+        else:
+            trajs = await player.agent.evaluate(
+                pool, tasks, seed=seed, screens=screens, on_episode=on_episode
+            )
+    return trajs, screens, player.texts(trajs)
+
+
+def _pass_at_k(trajs, n_samples: int) -> dict[str, float]:
+    """Unbiased pass@k (k = 1, 2, 4, ... n_samples) from n_samples episodes a task, each in
+    order; a task's infrastructure faults are not samples."""
+    from cua_jax.evaluation import stats
+
+    per_task = [
+        (sum(not t.infra_fault for t in g), sum(t.success for t in g if not t.infra_fault))
+        for g in (trajs[i : i + n_samples] for i in range(0, len(trajs), n_samples))
+    ]
+    per_task = [(n, c) for n, c in per_task if n > 0]
+    ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128, n_samples) if k <= n_samples})
+    return {
+        str(k): stats.mean_pass_at_k([(n, c) for n, c in per_task if n >= k], k)
+        for k in ks
+        if any(n >= k for n, _ in per_task)
+    }
+
+
+def _write_episodes(result_dir, player: Player, trajs, played, screens, texts, n_samples) -> str:
+    """OSWorld-style per-episode folders under `result_dir` (with --osworld_meta, in OSWorld's
+    own layout under it); returns the folder the episodes went to."""
+    from cua_jax.evaluation import results as results_lib
+
+    osworld_layout = _OSWORLD_META.value is not None
+    if osworld_layout:  # <domain>/<OSWorld's task id>/ under <action_space>/<obs>/<model>/
+        result_dir = osworld_result_dir(result_dir, _MODEL.value or player.tag)
+    for j, (traj, task, shots, tx) in enumerate(zip(trajs, played, screens, texts, strict=True)):
+        if osworld_layout:
+            task = dataclasses.replace(task, id=str(task.spec.get("id", task.id)))
+        sample = j % n_samples if n_samples else None
+        results_lib.write_episode(
+            result_dir, task, traj, shots, tx, agent=player.name, sample=sample
+        )
+    return result_dir
+
+
+def main(argv: list[str]) -> None:
+    import asyncio
+    import time
+
+    if len(argv) > 1:
+        raise EvalError(f"unexpected positional arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    config, task_sources = _load_config()
+    _check_flags()
+    from cua_jax import metrics as metrics_lib
+    from cua_jax.evaluation import episodes, stats, verdict
+
+    env_factory, tasks = _load_tasks(config, task_sources)
+    player = _player(config)
+    out_dir = _OUT.value or os.path.join(_WORKDIR.value, "eval", player.tag)
+    os.makedirs(out_dir, exist_ok=True)
     n_samples = _SAMPLES.value
-    temperature = settings.temperature if _TEMPERATURE.value is None else _TEMPERATURE.value
+    temperature = player.settings.temperature if _TEMPERATURE.value is None else _TEMPERATURE.value
+    played = list(tasks)
     if n_samples:  # every task n times, sampled; pass@k from them
-        import dataclasses
-
         played = [t for t in tasks for _ in range(n_samples)]
-        settings = dataclasses.replace(settings, temperature=temperature)
-        agent.settings = settings
-        if openai and hasattr(remote, "temperature"):
-            remote.temperature = temperature
-    else:
-        played = list(tasks)
+        player.settings = dataclasses.replace(player.settings, temperature=temperature)
+        player.agent.settings = player.settings
+        if hasattr(player.remote, "temperature"):
+            player.remote.temperature = temperature
     bar = metrics_lib.Progress(len(played), desc="eval")
     done: list[float] = []
 
@@ -328,90 +412,38 @@ def main(argv: list[str]) -> None:
         done.append(float(traj.success))
         bar.update(1, success=sum(done) / len(done))
 
-    async def run():
-        screens: list = []
-        async with env_factory() as pool:
-            if openai:
-                try:
-                    trajs, texts = await agent.evaluate_agent(
-                        pool,
-                        played,
-                        remote,
-                        seed=config.seed,
-                        screens=screens,
-                        on_episode=on_episode,
-                    )
-                finally:
-                    await remote.close()
-            elif n_samples:
-                trajs = await _sampled_episodes(
-                    agent, pool, played, config.seed, screens, on_episode
-                )
-            else:
-                trajs = await agent.evaluate(
-                    pool, tasks, seed=config.seed, screens=screens, on_episode=on_episode
-                )
-            if not openai:
-                stop = set(processor.tokenizer.stop_ids)
-                texts = [
-                    [
-                        processor.tokenizer.decode(
-                            [int(i) for i in t.generated_ids if i not in stop]
-                        )
-                        for t in traj.turns
-                    ]
-                    for traj in trajs
-                ]
-        return trajs, screens, texts
-
     t0 = time.perf_counter()
-    trajs, screens, texts = asyncio.run(run())
+    trajs, screens, texts = asyncio.run(
+        _play(player, env_factory, tasks, played, n_samples, config.seed, on_episode)
+    )
     bar.close()
-    from cua_jax.evaluation import results as results_lib
-    from cua_jax.evaluation import stats
-
-    result_dir = _RESULT_DIR.value or os.path.join(out_dir, "results")
-    osworld_layout = _OSWORLD_META.value is not None
-    if osworld_layout:  # <domain>/<OSWorld's task id>/ under <action_space>/<obs>/<model>/
-        import dataclasses
-
-        result_dir = osworld_result_dir(result_dir, _MODEL.value or tag)
-    for j, (traj, task, shots, tx) in enumerate(zip(trajs, played, screens, texts, strict=True)):
-        sample = j % n_samples if n_samples else None
-        if osworld_layout:
-            task = dataclasses.replace(task, id=str(task.spec.get("id", task.id)))
-        results_lib.write_episode(
-            result_dir, task, traj, shots, tx, agent=agent_name, sample=sample
-        )
+    result_dir = _write_episodes(
+        _RESULT_DIR.value or os.path.join(out_dir, "results"),
+        player,
+        trajs,
+        played,
+        screens,
+        texts,
+        n_samples,
+    )
     ran = [t for t in trajs if not t.infra_fault]
     extra = {}
     if n_samples:
-        per_task = [
-            (sum(not t.infra_fault for t in g), sum(t.success for t in g if not t.infra_fault))
-            for g in (trajs[i : i + n_samples] for i in range(0, len(trajs), n_samples))
-        ]
-        per_task = [(n, c) for n, c in per_task if n > 0]
-        ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128, n_samples) if k <= n_samples})
         extra = {
             "samples": n_samples,
             "temperature": temperature,
-            "pass_at_k": {
-                str(k): stats.mean_pass_at_k([(n, c) for n, c in per_task if n >= k], k)
-                for k in ks
-                if any(n >= k for n, _ in per_task)
-            },
+            "pass_at_k": _pass_at_k(trajs, n_samples),
         }
+    source = player.name
+    if player.remote is None:
+        source = _WORKDIR.value or config.model.get("hf_path") or f"{config.preset} (random init)"
     result = {
-        "source": (
-            agent_name
-            if openai
-            else _WORKDIR.value or config.model.get("hf_path") or f"{config.preset} (random init)"
-        ),
-        "agent": agent_name,
+        "source": source,
+        "agent": player.name,
         "result_dir": result_dir,
         "success_ci95": list(stats.wilson_interval(sum(t.success for t in ran), len(ran))),
         **extra,
-        "step": step,
+        "step": player.step,
         "tasks": task_sources,
         "num_tasks": len(tasks),
         **episodes.success_by_category(trajs, played),
@@ -439,28 +471,34 @@ def main(argv: list[str]) -> None:
             file=sys.stderr,
         )
         raise SystemExit(1)
-    _log_to_database(config, out_dir, step, tag, trajs, played, screens, result, processor)
+    _log_to_database(
+        config, out_dir, player.step, player.tag, trajs, played, screens, result, player.processor
+    )
     n = _LOG_EPISODES.value
     episodes.write_episodes(
         os.path.join(out_dir, "episodes.html"),
         list(zip(trajs[:n], screens[:n], strict=True)),
-        processor.tokenizer.decode,
-        f"eval of {result['source']} step {step}: success {result['eval/success']:.3f}",
+        player.processor.tokenizer.decode,
+        f"eval of {result['source']} step {player.step}: success {result['eval/success']:.3f}",
     )
+    _print_summary(result, out_dir, result_dir, len(tasks))
+
+
+def _print_summary(result: dict, out_dir: str, result_dir: str, num_tasks: int) -> None:
     cats = ", ".join(
         f"{k.removeprefix('eval/success/')}: {v:.2f}"
         for k, v in result.items()
         if k.startswith("eval/success/")
     )
     show = f"tools/show_results.py {result_dir}"
-    if osworld_layout:
+    if _OSWORLD_META.value is not None:
         root = _RESULT_DIR.value or os.path.join(out_dir, "results")
         show = (
             f"tools/show_results.py {root} --action_space={_ACTION_SPACE.value} "
             f"--observation_type={_OBSERVATION_TYPE.value} --model={os.path.basename(result_dir)}"
         )
     print(
-        f"eval success {result['eval/success']:.3f} over {len(tasks)} tasks ({cats}); "
+        f"eval success {result['eval/success']:.3f} over {num_tasks} tasks ({cats}); "
         f"wrote {out_dir}/eval.json and episodes.html; per-episode folders in {result_dir} "
         f"({show})"
     )
