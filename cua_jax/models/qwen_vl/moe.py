@@ -261,7 +261,13 @@ def expert_mlp_all_to_all(
     chunk = n * min(K, El)
     a2a = dict(axis_name=axis_name, chunk=chunk, emulate=emulate)
     buf_RD = _ragged_all_to_all(
-        xs_MD, jnp.zeros((R, D), dt), in_off_PP[me], send_P, land_PP[me], recv_P, **a2a
+        xs_MD,
+        jax.lax.full_like(xs_MD, 0, shape=(R, D)),
+        in_off_PP[me],
+        send_P,
+        land_PP[me],
+        recv_P,
+        **a2a,
     )
     # 3. group the received rows by local expert: source-major segments (s, l) of cnt[s, me, l]
     seg_end = jnp.cumsum(cnt_PPL[:, me, :].reshape(P * El))
@@ -274,7 +280,13 @@ def expert_mlp_all_to_all(
     # 4. outputs back to where their rows came from, weighted and summed per token
     recv_off_P = jnp.cumsum(recv_P) - recv_P
     back_MD = _ragged_all_to_all(
-        out_RD, jnp.zeros((M, D), dt), recv_off_P, recv_P, in_off_PP[:, me], send_P, **a2a
+        out_RD,
+        jax.lax.full_like(out_RD, 0, shape=(M, D)),
+        recv_off_P,
+        recv_P,
+        in_off_PP[:, me],
+        send_P,
+        **a2a,
     )
     w_M = jnp.take(w_nK.astype(dt).reshape(M), order_M)
     y_MD = jnp.where((jnp.take(key_M, order_M) < num_experts)[:, None], back_MD * w_M[:, None], 0)
