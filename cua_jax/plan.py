@@ -43,6 +43,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -273,9 +274,11 @@ class ProgramPlan:
 
     @property
     def total_bytes(self) -> int:
-        """Peak per-device HBM: arguments + outputs - donated + scratch + code + resident."""
+        """Peak per-device HBM: arguments + outputs - donated + scratch + code + resident. A
+        program the compiler refused: its arguments, resident buffers and the temporaries the
+        compiler said it needed (`temp_bytes`, 0 when its message gave no figure)."""
         if self.compile_error is not None:
-            return sum(self.arguments.values()) + sum(self.resident.values())
+            return sum(self.arguments.values()) + sum(self.resident.values()) + self.temp_bytes
         # Arguments the program does not read (the vision tower in decode) are pruned from the
         # compiled program but still live in HBM: the hand count holds them; the compiler's may
         # be larger (TPU tiling pads small dims).
@@ -305,7 +308,7 @@ class ProgramPlan:
         """Per-device bytes by consumer, biggest first (temp = the compiler's scratch)."""
         out = dict(self.arguments)
         out.update(self.resident)
-        if self.compile_error is None:
+        if self.compile_error is None or self.temp_bytes:
             out["temp (activations, scratch)"] = self.temp_bytes
             extra = self.output_bytes - self.alias_bytes
             if extra > 0:
@@ -320,6 +323,9 @@ class Plan:
     headroom: float  # share of HBM kept free
     programs: list[ProgramPlan]
     summary: dict[str, Any]
+    # what does not fit besides a program's peak (one line each): a KV pool below
+    # sampler.kv_min_fraction or one sequence, as `builders.kv_pages` refuses it at start
+    problems: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def budget_bytes(self) -> int:
@@ -333,13 +339,14 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return not self.misfits()
+        return not self.misfits() and not self.problems
 
     def reason(self) -> str:
-        """One line: the first program that does not fit, its biggest consumer, what to change."""
+        """One line: the first program that does not fit, its biggest consumer, what to change
+        (else the first of `problems`)."""
         bad = self.misfits()
         if not bad:
-            return ""
+            return self.problems[0] if self.problems else ""
         p = bad[0]
         name, size = next(iter(p.consumers().items()))
         hbm = self.topology.chip.hbm_bytes
@@ -348,6 +355,7 @@ class Plan:
             if p.compile_error is not None and p.total_bytes <= self.budget_bytes
             else f"needs {p.total_bytes / GiB:.1f} GiB per device > {self.budget_bytes / GiB:.1f}"
             f" GiB ({hbm / GiB:.0f} GiB HBM less {self.headroom:.0%} headroom)"
+            + (" by the compiler's count as it ran out of memory" if p.compile_error else "")
         )
         return (
             f"{p.name} does not fit {self.topology.name}: {what}; biggest consumer: {name} "
@@ -366,6 +374,14 @@ def _advice(consumer: str, plan: Plan) -> str:
     if consumer.startswith(("params", "optimizer", "KL reference", "frozen")):
         lora = "" if s.get("lora_rank") else "LoRA (--config.model.lora_rank=64), "
         return f"try {lora}{more} (FSDP shards params and optimizer state over every device)"
+    if consumer.startswith("temp") and s.get("tokens_per_chip"):
+        least = s.get("least_tokens_per_chip")
+        floor = f"; the least is {least}: the row that holds the longest sample" if least else ""
+        return (
+            f"try a smaller --config.rl.tokens_per_chip (now {s['tokens_per_chip']}{floor}), "
+            f"fewer --config.env.max_history_images or max_turns (shorter samples), a larger "
+            f"--config.mesh.tensor, or {more}"
+        )
     if consumer.startswith("temp"):
         remat = "" if s.get("remat") == "full" else "--config.model.remat=full, "
         subs = 2 * int(s.get("num_substeps", 1))
@@ -504,6 +520,19 @@ def _text_param_count(state: Any, active_expert_share: float = 1.0) -> float:
     return n
 
 
+_OOM_TEMP = re.compile(r"HLO temporaries \(([0-9.]+)([KMGT]?)\)")
+
+
+def compiler_oom_temp_bytes(msg: str) -> int:
+    """The temporaries the TPU compiler said a program needs when it ran out of HBM ("the total
+    memory required for HLO temporaries (31.61G) exceeds available HBM (15.75G)"; its K / M /
+    G / T are powers of 1024), in bytes; 0 when the message has no such figure."""
+    m = _OOM_TEMP.search(msg)
+    if m is None:
+        return 0
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " "))
+
+
 def _compile(fn: Any, args: tuple, prog: ProgramPlan) -> None:
     """Compiles for the slice and records the compiler's figures; a program whose arguments and
     resident buffers alone exceed the chip's HBM is not compiled (it cannot fit, and compiling a
@@ -525,6 +554,7 @@ def _compile(fn: Any, args: tuple, prog: ProgramPlan) -> None:
                 (ln.strip() for ln in msg.splitlines() if "memory" in ln.lower()), msg[:200]
             )
             prog.compile_error = line[:300]
+            prog.temp_bytes = compiler_oom_temp_bytes(msg)
             return
         raise
     prog.compile_s = time.perf_counter() - t0
@@ -742,6 +772,37 @@ def longest_sample_tokens(config: Any, image_tokens: int) -> int:
     return text + min(env.max_history_images, env.max_turns) * (image_tokens + 2)
 
 
+def least_tokens_per_chip(config: Any, image_tokens: int) -> int:
+    """The least `rl.tokens_per_chip` the preset's env settings allow: the shortest row length
+    of `rl.row_lengths` that holds the longest turn sample (`longest_sample_tokens`; a sample
+    is never split over rows), else the longest row length."""
+    lengths = sorted(config.rl.row_lengths)
+    need = longest_sample_tokens(config, image_tokens)
+    return next((n for n in lengths if n >= need), lengths[-1])
+
+
+def next_budget(
+    config: Any, grads: list[ProgramPlan], limit: int, image_tokens: int
+) -> tuple[int, tuple[int, ...]] | None:
+    """The smaller (tokens_per_chip, row_lengths) to plan again when the largest of the chunk
+    programs `grads` (planned at `config.rl.tokens_per_chip`) peaks above `limit`; a program
+    the compiler refused counts at the temporaries it said it needed. None when the largest
+    fits, when a refused program gave no figure, when what does not grow with the chunk
+    (params, accumulator, optimizer state) is already above `limit`, or when nothing smaller
+    is left (`_fitted_budget`)."""
+    if not grads or any(p.compile_error is not None and not p.temp_bytes for p in grads):
+        return None
+    top = max(grads, key=lambda p: p.total_bytes)
+    if top.total_bytes <= limit:
+        return None
+    chunk = top.arguments["chunk (text)"] + top.arguments[_SCREENS_ARG] + top.temp_bytes
+    fixed = top.total_bytes - chunk
+    if fixed >= limit:
+        return None
+    tokens = int(config.rl.tokens_per_chip)
+    return _fitted_budget(config, tokens, fixed, top.total_bytes, limit, image_tokens)
+
+
 def _fitted_budget(
     config: Any, tokens: int, fixed: int, peak: int, limit: int, image_tokens: int
 ) -> tuple[int, tuple[int, ...]] | None:
@@ -752,8 +813,7 @@ def _fitted_budget(
     shortest row length that holds the longest sample; row lengths above it dropped. None when
     nothing smaller is left to try."""
     lengths = sorted(config.rl.row_lengths)
-    need = longest_sample_tokens(config, image_tokens)
-    floor = next((n for n in lengths if n >= need), lengths[-1])
+    floor = least_tokens_per_chip(config, image_tokens)
     scaled = tokens * (limit - fixed) / max(peak - fixed, 1)
     new = 1 << max(int(np.floor(np.log2(max(scaled, 1)))), 0)
     new = max(min(new, tokens // 2), floor)
@@ -785,19 +845,14 @@ def plan_budget_chunks(
         useful = 1.0 - drawn.padding_share
         progs = plan_chunk_programs(ab, chip, kv_bytes, shapes, useful, c if sdpo else None)
         grads = [p for p in progs if p.rows]
-        if limit is None or any(p.compile_error for p in grads):
+        if limit is None:
             break
-        top = max(grads, key=lambda p: p.total_bytes)
-        if top.total_bytes <= limit:
-            break
-        chunk = top.arguments["chunk (text)"] + top.arguments[_SCREENS_ARG] + top.temp_bytes
         image_tokens = int(np.prod(shapes.grid)) // ab.learner.config.vision.spatial_merge_size**2
-        fit = _fitted_budget(
-            c, int(c.rl.tokens_per_chip), top.total_bytes - chunk, top.total_bytes, limit,
-            image_tokens,
-        )  # fmt: skip
-        if fit is None or top.total_bytes - chunk >= limit:
-            break  # no smaller chunk fits: the misfit is reported as planned
+        # a chunk program the compiler refused (out of HBM) counts at the temporaries it said
+        # it needed: on a small chip that is what the first plan at the preset's budget gives
+        fit = next_budget(c, grads, limit, image_tokens)
+        if fit is None:
+            break  # fits, or no smaller chunk fits: the misfit is reported as planned
         c = copy.deepcopy(c)
         c.rl.tokens_per_chip, c.rl.row_lengths = fit
     if c is not config:
@@ -1372,25 +1427,41 @@ def make_plan(
     if sdpo_programs:
         out += plan_sdpo(config, ab, mesh, topo.chip, rows, row_len, kv_bytes, sdpo_programs)
     pool_note = ""
+    hbm = topo.chip.hbm_bytes
     if frac > 0:
-        hbm = topo.chip.hbm_bytes
         num_pages, kv_bytes, pool_note = size_kv_pool(cfg, sc, tensor, hbm, frac, out)
-    if "decode_step" in programs:
-        decode = plan_decode_step(config, ab, mesh, topo.chip, num_pages, attn_backend)
-        if frac > 0 and decode.compile_error is None and decode.total_bytes > hbm * frac:
-            # the sampler's own scratch is above the learner's: the pool gives up the rest
-            over = decode.total_bytes - int(hbm * frac)
-            per_page = kv_pool_bytes_per_device(cfg, 1, sc.page_size, cfg.dtype, tensor)
-            num_pages = max(0, num_pages - -(-over // per_page))
-            decode = plan_decode_step(config, ab, mesh, topo.chip, num_pages, attn_backend)
-            kv_bytes = kv_pool_bytes_per_device(cfg, num_pages, sc.page_size, cfg.dtype, tensor)
+
+    def sampler_programs(pages: int) -> list[ProgramPlan]:
+        # a pool of 0 or 1 pages holds nothing to decode: compiled at 2 (`kv_pool_problem`
+        # then says the plan does not fit)
+        pages, progs = max(pages, 2), []
+        if "decode_step" in programs:
+            progs.append(plan_decode_step(config, ab, mesh, topo.chip, pages, attn_backend))
+        if "prefill_turn" in programs:
+            progs.append(plan_prefill_turn(config, ab, mesh, topo.chip, pages, attn_backend))
+        return progs
+
+    sampler = sampler_programs(num_pages)
+    problems = []
+    if frac > 0:
+        # the sampler's own scratch (the prefill's vision tower, the decode loop) above the
+        # learner's: the pool gives up the rest, and both are compiled again with it
+        per_page = kv_pool_bytes_per_device(cfg, 1, sc.page_size, cfg.dtype, tensor)
+        cut = sampler_pool_cut(sampler, hbm, frac, per_page)
+        if cut:
+            num_pages = max(0, num_pages - cut)
+            kv_bytes = num_pages * per_page
+            names = ", ".join(p.name for p in sampler if p.total_bytes > hbm * frac)
+            sampler = sampler_programs(num_pages)
             for p in out:
                 if "KV pool (sampler, resident)" in p.resident:
                     p.resident["KV pool (sampler, resident)"] = kv_bytes
-            pool_note += f"; cut to {num_pages} pages for the decode step's own scratch"
-        out.append(decode)
-    if "prefill_turn" in programs:
-        out.append(plan_prefill_turn(config, ab, mesh, topo.chip, num_pages, attn_backend))
+            pool_note += f"; cut to {num_pages} pages for the sampler's own scratch ({names})"
+        min_frac = float(sc.get("kv_min_fraction", 0.0) or 0.0)
+        problem = kv_pool_problem(cfg, sc, num_pages, tensor, hbm, min_frac)
+        if problem:
+            problems.append(problem)
+    out += sampler
 
     # The pool that would fit next to the train step (its other consumers as compiled).
     summary: dict[str, Any] = {
@@ -1408,6 +1479,8 @@ def make_plan(
     if shapes is not None and shapes.budgeted:
         summary["tokens_per_chip"] = shapes.tokens_per_chip
         summary["row_lengths"] = tuple(sh.length for sh in shapes.rl)
+        image_tokens = int(np.prod(shapes.grid)) // cfg.vision.spatial_merge_size**2
+        summary["least_tokens_per_chip"] = least_tokens_per_chip(config, image_tokens)
     if fit_note:
         summary["token_budget"] = fit_note
     if drawn is not None:
@@ -1425,7 +1498,44 @@ def make_plan(
         summary["kv_pages_that_fit"] = kv_pages_for_budget(
             cfg, max(spare, 0), sc.page_size, cfg.dtype, tensor
         )
-    return Plan(topo, dict(mesh.shape), headroom, out, summary)
+    return Plan(topo, dict(mesh.shape), headroom, out, summary, problems)
+
+
+def sampler_pool_cut(sampler: list[ProgramPlan], hbm: int, frac: float, per_page: int) -> int:
+    """KV pages the pool sized from the learner's programs (`size_kv_pool`) must give up so that
+    every sampler program (`decode_step`, `prefill_turn`, each with that pool among its
+    arguments) peaks within `frac` of `hbm`: its excess over that share in whole pages of
+    `per_page` bytes (0 when none is over; a program the compiler refused counts at the
+    temporaries it said it needed)."""
+    peaks = [p.total_bytes for p in sampler if p.compile_error is None or p.temp_bytes]
+    over = max(peaks, default=0) - int(hbm * frac)
+    return -(-over // per_page) if over > 0 else 0
+
+
+def kv_pool_problem(
+    cfg: qwen_vl.QwenVLConfig, sc: Any, pages: int, tensor: int, hbm: int, min_frac: float
+) -> str:
+    """Why a run stops at start with the pool of `pages` a device sized from memory, as
+    `builders.kv_pages` refuses it: less than `min_frac` (sampler.kv_min_fraction) of `hbm`, or
+    not one sequence of sampler.max_seq_len past the scratch page 0; "" when neither."""
+    pool = kv_pool_bytes_per_device(cfg, pages, sc.page_size, cfg.dtype, tensor)
+    fix = (
+        "lower --config.rl.tokens_per_chip or --config.sampler.kv_min_fraction, a larger "
+        "--config.mesh.tensor (K/V and activations split over it), or a larger topology"
+    )
+    if pool < min_frac * hbm:
+        return (
+            f"the KV pool gets {pool / GiB:.2f} GiB ({pages} pages) a device, less than "
+            f"sampler.kv_min_fraction={min_frac} of {hbm / GiB:.0f} GiB "
+            f"({min_frac * hbm / GiB:.2f} GiB): a run stops at start; {fix}"
+        )
+    if (pages - 1) * sc.page_size < sc.max_seq_len:
+        return (
+            f"the KV pool gets {pages} pages of {sc.page_size} tokens, not one sequence of "
+            f"sampler.max_seq_len={sc.max_seq_len} past the scratch page: a run stops at "
+            f"start; {fix}, or a shorter --config.sampler.max_seq_len"
+        )
+    return ""
 
 
 def fmt_bytes(n: float) -> str:
@@ -1493,13 +1603,13 @@ def format_plan(plan: Plan) -> str:
         "| program | kind | rows x length | screens | peak per device | fits | est. MFU |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    limit = plan.budget_bytes or float("inf")
+    misfits = plan.misfits()
     for p in plan.programs:
         batch = f"{p.rows} x {p.row_length}" if p.rows else "-"
         mfu = f"{p.mfu:.1%}" if p.compile_error is None and p.model_flops and p.roofline_s else "-"
         lines.append(
             f"| {p.name} | {p.kind or '-'} | {batch} | {p.screens or '-'} | "
-            f"{fmt_bytes(p.total_bytes)} | {'yes' if p.total_bytes <= limit else 'NO'} | {mfu} |"
+            f"{fmt_bytes(p.total_bytes)} | {'NO' if p in misfits else 'yes'} | {mfu} |"
         )
     if "token_budget" in s:
         lines.append(f"\ntoken budget sized from memory: {s['token_budget']}")
@@ -1544,6 +1654,7 @@ def plan_json(plan: Plan, preset: str) -> dict[str, Any]:
         "processes": plan.topology.num_hosts,
         "hbm_bytes": plan.topology.chip.hbm_bytes,
         "fits": plan.fits,
+        "problems": list(plan.problems),
         "padding_share": plan.summary.get("padding_share"),
         "tokens_per_chip": plan.summary.get("tokens_per_chip"),
         "row_lengths": list(plan.summary.get("row_lengths", ())),
@@ -1555,7 +1666,7 @@ def plan_json(plan: Plan, preset: str) -> dict[str, Any]:
                 "row_length": p.row_length,
                 "screens": p.screens,
                 "bytes": p.total_bytes,
-                "fits": p.total_bytes <= limit,
+                "fits": p.compile_error is None and p.total_bytes <= limit,
                 "est_mfu": p.mfu if p.compile_error is None and p.model_flops else None,
             }
             for p in plan.programs
