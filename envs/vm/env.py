@@ -35,6 +35,9 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import numpy as np
+from absl import logging
+
 from cua_jax.actions import (
     API_ACTION_TYPES,
     PYAUTOGUI_KEY_NAMES,
@@ -81,6 +84,13 @@ from envs.vm import osworld
 from envs.vm.client import VMClient, VMError, VMFileNotFoundError
 from envs.vm.osworld_setup import DEFAULT_CLIENT_PASSWORD
 from envs.vm.providers import Desktop, DesktopPool
+
+# Setup steps that start or show a window: the reset's screenshot waits for it to be drawn
+# (`VMEnv._settle`). A screen is still when under STILL_SHARE of its pixels changed between two
+# screenshots SETTLE_EVERY_S apart (a blinking text cursor is a few hundred pixels).
+WINDOW_STEPS = frozenset({"launch", "open", "chrome_open_tabs", "activate_window"})
+STILL_SHARE = 0.002
+SETTLE_EVERY_S = 0.2
 
 
 def _key(k: str) -> str:
@@ -345,6 +355,10 @@ class VMEnv:
         say a program is missing; see ``envs.vm.osworld_setup``).
       chrome_port: the DevTools port of the desktop's Chrome that ``chrome_open_tabs`` and
         OSWorld's Chrome getters use (OSWorld's VMs: 9222, its tasks' socat forward).
+      settle_s: after a setup that starts or shows a window (``launch``, ``open``, ...), the
+        reset's screenshot waits until the screen has held still this long (``_settle``), at
+        most ``settle_timeout_s``: ``open`` returns when the app's window exists, before the
+        app has drawn it (OSWorld's runner sleeps 60 s after every reset instead). 0: no wait.
     """
 
     def __init__(
@@ -359,6 +373,8 @@ class VMEnv:
         client_password: str | None = None,
         strict_setup: bool = False,
         chrome_port: int = 9222,
+        settle_s: float = 1.0,
+        settle_timeout_s: float = 20.0,
     ):
         self._pool = target if isinstance(target, DesktopPool) else None
         self._desktop: Desktop | None = (
@@ -375,6 +391,8 @@ class VMEnv:
         self.client_password = client_password
         self.strict_setup = strict_setup
         self.chrome_port = int(chrome_port)
+        self.settle_s, self.settle_timeout_s = float(settle_s), float(settle_timeout_s)
+        self.last_settle_s = 0.0  # what the last reset waited for the screen to hold still
         self._setup = osworld.SetupOptions()
         self._work_dir: str | None = None
         self._task: Task | None = None
@@ -436,6 +454,8 @@ class VMEnv:
                 task_id=ot.id,
                 options=self._setup,
             )
+            if any(st.get("type") in WINDOW_STEPS for st in ot.config):
+                self.last_settle_s = await self._settle()
             obs, _ = await self._observe()
         except (VMError, osworld.SetupError, RuntimeError, OSError) as e:
             self._fault = f"{type(e).__name__}: {e}"
@@ -595,6 +615,34 @@ class VMEnv:
         obs = self._last_obs
         assert obs is not None
         return StepResult(obs, True, 0.0, {INFO_ERROR: self._fault, INFO_DONE_REASON: "error"})
+
+    async def _settle(self) -> float:
+        """Waits until the screen holds still for `settle_s` (under `STILL_SHARE` of its pixels
+        change between screenshots `SETTLE_EVERY_S` apart: a blinking text cursor is still), at
+        most `settle_timeout_s`; returns the seconds waited. A screen that never holds still (a
+        video) costs the timeout, and the episode goes on with what it shows then."""
+        if self.settle_s <= 0:
+            return 0.0
+        t0 = time.monotonic()
+        last = await self._pixels()
+        still_since = t0
+        while (now := time.monotonic()) - t0 < self.settle_timeout_s:
+            if now - still_since >= self.settle_s:
+                return now - t0
+            await asyncio.sleep(SETTLE_EVERY_S)
+            shot = await self._pixels()
+            if shot.shape != last.shape or float((shot != last).any(axis=-1).mean()) >= STILL_SHARE:
+                still_since = time.monotonic()
+            last = shot
+        logging.warning(
+            "VMEnv: the screen of task %s did not hold still within %.0f s of its setup",
+            self._task.id if self._task else "?",
+            self.settle_timeout_s,
+        )
+        return time.monotonic() - t0
+
+    async def _pixels(self) -> np.ndarray:
+        return await asyncio.to_thread(decode_screenshot, await self.client.screenshot())
 
     async def _observe(self) -> tuple[Observation, float]:
         t0 = time.perf_counter()

@@ -38,6 +38,7 @@ from typing import Any
 import pytest
 
 from cua_jax.actions import Action, Key, RunShell, TypeText
+from envs.screenshots import decode_screenshot
 from envs.vm import osworld
 from envs.vm import osworld_evaluators as desktop_env
 from envs.vm.env import VMEnv, task_from_osworld
@@ -500,9 +501,14 @@ async def play(desk: LocalDesktop, case: OfficeCase, cache: ContentCache) -> dic
     env = VMEnv(desk, cache=cache)
     out: dict[str, Any] = {"step_s": []}
     t = time.monotonic()
-    await env.reset(task)
-    out["reset_s"] = time.monotonic() - t
+    obs = await env.reset(task)
+    out["reset_s"], out["settle_s"] = time.monotonic() - t, env.last_settle_s
     out["windows"] = (await desk.client.execute(["wmctrl", "-l"]))["output"]
+    # the reset's screenshot shows the document drawn: a second later, few pixels differ from it
+    # (without VMEnv's settle it was the bare window, over a fifth of the screen redrawn after)
+    await asyncio.sleep(1.0)
+    later = decode_screenshot(await desk.client.screenshot())
+    out["redrawn_share"] = float((later != obs.screenshot).any(axis=-1).mean())
     t = time.monotonic()
     out["before"] = await env.evaluate()
     out["eval_before_s"] = time.monotonic() - t
@@ -549,6 +555,7 @@ def test_office_task_in_the_real_app_scores_0_then_1(xserver, aio, tmp_path, nam
 
     out = aio(go(), timeout=240)
     assert case.window in out["windows"], out["windows"]  # setup started the app (on the file)
+    assert out["redrawn_share"] < 0.2, out  # the first observation is the drawn document
     assert (out["before"], out["after"]) == (0.0, 1.0), out["details"]
     assert case.read(out["saved"]) == case.solved()  # the app saved what was typed
 

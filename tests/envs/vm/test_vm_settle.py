@@ -1,0 +1,61 @@
+"""The reset's first screenshot waits for the screen to hold still after a setup that starts a
+window (`VMEnv._settle`): an app's window exists before the app has drawn it."""
+
+import io
+
+import numpy as np
+from PIL import Image
+
+from envs.vm import env as vm_env
+from envs.vm.client import VMClient
+
+
+def _png(img: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(img).save(out, format="PNG")
+    return out.getvalue()
+
+
+class _Screens(VMClient):
+    """A client whose screenshots are `frames` in turn, the last one for ever."""
+
+    def __init__(self, frames: list[np.ndarray]):
+        super().__init__("http://127.0.0.1:9")
+        self.frames, self.shots = [_png(f) for f in frames], 0
+
+    async def screenshot(self) -> bytes:
+        self.shots += 1
+        return self.frames[min(self.shots - 1, len(self.frames) - 1)]
+
+
+def _frames(drawing: int, cursor: bool = False) -> list[np.ndarray]:
+    """`drawing` changing frames (the app painting), then the drawn screen, whose text cursor
+    (8 x 16 pixels of 320 x 240: 0.17%) blinks when `cursor`."""
+    rng = np.random.default_rng(0)
+    paint = [rng.integers(0, 255, (240, 320, 3), dtype=np.uint8) for _ in range(drawing)]
+    drawn = np.full((240, 320, 3), 200, np.uint8)
+    blink = drawn.copy()
+    blink[100:116, 50:58] = 0
+    return paint + ([drawn, blink] * 20 if cursor else [drawn])
+
+
+def test_the_reset_waits_until_the_screen_holds_still(aio, monkeypatch):
+    monkeypatch.setattr(vm_env, "SETTLE_EVERY_S", 0.01)
+    client = _Screens(_frames(drawing=5))
+    env = vm_env.VMEnv(client, settle_s=0.05, settle_timeout_s=5.0)
+    waited = aio(env._settle())
+    assert client.shots >= 6  # every painting frame seen, then the drawn one held still
+    assert 0.05 <= waited < 5.0
+
+
+def test_a_blinking_cursor_is_still_and_a_screen_that_never_settles_costs_the_timeout(
+    aio, monkeypatch
+):
+    monkeypatch.setattr(vm_env, "SETTLE_EVERY_S", 0.01)
+    blinking = vm_env.VMEnv(_Screens(_frames(drawing=2, cursor=True)), settle_s=0.05)
+    assert aio(blinking._settle()) < 1.0
+    rng = np.random.default_rng(1)
+    video = [rng.integers(0, 255, (24, 32, 3), dtype=np.uint8) for _ in range(400)]
+    never = vm_env.VMEnv(_Screens(video), settle_s=0.05, settle_timeout_s=0.3)
+    assert 0.3 <= aio(never._settle()) < 1.0
+    assert aio(vm_env.VMEnv(_Screens(video), settle_s=0.0)._settle()) == 0.0  # 0: no wait
