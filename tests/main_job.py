@@ -22,37 +22,44 @@ SESSION_CACHE = os.path.join(
 
 # The test session's XLA flags (tests/conftest.py), for child jobs too: LLVM's -O0 for the CPU
 # backend's code (measured on this machine: test_learner + test_engine_parity 214 -> 156 s; a
-# smoke job's first-step compile 164 -> 80 s, its steady step 4.3 -> 6.0 s).
+# smoke job's first-step compile 164 -> 80 s, its steady step 4.3 -> 6.0 s). A job that runs
+# many steps can take XLA's default instead (`optimized=True`): the mesh-parity test's two jobs
+# of 40 SFT steps took 272 s of CPU optimized against 291 s at -O0 (one run each, load 9-12).
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
-def xla_flags(devices: int | None = None) -> str:
-    """XLA_FLAGS for a child job: the tests' flags and `devices` forced CPU devices (None: one,
-    as a laptop run has)."""
+def xla_flags(devices: int | None = None, *, optimized: bool = False) -> str:
+    """XLA_FLAGS for a child job: the tests' flags (none when `optimized`) and `devices` forced
+    CPU devices (None: one, as a laptop run has)."""
     forced = f" --xla_force_host_platform_device_count={devices}" if devices else ""
-    return TEST_XLA_FLAGS + forced
+    return ("" if optimized else TEST_XLA_FLAGS) + forced
 
 
-def job_env(devices: int | None = None) -> dict[str, str]:
+def job_env(devices: int | None = None, *, optimized: bool = False) -> dict[str, str]:
     """This process's environment for a child job on the CPU: one device, as a laptop run has
     (the test session's forced 8 are dropped), or `devices` forced ones. A job run with
     `--config.compile_cache_dir=` (empty) uses the session's cache (JAX's own default)."""
     env = dict(os.environ)
     env.setdefault("JAX_COMPILATION_CACHE_DIR", SESSION_CACHE)
-    env["XLA_FLAGS"] = xla_flags(devices)
+    env["XLA_FLAGS"] = xla_flags(devices, optimized=optimized)
     env["JAX_PLATFORMS"] = "cpu"
     return env
 
 
 def run_main_job(
-    args: list[str], workdir: str, *, devices: int | None = None, timeout: float = 900
+    args: list[str],
+    workdir: str,
+    *,
+    devices: int | None = None,
+    optimized: bool = False,
+    timeout: float = 900,
 ) -> subprocess.CompletedProcess:
     """`launch/tpu.py ARGS --workdir=WORKDIR` to the end; asserts it exited 0 (the assertion
-    shows the end of its stderr)."""
+    shows the end of its stderr). `optimized`: XLA's default optimization (`xla_flags`)."""
     r = subprocess.run(
         [sys.executable, LAUNCH, *args, f"--workdir={workdir}"],
         cwd=ROOT,
-        env=job_env(devices),
+        env=job_env(devices, optimized=optimized),
         capture_output=True,
         text=True,
         timeout=timeout,

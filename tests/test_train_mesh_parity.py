@@ -37,7 +37,8 @@ ARGS = [
 
 
 def _run(workdir, devices, *extra):
-    run_main_job([*ARGS, *extra], workdir, devices=devices)
+    # 40 SFT steps: faster at XLA's default optimization than the tests' -O0 (tests/main_job.py)
+    run_main_job([*ARGS, *extra], workdir, devices=devices, optimized=True)
     rows = metrics_rows(workdir)
     (after_sft,) = [row for row in rows if row.get("phase_sft") == 1.0]
     return after_sft
