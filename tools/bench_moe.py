@@ -12,6 +12,16 @@
    `moe.expert_mlp` (tokens sorted by expert, two grouped matmuls over the N*K routed rows) vs
    every expert on every token (einsums over E, one-hot combine): E=8 top-2 and E=64 top-8.
 
+3. Expert parallelism (`--ep`, on 8 forced host devices, `moe_dispatch` "all_gather" vs
+   "all_to_all"): one MoE block's forward + backward on a mesh with expert=8, tokens arriving
+   split over the expert axis ("split") or replicated over it ("replicated", the default rules'
+   batch axes without "expert"); from each compiled program's HLO, the collectives with their
+   buffer sizes and a per-device byte model (all-gather (g-1)/g of the result, all-reduce
+   2(g-1)/g, all-to-all (g-1)/g, g the group size); the rows the routing actually sends off
+   device (what `ragged_all_to_all` moves on TPU, where the CPU's dense emulation moves padded
+   buffers); CPU wall time of both. `--ep-tpu v5e-8` also compiles both for that TPU topology
+   (libtpu, ahead of time) to show the ragged-all-to-all and its buffers.
+
 Every variant is compiled first (compile times are printed apart); then each round times every
 variant once, in turn, so background load on a shared machine hits them alike; medians of the
 rounds and the ratios are printed, with the outputs' max |diff| (the two compute the same thing).
@@ -143,6 +153,198 @@ def bench_dispatch(rounds: int, tokens: int, dim: int, width: int, cases) -> lis
     return rows
 
 
+_COLLECTIVES = (
+    "all-gather",
+    "all-reduce",
+    "all-to-all",
+    "ragged-all-to-all",
+    "reduce-scatter",
+    "collective-permute",
+)
+_DTYPE_BYTES = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
+
+
+def hlo_collectives(text: str) -> list[dict]:
+    """The collectives of a compiled HLO module's text: one dict per instruction with its kind,
+    buffer bytes (an async start's largest array; a variadic op's arrays summed), group size g
+    and the bytes one device moves (the module docstring's model; None for ragged-all-to-all,
+    whose traffic is the rows actually sent, known only at run time)."""
+    import re
+
+    ops = "|".join(sorted(_COLLECTIVES, key=len, reverse=True))
+    inst = re.compile(rf"=\s*(.+?)\s+({ops})(-start)?\(")
+    arr = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+    out = []
+    for line in text.splitlines():
+        m = inst.search(line)
+        if not m:
+            continue
+        shape, kind, start = m.group(1), m.group(2), m.group(3)
+        sizes = [
+            _DTYPE_BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+            for dt, dims in arr.findall(shape)
+        ]
+        nbytes = max(sizes or [0]) if start or kind == "ragged-all-to-all" else sum(sizes)
+        g = 1
+        if (rg := re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)) is not None:
+            dims = {k: int(v) for k, v in re.findall(r"'(\w+)'=(\d+)", rg.group(1))}
+            for axis in re.findall(r"'(\w+)'", rg.group(2)):
+                g *= dims[axis]
+        elif (rg := re.search(r"replica_groups=\{\{([\d,]+)\}", line)) is not None:
+            g = len(rg.group(1).split(","))
+        elif (rg := re.search(r"replica_groups=\[(\d+),(\d+)\]", line)) is not None:
+            g = int(rg.group(2))
+        elif kind == "collective-permute":
+            g = 2
+        frac = (g - 1) / g if g > 1 else 0.0
+        factor = {"all-reduce": 2 * frac, "collective-permute": 1.0, "reduce-scatter": g - 1}
+        moved = None if kind == "ragged-all-to-all" else factor.get(kind, frac) * nbytes
+        out.append(dict(kind=kind, bytes=nbytes, group=g, moved=moved))
+    return out
+
+
+def _ep_block(E, K, D, F, dtype, devices, tokens, layout, dispatch, abstract):
+    """A jitted forward+backward of one MoE block on an expert=len(devices) mesh, its abstract
+    arguments, and the block (random weights; abstract when `devices` are a TPU topology's)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from cua_jax import sharding as shd
+    from cua_jax.models import qwen_vl
+    from cua_jax.models.qwen_vl import moe
+
+    cfg = qwen_vl.tiny("qwen3_vl", moe=dict(num_experts=E, num_experts_per_tok=K))
+    text = dataclasses.replace(cfg.text, hidden_size=D, moe_intermediate_size=F)
+    vision = dataclasses.replace(cfg.vision, out_hidden_size=D)
+    cfg = cfg.replace(
+        text=text, vision=vision, param_dtype=dtype, dtype=dtype, moe_dispatch=dispatch
+    )
+    mesh = shd.make_mesh(1, 1, 1, devices=devices, expert=len(devices))
+    make = lambda: moe.SparseMoeBlock(cfg, rngs=nnx.Rngs(0))  # noqa: E731
+    block = nnx.eval_shape(make) if abstract else make()
+    if not abstract:
+        shd.shard_model(block, mesh)
+    block.use_mesh(mesh)
+    graphdef, state = nnx.split(block)
+
+    def placed(path, var):
+        v = var.get_value()
+        sharding = shd.named_sharding(shd.logical_axes(var), tuple(v.shape), mesh)
+        return var.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding))
+
+    state_abs = nnx.map_state(placed, state)
+    x_sh = NamedSharding(mesh, P("expert" if layout == "split" else None, None, None))
+    x_abs = jax.ShapeDtypeStruct((8, tokens // 8, D), jnp.dtype(dtype), sharding=x_sh)
+
+    def step(state, x):
+        def loss(state, x):
+            y, _, _ = nnx.merge(graphdef, state)(x)
+            return jnp.sum(jnp.square(y.astype(jnp.float32))), y
+
+        (_, y), g = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(state, x)
+        return y, g
+
+    fn = jax.jit(step, out_shardings=(x_sh, None))
+    return fn, state_abs, x_abs, state, x_sh
+
+
+def _call(compiled, state, x):
+    import jax
+
+    return jax.block_until_ready(compiled(state, x))
+
+
+def bench_expert_parallel(rounds, tokens, E, K, D, F, dtype, devices, run):
+    """Both dispatches of one MoE block in both token layouts on `devices` (expert axis =
+    all of them): compiled HLO collectives, and (run=True, CPU) median wall milliseconds, the
+    outputs' difference and the share of routed rows that leave their device. One dict a
+    (layout, dispatch)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from cua_jax.models.qwen_vl import moe
+
+    rows, fns, outs = [], {}, {}
+    n_dev = len(devices)
+    off = (n_dev - 1) / n_dev
+    x_np = np.random.default_rng(0).normal(size=(8, tokens // 8, D))
+    gate = None
+    for layout in ("split", "replicated"):
+        for dispatch in ("all_gather", "all_to_all"):
+            fn, state_abs, x_abs, state, x_sh = _ep_block(
+                E, K, D, F, dtype, devices, tokens, layout, dispatch, abstract=not run
+            )
+            t0 = time.perf_counter()
+            compiled = fn.lower(state_abs, x_abs).compile()
+            compile_s = time.perf_counter() - t0
+            colls = hlo_collectives(compiled.as_text())
+            mem = compiled.memory_analysis()
+            temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
+            row = dict(layout=layout, dispatch=dispatch, compile_s=compile_s, collectives=colls)
+            rows.append(row | dict(temp_bytes=temp))
+            if run:
+                x = jax.device_put(jnp.asarray(x_np, x_abs.dtype), x_sh)
+                y, _ = compiled(state, x)
+                outs[layout, dispatch] = np.asarray(y, np.float32)
+                fns[layout, dispatch] = functools.partial(_call, compiled, state, x)
+                gate = np.asarray(state["gate"]["kernel"].get_value(), np.float32)
+    if run:
+        med = bench_setup.timed_rounds(fns, rounds)
+        ref = outs["split", "all_gather"]
+        # rows the routing sends off their device (what the ragged op moves), same inputs
+        x = x_np.reshape(-1, D).astype(np.float32)
+        _, e = moe.route(jnp.asarray(x @ gate), K)
+        src = np.repeat(np.arange(x.shape[0]) // (x.shape[0] // n_dev), K)
+        off = float(np.mean(src != np.asarray(e).reshape(-1) // (E // n_dev)))
+        for r in rows:
+            key = r["layout"], r["dispatch"]
+            r["ms"] = med[key] * 1e3
+            r["max_abs_diff"] = float(np.abs(outs[key] - ref).max())
+    # The ragged op's traffic per device, forward + backward: each direction's rows off device,
+    # there and back (the measured share with run=True, else a uniform router's (P-1)/P).
+    for r in rows:
+        r["rows_off_device_share"] = off
+        r["ragged_bytes"] = 4 * off * (tokens // n_dev) * K * D * jnp.dtype(dtype).itemsize
+    return rows
+
+
+def _print_ep(rows, label):
+    for r in rows:
+        by = {}
+        for c in r["collectives"]:
+            k = by.setdefault(c["kind"], [0, 0.0, 0])
+            k[0] += 1
+            k[1] += c["moved"] or 0.0
+            k[2] += c["bytes"]
+        total = sum(v[1] for v in by.values())
+        parts = " ".join(
+            f"{k} x{v[0]} (buffers {v[2] / 2**20:.2f} MiB, moved {v[1] / 2**20:.2f} MiB)"
+            for k, v in sorted(by.items())
+        )
+        if "ragged-all-to-all" in by:
+            total += r["ragged_bytes"]
+            parts += (
+                f" [ragged moved: {r['rows_off_device_share']:.1%} of rows off device -> "
+                f"{r['ragged_bytes'] / 2**20:.2f} MiB]"
+            )
+        extra = ""
+        if "ms" in r:
+            extra = f" | CPU {r['ms']:.1f} ms | max|diff| {r['max_abs_diff']:.1e}"
+        temp = "?" if r["temp_bytes"] is None else f"{r['temp_bytes'] / 2**20:.1f} MiB"
+        print(
+            f"{label} tokens {r['layout']:10s} {r['dispatch']:10s}: moved "
+            f"{total / 2**20:.2f} MiB/device | temp {temp} | {parts} | compile "
+            f"{r['compile_s']:.1f} s{extra}"
+        )
+
+
 def main() -> None:
     """The command line: runs what the module docstring describes."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -152,9 +354,45 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="dispatch: tokens per block call")
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--width", type=int, default=256, help="dispatch: expert MLP width")
+    ap.add_argument("--ep", action="store_true", help="only the expert-parallel comparison")
+    ap.add_argument("--ep-tokens", type=int, default=1024, help="--ep: tokens per block call")
+    ap.add_argument("--ep-shape", default="32,4,256,128", help="--ep: E,K,D,F")
+    ap.add_argument("--ep-hlo-shape", default="128,8,2048,768", help="--ep: HLO-only E,K,D,F")
+    ap.add_argument("--ep-hlo-tokens", type=int, default=32768)
+    ap.add_argument("--ep-tpu", default="", help="--ep: also compile for this TPU topology")
     args = ap.parse_args()
+    if args.ep and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+        )
     threads = bench_setup.pin_cpu_threads(args.threads)
     import jax
+
+    if args.ep:
+        print(f"jax {jax.__version__} devices={len(jax.devices())} threads={threads}")
+        devs = jax.devices()[:8]
+        E, K, D, F = map(int, args.ep_shape.split(","))
+        label = f"[cpu x8, E={E} K={K} D={D} F={F}, {args.ep_tokens} tokens, f32, fwd+bwd]"
+        _print_ep(
+            bench_expert_parallel(args.rounds, args.ep_tokens, E, K, D, F, "float32", devs, True),
+            label,
+        )
+        if not args.ep_hlo_tokens:
+            return
+        E, K, D, F = map(int, args.ep_hlo_shape.split(","))
+        label = f"[cpu x8 HLO, E={E} K={K} D={D} F={F}, {args.ep_hlo_tokens} tokens, bf16]"
+        rows = bench_expert_parallel(0, args.ep_hlo_tokens, E, K, D, F, "bfloat16", devs, False)
+        _print_ep(rows, label)
+        if args.ep_tpu:
+            from cua_jax import plan
+
+            tpu = plan.abstract_devices(plan.get_topology(args.ep_tpu))
+            label = (
+                f"[{args.ep_tpu} HLO, E={E} K={K} D={D} F={F}, {args.ep_hlo_tokens} tokens, bf16]"
+            )
+            rows = bench_expert_parallel(0, args.ep_hlo_tokens, E, K, D, F, "bfloat16", tpu, False)
+            _print_ep(rows, label)
+        return
 
     print(
         f"jax {jax.__version__} devices={jax.devices()} cpu_count={os.cpu_count()} "

@@ -164,18 +164,21 @@ def test_all_to_all_forward_and_gradients_equal_one_device(one_device, axes):
 
 
 def test_dispatch_switch_and_errors():
-    """The lowered program of each dispatch has its collective; bad names are one-line errors."""
+    """Both dispatches give the one-device output (forward, expert=4 on 4 devices), each program
+    with its own collective; bad names are one-line errors."""
     block = moe.SparseMoeBlock(qwen_vl.tiny("qwen3_vl", moe=True), rngs=nnx.Rngs(0))
-    x = jnp.ones((2, 4, block.gate.kernel.shape[0]))
-    texts = {}
-    for dispatch in ("all_to_all", "all_gather"):
+    block.gate.kernel[...] = block.gate.kernel[...] * 30.0
+    x = jax.random.normal(jax.random.key(1), (2, 4, block.gate.kernel.shape[0]))
+    fn = jax.jit(lambda s, x, g: nnx.merge(g, s)(x)[0], static_argnums=2)
+    graphdef, state = nnx.split(block)
+    want = np.asarray(fn(state, x, graphdef))
+    for dispatch, collective in (("all_to_all", "all_to_all"), ("all_gather", "all_reduce")):
         b = nnx.clone(block)
         moe.set_expert_mesh(b, _mesh(expert=4), dispatch=dispatch)
         graphdef, state = nnx.split(b)
-        lowered = jax.jit(lambda s, x, g=graphdef: nnx.merge(g, s)(x)[0]).lower(state, x)
-        texts[dispatch] = lowered.as_text()
-    assert "all_to_all" in texts["all_to_all"] and "all_to_all" not in texts["all_gather"]
-    assert "all_reduce" in texts["all_gather"]
+        text = fn.lower(state, x, graphdef).as_text()
+        assert collective in text and (dispatch == "all_to_all") == ("all_to_all" in text)
+        assert _rel(fn(state, x, graphdef), want) <= 1e-5, dispatch
     with pytest.raises(ValueError, match="moe_dispatch='scatter'"):
         qwen_vl.tiny("qwen3_vl", moe=True).replace(moe_dispatch="scatter")
     with pytest.raises(ValueError, match="dispatch='scatter'"):
