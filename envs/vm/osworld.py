@@ -28,12 +28,15 @@ actions, and optionally ``"api_actions"`` (the API actions the task may allow: "
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import re
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from envs.vm import osworld_evaluators as desktop_env
 from envs.vm.client import VMClient
@@ -79,7 +82,13 @@ METRICS = (
     "is_in_list",
     "literal_match",
     "infeasible",
+    # OSWorld's, newer than desktop-env 1.0.2 (written here after OSWorld's semantics)
+    "check_play_and_exit",
+    "check_structure_sim_with_threshold",
 )
+# A built-in metric that needs a module of the osworld extra: a task naming it loads only where
+# the extra is installed (its message names the extra).
+METRIC_MODULES = {"check_structure_sim_with_threshold": "skimage"}
 BUILTIN_TASK_DIR = Path(__file__).parent / "tasks"
 
 
@@ -187,6 +196,13 @@ def parse_task(
             raise TaskFormatError(
                 f"{where}: evaluator.func {f!r} is not supported here: the built-in metrics are "
                 f"{', '.join(METRICS)}; {desktop_env.missing_reason('metric', f)}",
+                f"metric {f}",
+            )
+        module = METRIC_MODULES.get(f)
+        if module and (desktop_env.unavailable() or importlib.util.find_spec(module) is None):
+            raise TaskFormatError(
+                f"{where}: evaluator.func {f!r} needs the osworld extra (its {module} module): "
+                f"{desktop_env.INSTALL_HINT}",
                 f"metric {f}",
             )
     if ev.get("conj", "and") not in ("and", "or"):
@@ -380,6 +396,49 @@ def compare_text_file(file1: str | None, file2: str | None, **options: Any) -> f
     return float(a == b)
 
 
+def check_play_and_exit(config_path: str | None, rule: Mapping[str, Any]) -> float:
+    """OSWorld's VLC check (its task 5ac2891a): 1 when VLC's config file (``vlcrc``, from the
+    ``vlc_config`` getter) sets ``play-and-exit`` to ``rule["expected_play_and_exit"]``. Read as
+    OSWorld reads it: the last line naming ``play-and-exit=`` gives the value, a commented
+    default (``#play-and-exit=0``) included; no such line reads as "0"."""
+    if config_path is None:
+        return 0.0
+    value = "0"
+    for line in Path(config_path).read_text(encoding="utf-8", errors="replace").splitlines():
+        if "play-and-exit=" in line:
+            value = line.split("=")[-1].strip()
+    return float(value == str(rule["expected_play_and_exit"]))
+
+
+def check_structure_sim_with_threshold(
+    src_path: str | None, tgt_path: str | None, **options: Any
+) -> float:
+    """OSWorld's image check (its task e8172110): 1 when the SSIM of the two images (RGB; the
+    first resized to the second's size with Lanczos; scikit-image's ``structural_similarity``
+    over a 7-pixel window, or the largest odd one a tiny image allows) is at least
+    ``options["ssim_threshold"]`` (default 0.85). A missing or unreadable image scores 0."""
+    from PIL import Image, UnidentifiedImageError  # noqa: PLC0415 -- at evaluation only
+    from skimage.metrics import structural_similarity  # noqa: PLC0415 -- the osworld extra
+
+    if src_path is None or tgt_path is None:
+        return 0.0
+    try:
+        with Image.open(src_path) as a, Image.open(tgt_path) as b:
+            src = a.convert("RGB")
+            tgt = b.convert("RGB")
+    except (OSError, UnidentifiedImageError):
+        return 0.0
+    if src.size != tgt.size:
+        src = src.resize(tgt.size, Image.Resampling.LANCZOS)
+    x, y = np.asarray(src), np.asarray(tgt)
+    win = min(7, min(x.shape[:2]))
+    win -= 1 - win % 2  # odd
+    if win < 1:
+        return 0.0
+    sim = structural_similarity(x, y, win_size=win, channel_axis=2)
+    return float(sim >= float(options.get("ssim_threshold", 0.85)))
+
+
 _METRIC_FNS = {
     "exact_match": exact_match,
     "check_include_exclude": check_include_exclude,
@@ -387,6 +446,8 @@ _METRIC_FNS = {
     "match_in_list": match_in_list,
     "is_in_list": is_in_list,
     "literal_match": literal_match,
+    "check_play_and_exit": check_play_and_exit,
+    "check_structure_sim_with_threshold": check_structure_sim_with_threshold,
 }
 
 

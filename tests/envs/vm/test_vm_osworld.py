@@ -167,7 +167,7 @@ def test_with_desktop_env_its_names_load_and_a_name_it_lacks_says_so(monkeypatch
         _task(evaluator={"func": "compare_table", "result": {"type": "vm_file", "path": "~/a"}})
     )
     with pytest.raises(osworld.TaskFormatError, match="desktop-env 1.0.2 .* has no metric"):
-        osworld.parse_task(_task(evaluator={"func": "check_play_and_exit", "result": None}))
+        osworld.parse_task(_task(evaluator={"func": "compare_references_gain", "result": None}))
 
 
 def test_desktop_env_names_are_read_from_its_source_without_importing_it(tmp_path):
@@ -265,6 +265,42 @@ def test_metrics_hand_computed(tmp_path):
     assert osworld.compare_text_file(str(a), str(b)) == 0
     assert osworld.compare_text_file(str(a), str(b), ignore_blanks=True, ignore_case=True) == 1
     assert osworld.compare_text_file(None, str(b)) == 0
+
+
+def test_osworld_metrics_newer_than_desktop_env_hand_computed(tmp_path):
+    """check_play_and_exit and check_structure_sim_with_threshold (OSWorld's, not in
+    desktop-env 1.0.2): the last `play-and-exit=` line counts, a commented default too."""
+    rc = tmp_path / "vlcrc"
+    rc.write_text("[core]\n#play-and-exit=0\n")
+    assert osworld.check_play_and_exit(str(rc), {"expected_play_and_exit": 0}) == 1.0
+    assert osworld.check_play_and_exit(str(rc), {"expected_play_and_exit": 1}) == 0.0
+    rc.write_text("[core]\n#play-and-exit=0\nplay-and-exit=1\n")
+    assert osworld.check_play_and_exit(str(rc), {"expected_play_and_exit": 1}) == 1.0
+    rc.write_text("[core]\nvolume=3\n")  # no such line: "0"
+    assert osworld.check_play_and_exit(str(rc), {"expected_play_and_exit": "0"}) == 1.0
+    assert osworld.check_play_and_exit(None, {"expected_play_and_exit": 0}) == 0.0
+
+    pytest.importorskip("skimage", reason="the osworld extra")
+    import numpy as np
+
+    ramp = np.tile(np.linspace(0, 255, 64, dtype=np.uint8), (48, 1))
+    img = np.stack([ramp, ramp.T[:48, :48].repeat(2, 1)[:, :64], 255 - ramp], -1)
+    paths = {}
+    for name, arr in {
+        "img": img,
+        "inverse": 255 - img,
+        "twice": np.asarray(Image.fromarray(img).resize((128, 96), Image.Resampling.LANCZOS)),
+    }.items():
+        paths[name] = str(tmp_path / f"{name}.png")
+        Image.fromarray(arr).save(paths[name])
+    sim = osworld.check_structure_sim_with_threshold
+    assert sim(paths["img"], paths["img"]) == 1.0  # SSIM 1
+    assert sim(paths["inverse"], paths["img"]) == 0.0  # SSIM < 0
+    assert sim(paths["twice"], paths["img"]) == 1.0  # resized back to the target's size
+    assert sim(paths["img"], paths["img"], ssim_threshold=1.01) == 0.0
+    assert sim(None, paths["img"]) == 0.0
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    assert sim(str(tmp_path / "bad.png"), paths["img"]) == 0.0
 
 
 def _eval(task_dict, client, last_fail=False):
