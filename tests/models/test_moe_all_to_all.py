@@ -176,9 +176,10 @@ def test_dispatch_switch_and_errors():
         b = nnx.clone(block)
         moe.set_expert_mesh(b, _mesh(expert=4), dispatch=dispatch)
         graphdef, state = nnx.split(b)
-        text = fn.lower(state, x, graphdef).as_text()
+        lowered = fn.lower(state, x, graphdef)
+        text = lowered.as_text()
         assert collective in text and (dispatch == "all_to_all") == ("all_to_all" in text)
-        assert _rel(fn(state, x, graphdef), want) <= 1e-5, dispatch
+        assert _rel(lowered.compile()(state, x), want) <= 1e-5, dispatch
     with pytest.raises(ValueError, match="moe_dispatch='scatter'"):
         qwen_vl.tiny("qwen3_vl", moe=True).replace(moe_dispatch="scatter")
     with pytest.raises(ValueError, match="dispatch='scatter'"):
