@@ -13,7 +13,10 @@ suite; Writer ``3ef2b351`` (centre the heading, ``is_first_line_centered``) and 
 LibreOffice itself saved) and VLC ``215dfd39`` (no background cone: VLC started by the task, as
 root through the desktop's ``vlc`` stand-in; killed and restarted by its postconfig;
 ``vlc_config`` + ``check_qt_bgcone``; solved by a shell action that writes the setting VLC's
-preferences dialog writes) with ``CUA_LONG_TESTS=1``. Needs LibreOffice (``make apt-office``)
+preferences dialog writes) and VLC ``5ac2891a`` (do not quit at the end of the playlist:
+``check_play_and_exit``, OSWorld's metric newer than desktop-env 1.0.2, built in here) with
+``CUA_LONG_TESTS=1``. Every reset's first observation must show the app drawn (``VMEnv``'s
+settle). Needs LibreOffice (``make apt-office``)
 and the ``osworld`` extra; without either every test here skips with one line saying which.
 Timings (the desktop's start, the reset with the app's start, each action, each evaluation), for
 BENCHMARKS.md::
@@ -384,6 +387,55 @@ VLC_215DFD39: dict[str, Any] = {
 }
 _VLC_NO_CONE = "printf '[qt]\\nqt-bgcone=0\\n' >> ~/.config/vlc/vlcrc"
 
+# OSWorld's evaluation_examples/examples/vlc/5ac2891a-eacd-4954-b339-98abba077adb.json: its
+# setup writes play-and-exit=1 into VLC's vlcrc; its metric check_play_and_exit is OSWorld's
+# newer than desktop-env 1.0.2 (built in: envs.vm.osworld)
+VLC_5AC2891A: dict[str, Any] = {
+    "id": "5ac2891a-eacd-4954-b339-98abba077adb",
+    "snapshot": "base_setup",
+    "instruction": "My VLC Media Player has been auto-closing once the video ends. It is very "
+    "annoying. Could you help me prevent the VLC Media Player from auto-closing once the video "
+    "ends?",
+    "source": "https://superuser.com/questions/1412810/how-to-prevent-vlc-media-player-from-auto-"
+    "closing-after-video-end",
+    "config": [
+        {
+            "type": "launch",
+            "parameters": {
+                "command": "VLC_VERBOSE=-1 vlc --no-audio --no-video-title-show",
+                "shell": True,
+            },
+        },
+        {
+            "type": "execute",
+            "parameters": {
+                "command": [
+                    "python",
+                    "-c",
+                    "import pathlib,re; p=pathlib.Path.home()/'.config/vlc/vlcrc'; "
+                    "p.parent.mkdir(parents=True, exist_ok=True); "
+                    "txt=p.read_text() if p.exists() else ''; "
+                    "txt=(re.sub(r'(?m)^#?\\s*play-and-exit=.*$', 'play-and-exit=1', txt) "
+                    "if re.search(r'(?m)^#?\\s*play-and-exit=', txt) else (txt + ('' if "
+                    "txt.endswith('\\n') or txt == '' else '\\n') + 'play-and-exit=1\\n')); "
+                    "p.write_text(txt)",
+                ]
+            },
+        },
+    ],
+    "trajectory": "trajectories/",
+    "related_apps": ["vlc"],
+    "evaluator": {
+        "func": "check_play_and_exit",
+        "expected": {"type": "rule", "rules": {"expected_play_and_exit": 0}},
+        "result": {"type": "vlc_config", "dest": "vlcrc"},
+    },
+    "proxy": False,
+    "fixed_ip": False,
+    "possibility_of_env_change": "low",
+}
+_VLC_STAY_OPEN = "sed -i 's/^play-and-exit=1$/play-and-exit=0/' ~/.config/vlc/vlcrc"
+
 
 def _sheet_rows(data: bytes) -> list[list[Any]]:
     import openpyxl
@@ -478,6 +530,18 @@ CASES: dict[str, OfficeCase] = {
         "/home/user/.config/vlc/vlcrc",
         lambda data: [ln for ln in data.decode().splitlines() if ln.startswith("qt-bgcone=")],
         lambda: ["qt-bgcone=0"],
+        ("run_shell",),
+    ),
+    "vlc_5ac2891a": OfficeCase(
+        VLC_5AC2891A,
+        "vlc",
+        dict,
+        # what VLC's preferences write (Interface > "Quit at the end of playlist" off)
+        lambda: [RunShell(_VLC_STAY_OPEN)],
+        "VLC media player",
+        "/home/user/.config/vlc/vlcrc",
+        lambda data: [ln for ln in data.decode().splitlines() if "play-and-exit=" in ln],
+        lambda: ["play-and-exit=0"],
         ("run_shell",),
     ),
 }
