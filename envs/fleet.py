@@ -215,12 +215,18 @@ class BrowserFleet:
 
     def metrics(self) -> dict[str, float]:
         """What the trainer logs each step under ``rollout/``: ``env_hosts`` (answering now),
-        ``env_hosts_down``, ``env_capacity`` (episodes the answering hosts can run at once)."""
+        ``env_hosts_down``, ``env_capacity`` (episodes the answering hosts can run at once), and
+        the run's totals so far: ``env_faults`` (leased envs that faulted, every host and
+        generation) and ``env_retries`` (episodes played again away from a faulted host).
+        Without the totals a host's episodes, retried and then successful, left no trace in
+        metrics.jsonl."""
         up = [h for h in self.hosts.values() if h.up]
         return {
             "env_hosts": float(len(up)),
             "env_hosts_down": float(len(self.hosts) - len(up)),
             "env_capacity": float(sum(h.capacity for h in up)),
+            "env_faults": float(len(self.fault_log)),
+            "env_retries": float(self.retries),
         }
 
     def fault_counts(self) -> dict[str, Any]:

@@ -426,18 +426,6 @@ class RayFleet(BrowserFleet):
             except Exception as e:  # noqa: BLE001 -- the GCS can blink; try again next time
                 log.warning("Ray fleet discovery failed: %s: %s", type(e).__name__, e)
 
-    def metrics(self) -> dict[str, float]:
-        """``BrowserFleet.metrics`` plus the run's totals so far: ``env_faults`` (leased envs
-        that faulted, every host and incarnation) and ``env_retries`` (episodes played again
-        away from a faulted host). Without them a killed node's episodes, retried and then
-        successful, left no trace in metrics.jsonl."""
-        counts = self.fault_counts()
-        return {
-            **super().metrics(),
-            "env_faults": float(counts["faults"]),
-            "env_retries": float(counts["retries"]),
-        }
-
     def report(self) -> dict[str, Any]:
         """``BrowserFleet.report`` plus each host's actor name, node and incarnation."""
         out = super().report()

@@ -354,6 +354,7 @@ def test_fleet_spreads_episodes_and_survives_a_killed_host(run):
             results = await asyncio.gather(*jobs)
             hosts_after_kill = fleet.env_hosts()
             metrics = fleet.metrics()  # what the trainer logs under rollout/
+            counts = fleet.fault_counts()
             report = fleet.report()
             port = ep2.rsplit(":", 1)[1]
             p3, _ = start_host_process(port=int(port), token=TOKEN, capacity=6)
@@ -367,11 +368,11 @@ def test_fleet_spreads_episodes_and_survives_a_killed_host(run):
             finally:
                 p3.send_signal(signal.SIGTERM)
                 p3.wait(30)
-            return results, hosts_after_kill, metrics, report, back, again
+            return results, hosts_after_kill, metrics, counts, report, back, again
 
     dead = None
     try:
-        results, hosts_after_kill, metrics, report, back, again = run(go())
+        results, hosts_after_kill, metrics, counts, report, back, again = run(go())
     finally:
         for p in (p1, p2):
             with contextlib.suppress(ProcessLookupError):
@@ -391,7 +392,14 @@ def test_fleet_spreads_episodes_and_survives_a_killed_host(run):
     assert sum(r == 1.0 for r in others) == len(others) - len(slow), others
     assert {w for w, _ in results} >= {LOCAL, ep1, ep2}
     assert hosts_after_kill == 2 and not report[ep2]["up"] and report[ep2]["faults"] >= 1
-    assert metrics == {"env_hosts": 2.0, "env_hosts_down": 1.0, "env_capacity": 4.0 + 6.0}
+    assert counts["faults"] >= len(on_dead) and counts["retries"] == 0  # nobody asked to retry
+    assert metrics == {
+        "env_hosts": 2.0,
+        "env_hosts_down": 1.0,
+        "env_capacity": 4.0 + 6.0,
+        "env_faults": float(counts["faults"]),
+        "env_retries": 0.0,
+    }
     assert json.dumps(report)  # plain data (the trainer logs it)
     assert back == 3 and again == 1.0
 
@@ -416,4 +424,5 @@ def test_config_browser_endpoints_build_a_fleet(host, run):
     n, hosts, logged = run(go())
     assert (n, hosts) == (4, 2)  # 1 local + the host's 3
     assert logged == {"rollout/env_hosts": 2.0, "rollout/env_hosts_down": 0.0,
-                      "rollout/env_capacity": 4.0}  # fmt: skip
+                      "rollout/env_capacity": 4.0, "rollout/env_faults": 0.0,
+                      "rollout/env_retries": 0.0}  # fmt: skip
