@@ -84,7 +84,7 @@ def _block(family):
         block = moe.SparseMoeBlock(qwen_vl.tiny("qwen3_vl", moe=True), rngs=nnx.Rngs(1))
     else:
         block = SharedExpertMoeBlock(qwen_vl.tiny_qwen35_moe(), rngs=nnx.Rngs(1))
-    assert block.dispatch == "all_to_all"  # the default
+    assert block.dispatch == "auto"  # the default
     lora.apply_lora(block, 4, 8.0, (r"experts$",), rngs=nnx.Rngs(2))
     rng = np.random.default_rng(3)
     for _, var in nnx.to_flat_state(nnx.state(block, nnx.LoRAParam)):
@@ -143,6 +143,7 @@ def test_all_to_all_forward_and_gradients_equal_one_device(one_device, axes):
     np.testing.assert_array_equal(e_ref[:2], routes[:2])  # replayed
     sharded = nnx.clone(block)
     shd.shard_model(sharded, _mesh(**axes))
+    moe.set_expert_mesh(sharded, sharded.mesh, dispatch="all_to_all")
     assert sharded.mesh.shape["expert"] == axes["expert"] and sharded.dispatch == "all_to_all"
     y, e, g, gx = _grads(sharded, x, routes)
     np.testing.assert_array_equal(e, e_ref)
@@ -180,6 +181,12 @@ def test_dispatch_switch_and_errors():
         text = lowered.as_text()
         assert collective in text and (dispatch == "all_to_all") == ("all_to_all" in text)
         assert _rel(lowered.compile()(state, x), want) <= 1e-5, dispatch
+    split = (("batch", ("data", "fsdp", "expert")), *shd.DEFAULT_RULES[1:])
+    assert shd.DEFAULT_RULES[0][0] == "batch"
+    assert not moe.choose_all_to_all("auto", shd.DEFAULT_RULES, ("expert",))
+    assert moe.choose_all_to_all("auto", split, ("expert",))
+    assert moe.choose_all_to_all("all_to_all", shd.DEFAULT_RULES, ("expert",))
+    assert not moe.choose_all_to_all("all_gather", split, ("expert",))
     with pytest.raises(ValueError, match="moe_dispatch='scatter'"):
         qwen_vl.tiny("qwen3_vl", moe=True).replace(moe_dispatch="scatter")
     with pytest.raises(ValueError, match="dispatch='scatter'"):

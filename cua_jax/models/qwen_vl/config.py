@@ -51,7 +51,7 @@ LINEAR_DIMS = (
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots")
 ATTN_IMPLS = ("xla", "splash")
-MOE_DISPATCHES = ("all_to_all", "all_gather")
+MOE_DISPATCHES = ("auto", "all_to_all", "all_gather")
 _DEFAULT_MROPE = {"qwen2_5_vl": (16, 24, 24), "qwen3_vl": (24, 20, 20), "qwen3_5": (11, 11, 10)}
 
 
@@ -175,8 +175,10 @@ class QwenVLConfig:
     attn_impl: str = "xla"
     # MoE expert parallelism (`moe.SparseMoeBlock` on a mesh with an expert axis): "all_to_all"
     # sends each (token, expert) row to the device holding its expert and back; "all_gather"
-    # gathers every expert device's tokens, runs the local experts on all of them and psums.
-    moe_dispatch: str = "all_to_all"
+    # gathers every expert device's tokens, runs the local experts on all of them and psums;
+    # "auto": all_to_all when the sharding rules split the tokens over the expert axis ("batch"
+    # maps to it), else all_gather: the one that moves fewer bytes (`moe.choose_all_to_all`)
+    moe_dispatch: str = "auto"
 
     @property
     def model_type(self) -> str:

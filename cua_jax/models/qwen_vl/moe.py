@@ -19,7 +19,7 @@ Expert parallelism: when the block has a mesh (`set_expert_mesh`, called by
 device holds El = E / ep experts) and over those of "mlp" (tensor parallel, Fl = F / tp);
 FSDP-sharded expert weights are gathered on entry (the in-specs keep only expert/tensor axes).
 The config's `moe_dispatch` picks how tokens meet their experts:
-  "all_to_all" (default; `expert_mlp_all_to_all`): the B*T tokens are split over the batch AND
+  "all_to_all" (`expert_mlp_all_to_all`): the B*T tokens are split over the batch AND
     expert axes; each device routes its own tokens, sends every (token, expert) row to the
     device holding that expert (`jax.lax.ragged_all_to_all`; on XLA:CPU, which does not lower
     it, `ragged_all_to_all_emulated`, a padded dense all_to_all), runs its local experts with
@@ -29,6 +29,9 @@ The config's `moe_dispatch` picks how tokens meet their experts:
     expert/tensor axes by the in-specs; every device routes them all, runs ragged_dot on the rows
     that chose one of its local experts, and a psum over the expert and tensor axes combines:
     traffic grows with all the expert group's tokens times the expert-parallel degree.
+  "auto" (the default): all_to_all when the sharding rules split the tokens over the expert
+    axis, all_gather when they replicate them over it (the default rules), where gathering
+    all_to_all's outputs back costs more than the psums (`choose_all_to_all`).
 
 Weights (HF names; the expert tensors keep HF's fused gate/up layout, transposed to [in, out]):
     mlp.gate.kernel               f[D, E]          ("embed", None): the router, replicated over
@@ -387,7 +390,7 @@ class SparseMoeBlock(nnx.Module):
                 f"the mesh's expert axes {ep} (size {n_ep}) do not divide num_experts="
                 f"{self.num_experts}"
             )
-        if self.dispatch == "all_to_all" and n_ep > 1:
+        if n_ep > 1 and choose_all_to_all(self.dispatch, self.rules, ep):
             run = self._all_to_all
         else:
             run = self._all_gather
@@ -450,6 +453,21 @@ class SparseMoeBlock(nnx.Module):
             out_specs=row_spec,
         )(x_ND, w_NK, e_NK, *ws)
         return y_ND[:N].reshape(B, T, D)
+
+
+def choose_all_to_all(dispatch: str, rules: shd.Rules, ep: tuple[str, ...]) -> bool:
+    """Whether `dispatch` runs the all-to-all path for an expert group on the mesh axes `ep`.
+
+    "auto" picks the one that moves fewer bytes per device. With n tokens a device, P = the
+    expert group's size, forward + backward, the compiled programs move (tools/bench_moe.py
+    --ep, v5e-8, K = 8: 28 vs 56 n D split, 56 vs 28 n D replicated):
+      tokens split over the expert axes by the rules ("batch" maps to one of them):
+        all_to_all ~4K(P-1)/P n D (rows out and back, twice) < all_gather ~8(P-1) n D;
+      tokens replicated over them (the default rules): all_to_all still all-gathers its
+        outputs and the input cotangents, ~(4K/P + 4)(P-1) n D > the psums' ~4(P-1) n D."""
+    if dispatch != "auto":
+        return dispatch == "all_to_all"
+    return any(a in ep for a in _mesh_axes(rules, "batch"))
 
 
 def _size(mesh: Mesh, axes: tuple[str, ...]) -> int:
