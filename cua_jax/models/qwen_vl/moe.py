@@ -2,7 +2,9 @@
 and per-expert SwiGLU MLPs, dropless, with grouped matmuls over tokens sorted by expert.
 
 Letters: B batch, T q-len, N = B*T tokens, D model, E experts (El: on this device), K top-k,
-F expert mlp width (Fl: on this device), M = N*K routed rows, R LoRA rank.
+F expert mlp width (Fl: on this device), M = N*K routed rows, R LoRA rank; in
+`expert_mlp_all_to_all`: n tokens and M = n*K rows of this device, P expert devices, R rows of
+its receive buffer.
 
     logits_NE = x @ gate.kernel                (f32)
     probs = softmax(logits); w_NK, e_NK = top_k(probs, K); w /= sum_k w   (norm_topk_prob)
@@ -24,7 +26,8 @@ The config's `moe_dispatch` picks how tokens meet their experts:
     device holding that expert (`jax.lax.ragged_all_to_all`; on XLA:CPU, which does not lower
     it, `ragged_all_to_all_emulated`, a padded dense all_to_all), runs its local experts with
     ragged_dot, sends the outputs back, and combines them with the routing weights; a psum over
-    the tensor axes adds the width slices. Traffic: each device's own n*K rows, twice.
+    the tensor axes adds the width slices. Traffic: the rows each device sends off device, out
+    and back (the CPU emulation moves padded worst-case buffers instead).
   "all_gather": tokens are split over the batch axes only and all-gathered over the
     expert/tensor axes by the in-specs; every device routes them all, runs ragged_dot on the rows
     that chose one of its local experts, and a psum over the expert and tensor axes combines:
