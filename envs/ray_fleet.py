@@ -28,8 +28,9 @@ every ``discover_interval_s`` and adds or drops their endpoints, so hosts starte
   started; surplus hosts are drained (no new episodes) and killed once idle.
 
 The data path never goes through Ray: the trainer talks HTTP to each host, as it does to
-hand-started ones. Desktop hosts (``kind="desktop"``) are not implemented yet: a desktop
-needs the VM env's client, not the browser lease protocol.
+hand-started ones. Desktops run on Ray too, one to an actor (``RayDesktop``, env.kind='vm'
+with env.fleet='ray'): a desktop needs the VM env's client, not the browser lease protocol, so
+they form a ``DesktopPool`` (its fault and retirement rules) instead of a fleet.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ from envs.fleet import BrowserFleet
 
 log = logging.getLogger(__name__)
 
-KINDS = ("browser", "sim")
+KINDS = ("browser", "sim")  # hosts of a RayFleet (the browser lease protocol)
+HOST_KINDS = (*KINDS, "desktop")  # what an EnvHost runs: those, or one desktop (RayDesktop)
 DEFAULT_RESOURCE = {"browser": "browser_host", "sim": "browser_host", "desktop": "desktop"}
 NAMESPACE = "cua_env_fleet"
 PREFIX = "cua-env-host-"
@@ -76,13 +78,15 @@ class EnvHost:
     """One env host inside a Ray actor (made with ``ray.remote`` by ``host_actor_class``).
 
     Args:
-      kind: "browser" (``envs.browser.server.BrowserServer``, one Chromium) or "sim"
-        (``envs.sim.SimServer``).
+      kind: "browser" (``envs.browser.server.BrowserServer``, one Chromium), "sim"
+        (``envs.sim.SimServer``) or "desktop" (one ``envs.vm.providers.LocalDesktop``: Xvfb,
+        its window manager and our VM server, bound to this node's address; ``RayDesktop``).
       capacity: envs it serves at once.
       token: the bearer token its clients send (needed when it binds beyond loopback).
       bind: the address to serve on (None: this node's address).
       options: passed to the server (``step_timeout_s``, ``page_memory_mb``; for "sim":
-        ``fault_rate``, ``seed``, ``time_scale``).
+        ``fault_rate``, ``seed``, ``time_scale``; for "desktop": ``LocalDesktop``'s keyword
+        arguments, ``width`` and ``height`` among them).
     """
 
     def __init__(
@@ -93,9 +97,12 @@ class EnvHost:
         bind: str | None = None,
         options: dict[str, Any] | None = None,
     ):
-        if kind not in KINDS:
-            raise ValueError(f"EnvHost kind={kind!r}: use one of {KINDS}")
+        if kind not in HOST_KINDS:
+            raise ValueError(f"EnvHost kind={kind!r}: use one of {HOST_KINDS}")
+        if kind == "desktop" and not token:
+            raise ValueError("a desktop host needs a token (its VM server refuses none)")
         self.kind, self.capacity, self.token = kind, capacity, token
+        self.desktop: Any = None
         self.bind = bind
         self.options = dict(options or {})
         self.endpoint: str | None = None
@@ -132,6 +139,13 @@ class EnvHost:
                 f"an env host on {bind} (beyond loopback) needs a token: set env.browser_token "
                 "or $CUA_BROWSER_TOKEN"
             )
+        if self.kind == "desktop":
+            from envs.vm.providers import LocalDesktop  # noqa: PLC0415
+
+            self.desktop = LocalDesktop(token=self.token, host=bind, **self.options)
+            await self.desktop.start()
+            self.runner, self.endpoint = self.desktop, self.desktop.url
+            return
         if self.kind == "sim":
             from envs.sim import LatencyProfile, SimServer  # noqa: PLC0415
 
@@ -155,8 +169,21 @@ class EnvHost:
         self.runner = runner
         self.endpoint = f"{bind}:{site._server.sockets[0].getsockname()[1]}"
 
+    async def reset_desktop(self) -> dict[str, Any]:
+        """A "desktop" host: recreates its desktop unless it is fresh (``LocalDesktop.reset``;
+        the server may come back on another port); then ``info()``."""
+        if self.runner is None:
+            await self._start()
+        else:
+            await self.desktop.reset()
+            self.endpoint = self.desktop.url
+        return await self.info()
+
     async def stop(self) -> None:
-        if self.runner is not None:
+        if self.desktop is not None:
+            await self.desktop.stop()
+            self.desktop = self.runner = None
+        elif self.runner is not None:
             await self.runner.cleanup()
             self.runner = None
 
@@ -216,6 +243,146 @@ def start_hosts(
             ).remote(kind, capacity, token, None, host_options)
         )
     return handles
+
+
+class RayDesktop:
+    """A desktop (``envs.vm.providers.Desktop``) that runs in a Ray actor: an ``EnvHost`` of
+    kind "desktop" placed by the ``desktop`` resource (``ray start --resources='{"desktop":
+    8}'`` on each desktop machine), restarted by Ray when its process or node dies. Episodes
+    reach its VM server over HTTP (``client``), as they reach any remote desktop; a
+    ``DesktopPool`` of them is the trainer's env pool (``env.kind='vm'``, ``env.fleet='ray'``).
+
+    ``reset()`` has the actor recreate the desktop (``LocalDesktop.reset``) and follows its
+    server to a new port. ``recover()`` after a fault waits, up to ``restart_timeout_s``, for
+    Ray to bring a dead actor back (on another node if its node died) and connects to the
+    desktop it starts there; a desktop that does not come back is retired by the pool.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        *,
+        token: str | None = None,
+        screen: tuple[int, int] = (1280, 720),
+        namespace: str = NAMESPACE,
+        prefix: str = PREFIX,
+        actor_options: dict[str, Any] | None = None,
+        desktop_options: dict[str, Any] | None = None,
+        ready_timeout_s: float = 120.0,
+        restart_timeout_s: float = 180.0,
+    ):
+        import secrets  # noqa: PLC0415
+
+        from envs.vm.client import VMClient  # noqa: PLC0415
+
+        self.name = f"{prefix}desktop-{index}"
+        self.namespace = namespace
+        # every incarnation of the actor is made with the same arguments, so the same token
+        self.token = token or secrets.token_urlsafe(24)
+        self.actor_options = dict(actor_options or host_actor_options("desktop"))
+        self.desktop_options = {"width": screen[0], "height": screen[1], **(desktop_options or {})}
+        self.client_password = self.desktop_options.get("client_password", "password")  # sudo
+        self.ready_timeout_s, self.restart_timeout_s = ready_timeout_s, restart_timeout_s
+        self.client = VMClient("http://127.0.0.1:1")  # replaced by start()
+        self.url: str | None = None
+        self.actor: Any = None
+        self.info: dict[str, Any] = {}
+        self.restarts = 0  # desktops recreated (reset after an episode, recovery)
+
+    def __repr__(self) -> str:
+        return f"RayDesktop({self.name!r}, {self.url!r})"
+
+    async def start(self) -> None:
+        ray = _ray()
+        self.actor = (
+            ray.remote(EnvHost)
+            .options(
+                name=self.name, namespace=self.namespace, get_if_exists=True, **self.actor_options
+            )
+            .remote("desktop", 1, self.token, None, self.desktop_options)
+        )
+        await self._connect(await self._call("info", self.ready_timeout_s))
+
+    async def _call(self, method: str, timeout_s: float) -> dict[str, Any]:
+        from envs.vm.client import VMError  # noqa: PLC0415
+
+        ray = _ray()
+        try:
+            return await asyncio.wait_for(getattr(self.actor, method).remote(), timeout_s)
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            raise VMError(f"Ray desktop {self.name}: {method}() failed: {e!r}"[:500]) from e
+
+    async def _connect(self, info: dict[str, Any]) -> None:
+        from envs.vm.client import VMClient  # noqa: PLC0415
+
+        url = f"http://{info['endpoint']}" if "://" not in info["endpoint"] else info["endpoint"]
+        if url != self.url:
+            old, self.url = self.client, url
+            self.client = VMClient(url, token=self.token, timeout=60.0, retries=2, backoff=0.2)
+            await old.close()
+        self.info = info
+        await self.client.wait_ready(self.ready_timeout_s)
+
+    async def reset(self) -> None:
+        info = await self._call("reset_desktop", self.ready_timeout_s)
+        if info["incarnation"] != self.info.get("incarnation") or info["endpoint"] != (
+            self.info.get("endpoint")
+        ):
+            self.restarts += 1
+        await self._connect(info)
+
+    async def recover(self) -> None:
+        """After a fault: the actor's desktop recreated, or the actor itself once Ray has
+        restarted it (a dead process or node); ``VMError`` when neither within the time-out."""
+        from envs.vm.client import VMError  # noqa: PLC0415
+
+        t0 = time.monotonic()
+        while True:
+            try:
+                await self.reset()
+                return
+            except VMError:
+                if time.monotonic() - t0 > self.restart_timeout_s:
+                    raise
+                await asyncio.sleep(1.0)  # Ray is restarting the actor
+
+    async def stop(self) -> None:
+        await self.client.close()
+        if self.actor is not None:
+            with contextlib.suppress(Exception):  # a dead actor or a Ray already shut down
+                await asyncio.wait_for(self.actor.stop.remote(), 30)
+            with contextlib.suppress(Exception):
+                _ray().kill(self.actor)
+            self.actor = None
+
+
+def ray_desktops(ec: Any) -> list[RayDesktop]:
+    """``env.concurrency`` Ray desktops for a config's ``env`` section (``env.kind='vm'``,
+    ``env.fleet='ray'``): Ray at ``env.ray_address``, one desktop (1 CPU, one ``desktop``
+    resource) a slot, ``env.vm_token`` (or $CUA_VM_TOKEN; else one made up), the viewport as
+    the screen, the local desktops' limits (``env.desktop_memory_mb``, ...)."""
+    ray = _ray()
+    if not ray.is_initialized():
+        ray.init(address=ec.get("ray_address") or None, namespace=NAMESPACE, log_to_driver=False)
+    opts = {
+        k: v
+        for k, v in {
+            "memory_mb": ec.get("desktop_memory_mb") or None,
+            "max_processes": ec.get("desktop_max_processes") or None,
+            "cpus": ec.get("desktop_cpus") or None,
+        }.items()
+        if v is not None
+    }
+    token = ec.get("vm_token") or os.environ.get("CUA_VM_TOKEN") or None
+    return [
+        RayDesktop(
+            i,
+            token=token,
+            screen=(int(ec.viewport_width), int(ec.viewport_height)),
+            desktop_options=opts,
+        )
+        for i in range(int(ec.concurrency))
+    ]
 
 
 class RayFleet(BrowserFleet):
@@ -444,7 +611,7 @@ def fleet_from_config(ec: Any, local: Any = None) -> RayFleet:
     if ec.get("fleet", "") != "ray" or ec.get("kind", "browser") != "browser":
         raise ValueError(
             f"env.fleet={ec.get('fleet')!r} with env.kind={ec.get('kind')!r}: the Ray fleet is "
-            "env.fleet='ray' with env.kind='browser' (desktop hosts on Ray are not built yet)"
+            "env.fleet='ray' with env.kind='browser' (desktops on Ray: envs.ray_fleet.ray_desktops)"
         )
     return RayFleet(
         ec.ray_address or None,

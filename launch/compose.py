@@ -73,6 +73,13 @@ def build_env_factory(config):
 
             def env_factory():
                 return local_pool()
+    elif ec.kind == "vm" and (ec.get("fleet", "") or "") == "ray":
+        # desktops in Ray actors placed by the `desktop` resource, restarted by Ray
+        from envs.ray_fleet import ray_desktops
+        from envs.vm.env import VMEnvPool
+
+        def env_factory():
+            return VMEnvPool(ray_desktops(ec))
     elif ec.kind == "vm":
         from envs.vm import make_env_pool
 

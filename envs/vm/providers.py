@@ -333,6 +333,8 @@ class LocalDesktop:
         gets at most ``cpus`` cores and dies with its episode. None: no cap.
       command_cpu_s: the CPU seconds each command the server starts may use (the server's
         ``--command-cpu-s``, ``RLIMIT_CPU``; works without a cgroup). None: no cap.
+      host: the address the desktop's server binds (default loopback; another, e.g. this
+        machine's address for a trainer elsewhere, as a desktop in a Ray actor serves).
       home_alias: where the server and everything it starts also see the desktop's home, and
         their $HOME (OSWorld's "/home/user": its tasks' paths, a model typing them). A private
         mount namespace per desktop (``HOME_ALIAS_SCRIPT``), so parallel desktops each have
@@ -358,6 +360,7 @@ class LocalDesktop:
         cpus: float | None = None,
         command_cpu_s: float | None = None,
         home_alias: str | None = "/home/user",
+        host: str = "127.0.0.1",
     ):
         if width < 64 or height < 64:
             raise ValueError(f"LocalDesktop screen {width}x{height} is too small (min 64x64)")
@@ -386,6 +389,7 @@ class LocalDesktop:
             if len(parts) != 3 or parts[:2] != ("/", "home") or parts[2] in (".", ".."):
                 raise ValueError(f"LocalDesktop home_alias must be /home/NAME, got {home_alias!r}")
         self.home_alias = home_alias
+        self.host = host
         self.home_alias_active = False  # set by start()
         self.limits_mode = "none"  # set by start(): "cgroup v2" | "cgroup v1" | "rlimit" | "none"
         self._name = name
@@ -548,7 +552,7 @@ class LocalDesktop:
             "-m",
             "envs.vm.server",
             "--host",
-            "127.0.0.1",
+            self.host,
             "--port",
             "0",
             "--exec-limit",
