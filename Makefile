@@ -60,8 +60,10 @@ vm-image:
 test: venv apt
 	$(BIN)/python -m pytest -n 2 --dist loadscope tests
 
+# The random-init policy is not scored (it is 0; the post-SFT eval is the RL phase's baseline).
 smoke: venv apt
-	$(BIN)/python launch/tpu.py --config=configs/qwen3vl_grpo.py:smoke --workdir=$${WORKDIR:-/tmp/cua_smoke}
+	$(BIN)/python launch/tpu.py --config=configs/qwen3vl_grpo.py:smoke --workdir=$${WORKDIR:-/tmp/cua_smoke} \
+	  --config.log.eval_before_sft=False
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -293,6 +293,9 @@ def base_config(family: str) -> ConfigDict:
     # ---- logging / eval ------------------------------------------------------------------------
     c.log = ConfigDict()
     c.log.eval_every = 25
+    # the eval at step 0, before any training; False skips it when an SFT warm-up follows (the
+    # random-init policy scores 0; the post-SFT eval is the RL phase's baseline)
+    c.log.eval_before_sft = True
     c.log.wandb_project = _str()
     c.log.wandb_name = _str()
     c.log.num_groups_to_log = 2

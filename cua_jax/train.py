@@ -202,8 +202,9 @@ async def run(
             server = await serve_live_policy(
                 config, workdir, engine, processor, learner.model.config.vision_placeholder_ids
             )
-            # ---- eval at step 0 (before any training) ------------------------------------------
-            if resume_from is None:
+            # ---- eval at step 0 (before any training; log.eval_before_sft=False skips it when
+            # an SFT warm-up follows, whose eval is then the first) -----------------------------
+            if resume_from is None and (config.log.eval_before_sft or not run_sft):
                 last_eval = await evaluate("step0", 0)
                 writer.write(0, {**last_eval, "phase_sft": 0.0})
                 db.log_step(0, {**last_eval, "phase_sft": 0.0})

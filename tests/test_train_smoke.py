@@ -172,7 +172,8 @@ def _ask_live_policy(wd, proc):
 def test_async_mode_keeps_staleness_within_the_bound(tmp_path):
     """Rollouts keep running while the learner trains; the staleness gate and the store keep
     every trained group within max_steps_off_policy, and the learner's idle share is logged.
-    Entropulse phases run between the async steps.
+    Entropulse phases run between the async steps. With log.eval_before_sft=False (`make
+    smoke`'s setting) the random-init policy is not scored: the post-SFT eval is the first.
     The run serves its live policy (config.serve.port) to a client meanwhile: the replies come
     from the rollouts' engine and name the learner version that wrote them."""
     import socket
@@ -194,6 +195,7 @@ def test_async_mode_keeps_staleness_within_the_bound(tmp_path):
         # Entropulse in async mode (#16): a phase after steps 2 and 4, on this run's successes
         "--config.rl.entropulse_every=2",
         "--config.rl.entropulse_sft_steps=2",
+        "--config.log.eval_before_sft=False",
     )
     proc = subprocess.Popen(
         _cmd(wd, *extra),
@@ -222,6 +224,13 @@ def test_async_mode_keeps_staleness_within_the_bound(tmp_path):
     )
     with pytest.raises(OSError):  # the server stopped with the run
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    step0 = [row for row in metrics_rows(wd) if row["step"] == 0]
+    assert [row["phase_sft"] for row in step0] == [1.0] and "eval/success" in step0[0]
+    summary = json.load(open(os.path.join(wd, "summary.json")))
+    assert summary["eval_success_step0"] is None
+    assert summary["eval_success_after_sft"] == step0[0]["eval/success"]
+    gain = summary["eval_success_final"] - summary["eval_success_after_sft"]
+    assert summary["eval_success_rl_gain"] == pytest.approx(gain)
     rows = [row for row in metrics_rows(wd) if row["step"] >= 1]
     assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]
     for row in rows:

@@ -21,7 +21,10 @@ def run_summary(rows: Sequence[dict[str, Any]]) -> dict[str, float | None]:
     `tools/eval.py --step=<eval_best_step>` scores that checkpoint (when `ckpt.save_every`
     divides the step and `ckpt.keep` kept it) on held-out tasks."""
     evals = [r for r in rows if "eval/success" in r]
-    step0 = next((r["eval/success"] for r in evals if r["step"] == 0), None)
+    # (None when log.eval_before_sft=False skipped it: the post-SFT eval is at step 0 too)
+    step0 = next(
+        (r["eval/success"] for r in evals if r["step"] == 0 and r.get("phase_sft") != 1.0), None
+    )
     after_sft = next((r["eval/success"] for r in evals if r.get("phase_sft") == 1.0), None)
     final = evals[-1]["eval/success"] if evals else None
     gain = None if after_sft is None or final is None else final - after_sft
