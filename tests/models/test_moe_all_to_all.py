@@ -6,6 +6,8 @@ replay and a router biased so one expert gets most rows; a token count the mesh 
 (numpy), and the dispatch switch.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -211,3 +213,47 @@ def test_qwen35_moe_model_with_tokens_split_over_experts_equals_one_device():
     got, got_routing = fwd(state, ids, routing.experts, graphdef)
     np.testing.assert_array_equal(np.asarray(got_routing.experts), np.asarray(routing.experts))
     assert _rel(got, ref) <= 1e-5
+
+
+@pytest.mark.skipif(
+    not os.environ.get("CUA_LONG_TESTS"),
+    reason="~10 s of libtpu compile on CPU: set CUA_LONG_TESTS=1",
+)
+def test_all_to_all_compiles_for_tpu_with_the_ragged_op():
+    """On a TPU v5e-8 topology (ahead of time, libtpu) the all-to-all dispatch, forward and
+    backward, compiles to ragged-all-to-alls (the CPU tests run the dense emulation), and no
+    all-reduce of activations is left: only the router's gradient and the int32 counts."""
+    from cua_jax import plan
+
+    try:
+        devices = plan.abstract_devices(plan.get_topology("v5e-8"))
+    except plan.PlanInputError as e:
+        pytest.skip(f"no libtpu: {e}")
+    mesh = shd.make_mesh(1, 1, 1, devices=devices, expert=8)
+    cfg = qwen_vl.tiny("qwen3_vl", moe=True).replace(param_dtype="bfloat16", dtype="bfloat16")
+    block = nnx.eval_shape(lambda: moe.SparseMoeBlock(cfg, rngs=nnx.Rngs(0)))
+    block.use_mesh(mesh, dispatch="all_to_all")
+    graphdef, state = nnx.split(block)
+
+    def placed(path, var):
+        shape, dtype = tuple(var.get_value().shape), var.get_value().dtype
+        sharding = shd.named_sharding(shd.logical_axes(var), shape, mesh)
+        return var.replace(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
+
+    state = nnx.map_state(placed, state)
+    x_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("expert"))
+    x = jax.ShapeDtypeStruct((8, 16, cfg.text.hidden_size), jnp.bfloat16, sharding=x_sharding)
+
+    def grads(state, x):
+        def loss(state, x):
+            y, _, _ = nnx.merge(graphdef, state)(x)
+            return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+        return jax.grad(loss, argnums=(0, 1))(state, x)
+
+    text = jax.jit(grads).trace(state, x).lower().compile().as_text()
+    assert text.count("ragged-all-to-all-start(") == 4  # out and back, forward and backward
+    D, E = cfg.text.hidden_size, cfg.text.num_experts
+    for line in text.splitlines():
+        if " all-reduce(" in line or "all-reduce-start(" in line:
+            assert f"[{D},{E}]" in line or "s32" in line, line
