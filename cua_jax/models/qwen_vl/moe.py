@@ -483,13 +483,18 @@ def _size(mesh: Mesh, axes: tuple[str, ...]) -> int:
 def replay_weights(logits_NE: jax.Array, e_NK: jax.Array, norm_topk_prob: bool = True) -> jax.Array:
     """Routing weights f32[N, K] of given experts under the current router (routing replay).
 
-    Renormalised: p_i / sum_k p_k = softmax over the k chosen logits, computed so, because a
-    replayed expert the current router has moved far away from has a probability that underflows
-    to 0 in f32 (all k of them: 0/0 = NaN, also in the router's gradient)."""
+    Renormalised as the router's own top-k (p_i / sum_k p_k, bit for bit), except where all k
+    replayed experts' probabilities underflow in f32 (experts the current router has moved far
+    from): there the same ratio as a softmax over the k chosen logits, instead of 0/0 = NaN
+    (which the router's gradient would carry too)."""
     logits_NE = logits_NE.astype(jnp.float32)
-    if norm_topk_prob:
-        return jax.nn.softmax(jnp.take_along_axis(logits_NE, e_NK, axis=-1), axis=-1)
-    return jnp.take_along_axis(jax.nn.softmax(logits_NE, axis=-1), e_NK, axis=-1)
+    w_NK = jnp.take_along_axis(jax.nn.softmax(logits_NE, axis=-1), e_NK, axis=-1)
+    if not norm_topk_prob:
+        return w_NK
+    sum_N1 = jnp.sum(w_NK, axis=-1, keepdims=True)
+    ok_N1 = sum_N1 >= jnp.finfo(jnp.float32).tiny
+    chosen = jax.nn.softmax(jnp.take_along_axis(logits_NE, e_NK, axis=-1), axis=-1)
+    return jnp.where(ok_N1, w_NK / jnp.where(ok_N1, sum_N1, 1.0), chosen)
 
 
 def load_balancing_loss(
