@@ -27,6 +27,10 @@ real RL step", 2026-11-27):
                est. MFU 57-59%
   8b  v5p-8    full fine-tuning, fsdp=2 x tensor=2: 80.7 GiB, 6610 pages; 59 chunks, padding
                0.046, est. step 83 s, est. MFU 66-69%
+  2b on v5e-8 (16 GiB chips) does not fit (exit 1, BENCHMARKS.md "Plans of session 19"): the
+               TPU compiler asks 17.4-18.0 GiB of temporaries for a chunk program at 16384 and
+               at 8192 tokens a chip (the least the 15-turn, three-screen samples allow), so no
+               token budget fits it; its update, decode and prefill programs fit
   32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4: not yet planned with the token budget
                (its 8-row text plan: 73.3 GiB)
   30b-a3b v5p-8  LoRA rank 32 (attention + experts) on bf16 weights, expert=4 (32 experts on
