@@ -12,8 +12,10 @@ per-device HBM (params, optimizer state, KL reference, KV pool, temp) against th
 FLOPs and bytes per step, roofline time, MFU / MBU (see cua_jax/plan.py).
 
 Exit status: 0 everything fits with `--headroom` of HBM to spare; 1 something does not (one
-line naming the program, the biggest consumer and what to change); 2 bad input (unknown
-topology, hf_path not a directory, a mesh that does not divide the slice, a bad flag).
+line naming the program, the biggest consumer and what to change; a program the TPU compiler
+refuses counts at the temporaries its message names; or a KV pool sized from memory that a run
+would refuse at start); 2 bad input (unknown topology, hf_path not a directory, a mesh that
+does not divide the slice, a bad flag).
 """
 
 from __future__ import annotations
