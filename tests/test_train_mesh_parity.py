@@ -22,6 +22,7 @@ NUM_EVAL = 8
 ARGS = [
     "--config=configs/qwen3vl_grpo.py:smoke",
     "--config.total_steps=0",  # SFT, its eval, its checkpoint; no GRPO step
+    "--config.log.eval_before_sft=False",  # the random-init policy's eval: not compared here
     "--config.sft.steps=40",
     "--config.sft.episodes_per_task=2",
     "--config.rl.max_tokens=40",
