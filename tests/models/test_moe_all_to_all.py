@@ -235,12 +235,7 @@ def test_all_to_all_compiles_for_tpu_with_the_ragged_op():
     block.use_mesh(mesh, dispatch="all_to_all")
     graphdef, state = nnx.split(block)
 
-    def placed(path, var):
-        shape, dtype = tuple(var.get_value().shape), var.get_value().dtype
-        sharding = shd.named_sharding(shd.logical_axes(var), shape, mesh)
-        return var.replace(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
-
-    state = nnx.map_state(placed, state)
+    state = plan.with_shardings(state, shd.param_shardings(state, mesh))  # abstract, placed
     x_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("expert"))
     x = jax.ShapeDtypeStruct((8, 16, cfg.text.hidden_size), jnp.bfloat16, sharding=x_sharding)
 

@@ -430,12 +430,7 @@ def test_expert_parallel_block_compiles_for_tpu():
     block.use_mesh(mesh)
     graphdef, state = nnx.split(block)
 
-    def placed(path, var):
-        shape, dtype = tuple(var.get_value().shape), var.get_value().dtype
-        sharding = shd.named_sharding(shd.logical_axes(var), shape, mesh)
-        return var.replace(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
-
-    state = nnx.map_state(placed, state)
+    state = plan.with_shardings(state, shd.param_shardings(state, mesh))  # abstract, placed
     x_sharding = jax.sharding.NamedSharding(mesh, P("fsdp", None, None))
     x = jax.ShapeDtypeStruct((8, 64, cfg.text.hidden_size), jnp.bfloat16, sharding=x_sharding)
 
