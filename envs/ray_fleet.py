@@ -41,12 +41,14 @@ import contextlib
 import logging
 import math
 import os
+import secrets
 import socket
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from envs.fleet import BrowserFleet
+from envs.vm.client import VMClient, VMError
 
 log = logging.getLogger(__name__)
 
@@ -271,10 +273,6 @@ class RayDesktop:
         ready_timeout_s: float = 120.0,
         restart_timeout_s: float = 180.0,
     ):
-        import secrets  # noqa: PLC0415
-
-        from envs.vm.client import VMClient  # noqa: PLC0415
-
         self.name = f"{prefix}desktop-{index}"
         self.namespace = namespace
         # every incarnation of the actor is made with the same arguments, so the same token
@@ -304,8 +302,6 @@ class RayDesktop:
         await self._connect(await self._call("info", self.ready_timeout_s))
 
     async def _call(self, method: str, timeout_s: float) -> dict[str, Any]:
-        from envs.vm.client import VMError  # noqa: PLC0415
-
         ray = _ray()
         try:
             return await asyncio.wait_for(getattr(self.actor, method).remote(), timeout_s)
@@ -313,9 +309,7 @@ class RayDesktop:
             raise VMError(f"Ray desktop {self.name}: {method}() failed: {e!r}"[:500]) from e
 
     async def _connect(self, info: dict[str, Any]) -> None:
-        from envs.vm.client import VMClient  # noqa: PLC0415
-
-        url = f"http://{info['endpoint']}" if "://" not in info["endpoint"] else info["endpoint"]
+        url = info["endpoint"]  # a desktop host's is its server's URL (LocalDesktop.url)
         if url != self.url:
             old, self.url = self.client, url
             self.client = VMClient(url, token=self.token, timeout=60.0, retries=2, backoff=0.2)
@@ -334,8 +328,6 @@ class RayDesktop:
     async def recover(self) -> None:
         """After a fault: the actor's desktop recreated, or the actor itself once Ray has
         restarted it (a dead process or node); ``VMError`` when neither within the time-out."""
-        from envs.vm.client import VMError  # noqa: PLC0415
-
         t0 = time.monotonic()
         while True:
             try:
