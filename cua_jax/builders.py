@@ -18,25 +18,35 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import jax
+import numpy as np
 from absl import logging
 from etils import epath
+from flax import nnx
 
+from cua_jax import multihost, warmup
+from cua_jax import sharding as shd
 from cua_jax.checkpoint.orbax_io import Checkpointer, CheckpointError, init_params
+from cua_jax.config_checks import ConfigError, feedback_kinds
+from cua_jax.data.processor import QwenVLProcessor
+from cua_jax.job.sft import MidSettings, SftSettings
+from cua_jax.metrics import MetricsWriter
+from cua_jax.models import qwen_vl
+from cua_jax.rl import learner as L
+from cua_jax.rl import sources
 from cua_jax.rl.rollout import RolloutSettings
+from cua_jax.sampler import Engine, steps
+from cua_jax.sampler.kv_cache import kv_pages_for_budget, kv_pool_bytes_per_device
 
 
 def mesh_and_rules(config: Any, devices: Any = None) -> tuple[Any, tuple]:
     """The run's device mesh (`config.mesh`) and its logical-axis rules (the defaults, then
     `config.mesh.rules`)."""
-    from cua_jax import sharding as shd
-
     mc = config.mesh
     expert = mc.get("expert", 1)  # an older run's config has no expert axis
     try:
         mesh = shd.make_mesh(mc.data, mc.fsdp, mc.tensor, devices=devices, expert=expert)
     except ValueError as e:
-        from cua_jax.config_checks import ConfigError
-
         raise ConfigError(
             f"config.mesh (data={mc.data}, fsdp={mc.fsdp}, expert={expert}, tensor={mc.tensor}) "
             f"does not fit the devices: {e}"
@@ -51,9 +61,6 @@ def build_model_and_processor(config: Any, mesh: Any, rules: Any):
     family (Qwen3-VL-MoE, or Qwen3.5-MoE with its shared expert), 8 experts top-2 in every
     decoder layer). Qwen3.5 takes Qwen3-VL's processor and chat rendering (transformers maps
     its model types to Qwen3VLProcessor)."""
-    from cua_jax.data.processor import QwenVLProcessor
-    from cua_jax.models import qwen_vl
-
     mc = config.model
     if mc.hf_path is not None:
         model = qwen_vl.from_pretrained(mc.hf_path, dtype=mc.param_dtype, mesh=mesh, rules=rules)
@@ -107,16 +114,14 @@ def build_learner(model: Any, config: Any, mesh: Any, rules: Any, *, sft: bool):
     """The learner of the RL phase (`sft=False`) or of the SFT warm-up (`sft=True`: its own
     learning rate and schedule length, no KL term, untempered). It takes ownership of `model`
     (see the module docstring): build the sampler from `learner.model`."""
-    from cua_jax.rl import learner as L
-
     rl, opt = config.rl, config.optim
     lr = config.sft.learning_rate if sft else rl.learning_rate
-    steps = config.sft.steps if sft else config.total_steps
+    n_steps = config.sft.steps if sft else config.total_steps
     optimizer = L.OptimizerConfig(
         learning_rate=lr,
         schedule=opt.schedule,
         warmup_steps=opt.warmup_steps,
-        decay_steps=max(1, steps - opt.warmup_steps),
+        decay_steps=max(1, n_steps - opt.warmup_steps),
         weight_decay=opt.weight_decay,
         b1=opt.b1,
         b2=opt.b2,
@@ -178,12 +183,6 @@ def kv_pages(
     program (its scratch and its batch: the shape set's largest RL shape, compiled now; the
     warm-up later finds it compiled), in whole pages. A device that reports no memory (the
     CPU) keeps `sampler.num_pages`, logged. `stats`: the device's `memory_stats()` (tests)."""
-    import jax
-    import numpy as np
-
-    from cua_jax import warmup
-    from cua_jax.sampler import steps
-    from cua_jax.sampler.kv_cache import kv_pages_for_budget, kv_pool_bytes_per_device
 
     sc = config.sampler
     frac = float(sc.get("kv_memory_fraction", 0.0) or 0.0)
@@ -261,8 +260,6 @@ def build_engine(
     only (`sampler_mesh`) with a local copy of the parameters (`sampler_params`); give it
     `sampler_params(learner)` at every `update_params`. `num_pages`: the KV pages (`kv_pages`;
     0: `sampler.num_pages`)."""
-    from cua_jax.sampler import Engine
-
     sc = config.sampler
     model, mesh = _sampler_model(model, mesh)
     return Engine(
@@ -283,9 +280,6 @@ def build_engine(
 def sampler_mesh(mesh: Any) -> Any:
     """The sampler's mesh: the run's mesh with one process, else this process's devices (its
     own rollouts), with the run's `tensor` size where they divide by it."""
-    import jax
-
-    from cua_jax import sharding as shd
 
     if jax.process_count() == 1:
         return mesh
@@ -297,18 +291,12 @@ def sampler_mesh(mesh: Any) -> Any:
 def sampler_params(learner: Any) -> Any:
     """What `engine.update_params` takes: the learner's live parameters (one process), or this
     process's full copy of them (multi-host, see `build_engine`)."""
-    from cua_jax import multihost
-
     return multihost.local_copy(learner.params_for_sampler())
 
 
 def _sampler_model(model: Any, mesh: Any) -> tuple[Any, Any]:
     """(model, mesh) the engine decodes: `model` itself on the run's mesh with one process; a
     copy holding this process's replica of its arrays on `sampler_mesh` with several."""
-    import jax
-    from flax import nnx
-
-    from cua_jax import multihost
 
     if jax.process_count() == 1:
         return model, mesh
@@ -317,8 +305,6 @@ def _sampler_model(model: Any, mesh: Any) -> tuple[Any, Any]:
 
 
 def build_rollout_settings(config: Any, model: Any) -> RolloutSettings:
-    from cua_jax.rl.sdpo import feedback_kinds
-
     rl, env = config.rl, config.env
     # SDPO's teacher is shown the screen after a failed episode's last action
     final_screen = rl.algorithm == "sdpo" and "final_screenshot" in feedback_kinds(rl.sdpo_feedback)
@@ -340,8 +326,6 @@ def build_rollout_settings(config: Any, model: Any) -> RolloutSettings:
 def build_rollout_source(config: Any, agent: Any, pool: Any, tasks: Any, version: int):
     """The GRPO loop's rollout source for `config.rl.mode` over `tasks` in a fresh task order
     (`cua_jax.rl.sources`); `version` is the learner's current one."""
-    from cua_jax.rl import sources
-
     rl = config.rl
     settings = sources.SourceSettings(
         group_size=rl.group_size,
@@ -360,10 +344,6 @@ def build_rollout_source_share(config: Any, agent: Any, pool: Any, tasks: Any, v
     (`multihost.task_share`: every process_count-th task from its index, the same after a
     restart) and `groups_per_batch / process_count` whole groups per step (a group never
     straddles processes). With one process, exactly `build_rollout_source`."""
-    import jax
-
-    from cua_jax import multihost
-    from cua_jax.config_checks import ConfigError
 
     n = jax.process_count()
     if n == 1:
@@ -380,6 +360,50 @@ def build_rollout_source_share(config: Any, agent: Any, pool: Any, tasks: Any, v
     per_host = config.copy_and_resolve_references()
     per_host.rl.groups_per_batch = rl.groups_per_batch // n
     return build_rollout_source(per_host, agent, pool, share, version)
+
+
+def mid_settings(config: Any) -> MidSettings:
+    """Grounding mid-training's settings (`config.mid`)."""
+    mc = config.mid
+    return MidSettings(
+        steps=mc.steps,
+        batch_size=mc.batch_size,
+        source=mc.source,
+        heldout=mc.heldout,
+        eval_every=mc.eval_every,
+        eval_samples=mc.eval_samples,
+        seed=config.seed,
+        progress=config.log.progress,
+    )
+
+
+def sft_settings(config: Any) -> SftSettings:
+    """The SFT warm-up's settings (`config.sft`; a step's rows are `config.rl.rows_per_step`)."""
+    sc = config.sft
+    return SftSettings(
+        steps=sc.steps,
+        source=sc.source,
+        rows=config.rl.rows_per_step,
+        episodes_per_task=sc.episodes_per_task,
+        recovery_share=sc.recovery_share,
+        feedback_share=sc.feedback_share,
+        feedback_kinds=feedback_kinds(config.rl.sdpo_feedback),
+        seed=config.seed,
+        progress=config.log.progress,
+    )
+
+
+def build_metrics_writer(config: Any, workdir: str, *, enabled: bool) -> MetricsWriter:
+    """The run's metrics writer (`config.log`: jsonl, tensorboard, wandb) under `workdir`."""
+    log = config.log
+    return MetricsWriter(
+        workdir,
+        enabled=enabled,
+        tensorboard=log.tensorboard,
+        wandb_project=log.wandb_project,
+        wandb_name=log.wandb_name,
+        config=config.to_dict(),
+    )
 
 
 def build_checkpointer(config: Any, workdir: str) -> Checkpointer:

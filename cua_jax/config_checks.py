@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
+from absl import logging
+
 from cua_jax.config_limits import LimitError, check_limits
+from cua_jax.env_api import Task
 from cua_jax.models.qwen_vl.config import TINY_MOE
 from cua_jax.sampler.kernels.paged_attention import GpuKernelOptions
 
@@ -42,6 +46,10 @@ ENUMS = {
 }
 
 
+# The feedback SDPO's teacher may read (`config.rl.sdpo_feedback`, `cua_jax.rl.sdpo`).
+FEEDBACK_KINDS = ("final_screenshot", "checker_message", "peer_success")
+
+
 class ConfigError(ValueError):
     """A config value that type-checks but means nothing; names the key and the valid values."""
 
@@ -64,6 +72,17 @@ def check_sft_source(path: str) -> str:
     )
 
 
+def feedback_kinds(spec: str | Sequence[str]) -> tuple[str, ...]:
+    """`config.rl.sdpo_feedback` ("final_screenshot,checker_message", or already a sequence of
+    kinds) as a checked, non-empty tuple: the one place the kinds are parsed."""
+    parts = spec.split(",") if isinstance(spec, str) else spec
+    kinds = tuple(str(k).strip() for k in parts if str(k).strip())
+    bad = [k for k in kinds if k not in FEEDBACK_KINDS]
+    if bad or not kinds:
+        raise ValueError(f"sdpo_feedback={spec!r}: use some of {FEEDBACK_KINDS}")
+    return kinds
+
+
 def validate_config(config: Any) -> None:
     """Fails before any work starts on values the flag parser cannot catch."""
     for key, valid in ENUMS.items():
@@ -77,8 +96,6 @@ def validate_config(config: Any) -> None:
         raise ConfigError(str(e)) from None
     rl, sc, ck = config.rl, config.sampler, config.ckpt
     if rl.algorithm == "sdpo":
-        from cua_jax.rl.sdpo import feedback_kinds
-
         try:
             feedback_kinds(rl.sdpo_feedback)
         except ValueError as e:
@@ -228,3 +245,20 @@ def _check_moe(config: Any, num_experts: int) -> None:
 
 
 __all__ = ["ConfigError", "check_sft_source", "validate_config"]
+
+
+def warn_if_turns_cut(tasks: Sequence[Task], max_turns: int) -> None:
+    """An episode lasts min(task.max_steps, env.max_turns) turns: say so where the config cuts
+    tasks short (those whose solution needs more turns cannot succeed)."""
+    cut = sorted({t.id.rsplit("/", 1)[0] for t in tasks if t.max_steps > max_turns})
+    if cut:
+        kinds = ", ".join(cut[:10]) + (" ..." if len(cut) > 10 else "")
+        logging.warning(
+            "%d task kinds allow more steps than config.env.max_turns=%d, up to %d; their "
+            "episodes end after %d turns, so a task that needs more cannot succeed: %s",
+            len(cut),
+            max_turns,
+            max(t.max_steps for t in tasks),
+            max_turns,
+            kinds,
+        )

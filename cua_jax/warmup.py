@@ -28,7 +28,9 @@ import jax.numpy as jnp
 from absl import logging
 
 from cua_jax import compile_stats
+from cua_jax.rl import sdpo
 from cua_jax.rl.shapes import ShapeSet
+from cua_jax.sampler import engine as engine_mod
 from cua_jax.sampler import steps
 from cua_jax.sampler.sampling import SlotSampling
 from cua_jax.sampler.scheduler import BucketSet
@@ -40,8 +42,6 @@ def sampler_buckets(engine: Any) -> BucketSet:
 
 def _contiguous_decode(engine: Any, table_cols: int) -> bool:
     """Which decode program the engine runs at this table width (as `Engine._decode_fn`)."""
-    from cua_jax.sampler import engine as engine_mod
-
     return (
         engine._attn == "reference"
         and steps.contiguous_bytes(engine.cache, engine.max_slots, table_cols)
@@ -229,8 +229,6 @@ def begin(
     names = dict.fromkeys(name for m in modes for name in learner.program_names(m))
     watched = tuple(names) + (SAMPLER_PROGRAMS if sampler else ())
     if sdpo_warm:
-        from cua_jax.rl import sdpo
-
         watched += (*learner.program_names(distiller.step_mode), sdpo.TEACHER_PROGRAM)
     screens = config.env.max_history_images
 

@@ -35,14 +35,17 @@ _CONFIG = config_flags.DEFINE_config_file(
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and logs go.")
 _DRY_RUN = flags.DEFINE_bool(
-    "dry_run", False, "Compile the run's train step and decode chunk for the devices present, "
-    "print the memory / roofline plan (cua_jax/plan.py) and exit: 0 fits, 1 does not. No training."
-)  # fmt: skip
+    "dry_run",
+    False,
+    "Compile the run's train step and decode chunk for the devices present, "
+    "print the memory / roofline plan (cua_jax/plan.py) and exit: 0 fits, 1 does not. No training.",
+)
 flags.mark_flag_as_required("config")
 flags.register_multi_flags_validator(
-    ["workdir", "dry_run"], lambda f: f["workdir"] is not None or f["dry_run"],
+    ["workdir", "dry_run"],
+    lambda f: f["workdir"] is not None or f["dry_run"],
     "flag --workdir must have a value other than None (only --dry_run runs without one)",
-)  # fmt: skip
+)
 
 
 class LaunchError(SystemExit):
@@ -163,6 +166,7 @@ def main(argv: list[str]) -> None:
     workdir = _WORKDIR.value
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO: keep the bar readable
         logging.set_verbosity(logging.WARNING)
+    # JAX and the trainer load only now: a bad flag above fails in a fraction of a second
     from cua_jax import train
     from cua_jax.checkpoint.orbax_io import CheckpointError
     from cua_jax.config_checks import ConfigError, validate_config

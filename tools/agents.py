@@ -188,6 +188,7 @@ class _Sessions:
         self._by_loop: dict[int, Any] = {}
 
     def get(self):
+        """This event loop's HTTP session (a new one where it has none or it was closed)."""
         import aiohttp
 
         loop = asyncio.get_running_loop()
@@ -198,6 +199,7 @@ class _Sessions:
         return s
 
     async def close(self) -> None:
+        """Closes every loop's session."""
         for s in self._by_loop.values():
             await s.close()
         self._by_loop.clear()

@@ -380,6 +380,7 @@ def _write_episodes(result_dir, player: Player, trajs, played, screens, texts, n
 
 
 def main(argv: list[str]) -> None:
+    """The evaluation the flags ask for (module docstring); a bad flag or config exits 2."""
     import asyncio
     import time
 

@@ -20,6 +20,7 @@ from cua_jax.data.shards import ShardWriter
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Writes `--num` synthetic grounding screens as shards under `--out`; returns 0."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="a new directory for the shards")
     ap.add_argument("--num", type=int, required=True, help="how many screens")

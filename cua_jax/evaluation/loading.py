@@ -3,15 +3,17 @@ what tools/eval.py, tools/serve.py and tools/offline_eval.py load (`cua_jax.buil
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
+
+from cua_jax import builders
+from cua_jax.data.processor import QwenVLProcessor
 
 
 def checkpoint_step(value: str | None, workdir: str | None) -> int | None:
     """A `--step` value as a checkpoint step: None (the latest), an integer, or "best" (the run's
     summary.json `eval_best_step`); ValueError naming what is wrong."""
-    import json
-    import os
-
     if value is None:
         return None
     if value == "best":
@@ -37,8 +39,6 @@ def load_policy(config: Any, workdir: str | None, step: int | None = None):
     the latest; raises `CheckpointError` naming the steps there). Without: `config.model`'s
     `hf_path`, or random init for the tiny presets (+ `ckpt.init_params_from`, if set); step
     is None."""
-    from cua_jax import builders
-
     mesh, rules = builders.mesh_and_rules(config)
     if workdir is not None:
         model, processor, step = builders.restore_run_model(config, workdir, mesh, rules, step)
@@ -52,8 +52,6 @@ def load_policy(config: Any, workdir: str | None, step: int | None = None):
 def build_processor(config: Any):
     """The policy's processor alone (no weights): `model.hf_path`'s, or the shipped tokenizer
     with the tiny presets' image settings (what `builders.build_model_and_processor` gives)."""
-    from cua_jax.data.processor import QwenVLProcessor
-
     mc = config.model
     if mc.hf_path is not None:
         return QwenVLProcessor.from_pretrained(mc.hf_path)

@@ -40,6 +40,7 @@ import numpy as np
 
 from cua_jax import actions as A
 from cua_jax.evaluation import stats
+from cua_jax.evaluation.results import action_from_json
 
 DEFAULT_RADIUS = 0.05  # screen fractions
 
@@ -226,8 +227,6 @@ def _load_image(ref: str, base_dir: str) -> np.ndarray:
 def gold_from_json(gold: Any, fmt: Any, space: A.CoordinateSpace) -> list[Any]:
     """Gold actions from a JSONL step: model text in the format, or {"type": ..., fields} (or
     a list of them) in screen pixels."""
-    from cua_jax.evaluation.results import action_from_json
-
     if isinstance(gold, str):
         return fmt.parse(gold, space)
     items = gold if isinstance(gold, list) else [gold]

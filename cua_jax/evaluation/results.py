@@ -26,16 +26,20 @@ and `summarize` reports both the score sum and the success count).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import html
+import io
 import json
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from cua_jax import actions as A
+from cua_jax.viz import draw_actions
 
 
 def action_to_json(action: Any) -> dict[str, Any]:
@@ -82,8 +86,6 @@ def write_episode(
     """Writes one episode (a `Trajectory`, the screenshot of each turn and the model's text of
     each turn) under RESULT_DIR/<domain>/<task_id>/ (<task_id>__s<sample> for one of several
     samples of a task); returns that directory."""
-    from PIL import Image
-
     name = task_dirname(task.id) + ("" if sample is None else f"__s{sample}")
     out = os.path.join(result_dir, domain_of(task), name)
     os.makedirs(out, exist_ok=True)
@@ -227,13 +229,6 @@ def _episode(result_dir: str, task_id: str) -> tuple[str, dict, list[dict]] | No
 
 def _img_b64(path: str, step_actions: list[dict]) -> str:
     """The step's screenshot with its clicks drawn (cua_jax.viz), as a PNG data URI."""
-    import base64
-    import io
-
-    from PIL import Image
-
-    from cua_jax.viz import draw_actions
-
     img = np.asarray(Image.open(path).convert("RGB"))
     acts = [a for a in map(action_from_json, step_actions) if a is not None]
     buf = io.BytesIO()

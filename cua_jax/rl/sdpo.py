@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cua_jax import multihost
+from cua_jax.config_checks import FEEDBACK_KINDS, feedback_kinds
 from cua_jax.data.chat import RenderedChat
 from cua_jax.rl.image_groups import ImageGroups
 from cua_jax.rl.micro import compile_each, split_micro, split_micro_inputs, unsplit_micro
@@ -68,7 +69,6 @@ from cua_jax.rl.trajectory import PositionFn, Sample, Trajectory, trajectory_to_
 
 Divergence = Literal["kl", "rkl", "js"]
 DIVERGENCES = ("kl", "rkl", "js")
-FEEDBACK_KINDS = ("final_screenshot", "checker_message", "peer_success")
 TEACHERS = ("current", "ema")
 
 FEEDBACK_HEADER = "Feedback on an earlier attempt at the task below: it failed."
@@ -364,17 +364,6 @@ def action_decoder(chat: Any) -> Callable[[Sequence[int]], str]:
     """How a peer's generated ids become the tool-call text of `peer_success` feedback (without
     <|im_end|>)."""
     return lambda ids: chat.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def feedback_kinds(spec: str | Sequence[str]) -> tuple[str, ...]:
-    """`config.rl.sdpo_feedback` ("final_screenshot,checker_message", or already a sequence of
-    kinds) as a checked, non-empty tuple: the one place the kinds are parsed."""
-    parts = spec.split(",") if isinstance(spec, str) else spec
-    kinds = tuple(str(k).strip() for k in parts if str(k).strip())
-    bad = [k for k in kinds if k not in FEEDBACK_KINDS]
-    if bad or not kinds:
-        raise ValueError(f"sdpo_feedback={spec!r}: use some of {FEEDBACK_KINDS}")
-    return kinds
 
 
 def teacher_samples(
@@ -733,10 +722,14 @@ class SelfDistiller:
 
         def zeros(r: int, length: int) -> TeacherTargets:
             return TeacherTargets(
-                np.zeros((r, length, k), np.int32), np.zeros((r, length, k), np.float32),
-                np.zeros((r, length), bool), np.zeros((r, length), np.float32),
-                self.divergence, self.js_beta, self.weight,
-            )  # fmt: skip
+                np.zeros((r, length, k), np.int32),
+                np.zeros((r, length, k), np.float32),
+                np.zeros((r, length), bool),
+                np.zeros((r, length), np.float32),
+                self.divergence,
+                self.js_beta,
+                self.weight,
+            )
 
         def lower_step(shape: Any) -> Any:
             batch = learner.blank_batch(shape)

@@ -39,8 +39,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from cua_jax.config_checks import feedback_kinds
 from cua_jax.data.image import smart_resize
-from cua_jax.rl.sdpo import feedback_kinds
 from cua_jax.rl.trajectory import Sample
 
 Mode = Literal["rl", "sft", "teacher"]
