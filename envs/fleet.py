@@ -23,6 +23,11 @@ after being down starts a new ``generation``, and an env leased before that (its
 the old process) counts against the old incarnation (``fault_log``) without taking the new one
 out. A lost lease (HTTP 404) alone does not take a host out either: it asks for a health check at
 once, which does when the host is really gone. Each leased env counts at most one fault.
+An env given back after an episode that ended without a fault keeps its lease and goes to the
+next episode on that host (``idle_lease_s``): its ``reset`` starts the new episode, so an
+episode costs the trainer and the host five calls instead of seven (no ``POST /envs`` lease and
+no ``close``; tools/bench_fleet.py). A lease idle longer than that, one of an earlier
+incarnation, and one whose episode faulted or was cut short is closed instead of reused.
 ``acquire(avoid=host)`` prefers any other host with a free env: the rollout loop retries an
 episode that a fault ended elsewhere (``cua_jax.rl.rollout``), and ``host_of(env)`` names the
 host an env came from. The Ray backend (``envs.ray_fleet.RayFleet``) is this fleet with hosts
@@ -32,6 +37,7 @@ found, placed, restarted and scaled by Ray.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -62,10 +68,24 @@ class HostState:
     down_since: float | None = None
     generation: int = 0  # +1 each time the host comes back after being down (a new process)
     draining: bool = False  # being scaled away: no new episodes
+    # Leased envs between episodes, oldest first, kept for the next episode (not in_use).
+    idle: collections.deque[_Lease] = dataclasses.field(default_factory=collections.deque)
 
     @property
     def free(self) -> int:
         return self.capacity - self.in_use if self.up and not self.draining else 0
+
+
+@dataclasses.dataclass
+class _Lease:
+    """A remote env this fleet leased: the host incarnation that leased it, and whether one of
+    its calls faulted (then it is closed, never handed to another episode)."""
+
+    env: Any  # envs.browser.remote.RemoteBrowserEnv
+    host: HostState
+    generation: int
+    faulted: bool = False
+    idle_since: float = 0.0
 
 
 class BrowserFleet:
@@ -80,6 +100,8 @@ class BrowserFleet:
       health_interval_s: how often every host is checked.
       request_timeout_s: the longest one remote env call may take.
       acquire_timeout_s: how long ``acquire`` waits for a free env while no host is up.
+      idle_lease_s: the longest an env between episodes keeps its lease for the next one (at
+        most half the host's lease time-out; 0: every episode leases and closes its own).
     """
 
     _finds_hosts = False  # a subclass that discovers its hosts may start with none
@@ -95,6 +117,7 @@ class BrowserFleet:
         health_interval_s: float = 5.0,
         request_timeout_s: float = 60.0,
         acquire_timeout_s: float = 300.0,
+        idle_lease_s: float = 30.0,
     ):
         if local is None and not endpoints and not self._finds_hosts:
             raise ValueError("a BrowserFleet needs a local pool or at least one endpoint")
@@ -105,6 +128,9 @@ class BrowserFleet:
         self.health_interval_s = health_interval_s
         self.request_timeout_s = request_timeout_s
         self.acquire_timeout_s = acquire_timeout_s
+        if idle_lease_s < 0:
+            raise ValueError(f"idle_lease_s={idle_lease_s} must be >= 0")
+        self.idle_lease_s = idle_lease_s
         self.hosts: dict[str, HostState] = {}
         if local is not None:
             self.hosts[LOCAL] = HostState(LOCAL, len(local))
@@ -130,8 +156,11 @@ class BrowserFleet:
         # No cap on connections: each leased env has at most one call in flight, so the
         # fleet's own capacity bounds them. aiohttp's default (100 in all) queued the calls of
         # 1,000 concurrent episodes, and the hosts' health checks behind them past their
-        # time-out, which took answering hosts out (tools/bench_fleet.py).
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        # time-out, which took answering hosts out (tools/bench_fleet.py). Hosts set no
+        # cookies: no jar to filter on every call.
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar()
+        )
         if self.local is not None:
             await self.local.__aenter__()
         for ep in self._endpoints:
@@ -148,6 +177,10 @@ class BrowserFleet:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health
             self._health = None
+        idle = [le.env for h in self.hosts.values() for le in h.idle]
+        for h in self.hosts.values():
+            h.idle.clear()
+        await asyncio.gather(*(env.close() for env in idle), return_exceptions=True)
         if self.local is not None:
             await self.local.close()
         if self._session is not None:
@@ -162,7 +195,9 @@ class BrowserFleet:
 
     async def remove_host(self, endpoint: str) -> None:
         """A remote host leaves: no new episodes go to it (running ones finish or fault)."""
-        self.hosts.pop(endpoint, None)
+        h = self.hosts.pop(endpoint, None)
+        if h is not None:
+            self._close_idle(h)
 
     # ------------------------------------------------------------------------ health
 
@@ -189,6 +224,8 @@ class BrowserFleet:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval_s)
+            for h in self.hosts.values():  # leases idle too long go back to their hosts
+                self._close_idle(h, older_than=self.idle_lease_s)
             names = [n for n in self.hosts if n != LOCAL]
             await asyncio.gather(*(self._check(n) for n in names), return_exceptions=True)
 
@@ -201,6 +238,23 @@ class BrowserFleet:
             log.warning("browser host %s taken out of the fleet: %s", endpoint, reason)
         h.up, h.last_error = False, reason
         h.down_since = h.down_since or time.monotonic()
+        self._close_idle(h)
+
+    def _close_idle(self, h: HostState, older_than: float = -1.0) -> None:
+        """Gives back (in the background, best effort) the host's idle leases that have been
+        idle longer than `older_than` seconds (all by default)."""
+        now = time.monotonic()
+        while h.idle and now - h.idle[0].idle_since > older_than:
+            self._background(h.idle.popleft().env.close())
+
+    def _background(self, coro: Any) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(coro)
+        except RuntimeError:  # no loop (a host dropped after the run): nothing to give back to
+            coro.close()
+            return
+        self._checks.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._checks.discard)
 
     async def _notify(self) -> None:
         if self._changed is not None:
@@ -248,6 +302,7 @@ class BrowserFleet:
                 "episodes": h.episodes,
                 "faults": h.faults,
                 "generation": h.generation,
+                "idle_leases": len(h.idle),
                 "last_error": h.last_error,
             }
             for n, h in self.hosts.items()
@@ -298,20 +353,57 @@ class BrowserFleet:
                         finally:
                             self._leased.pop(id(env), None)
                     return
-                env = await self._lease(h)
-                if env is None:
+                lease = self._reuse(h) or await self._lease(h)
+                if lease is None:
                     continue  # the host failed to lease: taken out, try another
+                env, ended = lease.env, False
                 try:
                     h.episodes += 1
-                    self._leased[id(env)] = (h.name, h.generation)
+                    self._leased[id(env)] = (h.name, lease.generation)
                     yield env
+                    ended = True
                 finally:
                     self._leased.pop(id(env), None)
-                    await env.close()
+                    await self._give_back(lease, ended)
                 return
             finally:
                 h.in_use -= 1
                 await self._notify()
+
+    def _reuse(self, h: HostState) -> _Lease | None:
+        """The host's most recently idle env, if its lease is young enough to reuse (older
+        ones are given back)."""
+        limit = min(self.idle_lease_s, h.idle[-1].env.lease_s / 2) if h.idle else 0.0
+        self._close_idle(h, older_than=limit)
+        while h.idle:
+            lease = h.idle.pop()
+            if lease.generation == h.generation and not lease.faulted and lease.env.leased:
+                return lease
+            self._background(lease.env.close())
+        return None
+
+    async def _give_back(self, lease: _Lease, ended: bool) -> None:
+        """After an episode: the env waits, leased, for the host's next episode if the episode
+        `ended` (its block returned) without a fault on the incarnation in the fleet now;
+        otherwise its lease is closed."""
+        h, env = lease.host, lease.env
+        keep = (
+            ended
+            and self.idle_lease_s > 0
+            and not lease.faulted
+            and env.leased
+            and self.hosts.get(h.name) is h
+            and h.up
+            and not h.draining
+            and h.generation == lease.generation
+            and self._session is not None
+        )
+        if keep:
+            env.end_episode()
+            lease.idle_since = time.monotonic()
+            h.idle.append(lease)
+        else:
+            await env.close()
 
     def _on_fault(self, h: HostState, generation: int, reason: str) -> None:
         """A leased env's call failed: the fault is the incarnation's that leased it. The host
@@ -332,24 +424,19 @@ class BrowserFleet:
             return
         h.faults += 1
         if "HTTP 404" in reason:  # the lease is gone; is the host?
-            with contextlib.suppress(RuntimeError):
-                task = asyncio.get_running_loop().create_task(self._check(h.name))
-                self._checks.add(task)  # held until done: the loop keeps only weak references
-                task.add_done_callback(self._checks.discard)
+            self._background(self._check(h.name))
             return
         self.mark_down(h.name, reason)
 
-    async def _lease(self, h: HostState) -> Any:
+    async def _lease(self, h: HostState) -> _Lease | None:
         from envs.browser.remote import HostUnavailable, RemoteBrowserEnv  # noqa: PLC0415
 
-        generation = h.generation
-        faulted = False
+        lease = _Lease(None, h, h.generation)
 
         def on_fault(endpoint: str, reason: str) -> None:
-            nonlocal faulted
-            if not faulted:  # one fault per leased env, however many of its calls fail
-                faulted = True
-                self._on_fault(h, generation, reason)
+            if not lease.faulted:  # one fault per leased env, however many of its calls fail
+                lease.faulted = True
+                self._on_fault(h, lease.generation, reason)
 
         env = RemoteBrowserEnv(
             h.name,
@@ -367,4 +454,5 @@ class BrowserFleet:
                 self.mark_down(h.name, str(e))
             return None
         env.on_fault = on_fault
-        return env
+        lease.env = env
+        return lease

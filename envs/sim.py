@@ -183,6 +183,8 @@ class SimServer:
         self.bank = _screen_bank(self.profile.viewport, self.profile.screenshot_bytes, seed)
         self.leases: dict[str, _SimEnv] = {}
         self.calls = 0
+        self.leased = 0  # leases granted so far
+        self.resets = 0
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._guard], client_max_size=4 * 1024**2)
@@ -244,6 +246,7 @@ class SimServer:
             return _error(f"all {self.capacity} envs of this host are leased", 503)
         key = secrets.token_urlsafe(9)
         self.leases[key] = _SimEnv({}, 0)
+        self.leased += 1
         return web.json_response({"env": key, "lease_s": 120.0})
 
     async def reset(self, request: web.Request) -> web.Response:
@@ -253,6 +256,7 @@ class SimServer:
         if not isinstance(task, dict) or "id" not in task:
             return _error("reset needs {'task': Task.to_dict()}", 400)
         env.task, env.seed, env.steps = task, int(data.get("seed") or 0), 0
+        self.resets += 1
         spec = task.get("spec") or {}
         env.budget = int(spec.get("sim_steps") or self._draw(self.profile.steps_per_episode))
         await asyncio.sleep(self._draw(self.profile.reset_s))

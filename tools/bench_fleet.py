@@ -15,7 +15,9 @@ one ends (closed loop), for ``--seconds`` after a warm-up.
 Per concurrency it prints:
 - episodes/s against the ideal: concurrency / the mean episode time the profile gives for the
   same episode with no queueing (reset + steps x (step + think) + evaluate);
-- the trainer process's CPU (user + system, all threads) per turn and in cores;
+- the trainer process's CPU (user + system, all threads) per turn and in cores, and per turn by
+  thread: the event loop, the prompt threads, the PNG-decode executor; the garbage collector's
+  collections (by generation) and its time per turn;
 - event-loop lag: how late a 20 ms sleep wakes (p50, p99, max);
 - memory: the process's RSS over the run's baseline, per episode in flight (glibc's heap keeps
   some freed memory: an upper bound on what is alive);
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import resource
@@ -34,6 +37,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,6 +74,51 @@ def proc_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         parts = f.read().rsplit(")", 1)[1].split()
     return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_s() -> dict[str, float]:
+    """This process's CPU seconds by thread group: the event loop (the main thread), the prompt
+    threads (image preprocessing and rendering), the default executor (PNG decode) and the rest."""
+    out = {"loop": 0.0, "prompt": 0.0, "decode": 0.0, "other": 0.0}
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                parts = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        cpu = (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+        name = names.get(int(tid), "")
+        if int(tid) == os.getpid():
+            out["loop"] += cpu
+        elif name.startswith("cua-prompt"):
+            out["prompt"] += cpu
+        elif name.startswith("asyncio_"):
+            out["decode"] += cpu
+        else:
+            out["other"] += cpu
+    return out
+
+
+class GcTimer:
+    """Collections by generation, and the seconds they took (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.counts, self.seconds, self._t = [0, 0, 0], 0.0, 0.0
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.counts[info["generation"]] += 1
+            self.seconds += time.perf_counter() - self._t
+
+    def reset(self) -> None:
+        self.counts, self.seconds = [0, 0, 0], 0.0
+
+    def close(self) -> None:
+        gc.callbacks.remove(self)
 
 
 def start_sim_hosts(n: int, capacity: int) -> tuple[subprocess.Popen, list[str]]:
@@ -138,6 +187,7 @@ async def run_level(args, n: int, proc_: QwenVLProcessor, profile: LatencyProfil
             g += 1
 
     base_rss = rss_mb()
+    gct = GcTimer()
     async with fleet:
         if args.ray:
             t0 = time.monotonic()
@@ -147,11 +197,15 @@ async def run_level(args, n: int, proc_: QwenVLProcessor, profile: LatencyProfil
         mon = asyncio.create_task(lag_monitor(lags))
         await asyncio.sleep(args.warmup)
         counting, lags[:] = True, []
+        gct.reset()
+        threads0 = thread_cpu_s()
         cpu0, wall0 = time.process_time(), time.perf_counter()
         sim_cpu0 = proc_cpu_s(sim.pid) if sim else 0.0
         await asyncio.sleep(args.seconds)
         counting = False
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        threads = {k: v - threads0[k] for k, v in thread_cpu_s().items()}
+        gc_counts, gc_s = list(gct.counts), gct.seconds
         sim_cpu = (proc_cpu_s(sim.pid) - sim_cpu0) if sim else float("nan")
         rss = rss_mb()
         in_flight = sum(h.in_use for h in fleet.hosts.values())
@@ -159,6 +213,7 @@ async def run_level(args, n: int, proc_: QwenVLProcessor, profile: LatencyProfil
             t.cancel()
         await asyncio.gather(*slots, mon, return_exceptions=True)
         faults = fleet.fault_counts()
+    gct.close()
     if sim is not None:
         sim.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -187,6 +242,11 @@ async def run_level(args, n: int, proc_: QwenVLProcessor, profile: LatencyProfil
         "ratio_from_groups": round(rate_groups / ideal, 3),
         "cpu_ms_per_turn": round(1e3 * cpu / max(1, turns), 3),
         "trainer_cores": round(cpu / wall, 3),
+        # The same CPU a turn, by thread: loop (HTTP, the agent loop, the fleet), prompt
+        # (screenshot preprocessing, rendering), decode (PNG), other.
+        **{f"cpu_ms_per_turn_{k}": round(1e3 * v / max(1, turns), 3) for k, v in threads.items()},
+        "gc_collections": gc_counts,
+        "gc_ms_per_turn": round(1e3 * gc_s / max(1, turns), 3),
         "sim_host_cores": round(sim_cpu / wall, 3),
         "loop_lag_ms_p50": round(q(0.5), 2),
         "loop_lag_ms_p99": round(q(0.99), 2),

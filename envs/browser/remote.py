@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+from yarl import URL
 
 from cua_jax import actions as A
 from cua_jax.env_api import (
@@ -121,7 +122,10 @@ class RemoteBrowserEnv:
         self.on_fault = on_fault
         self._session = session
         self._own_session = session is None
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._lease: str | None = None
+        self.lease_s = 120.0  # how long the host keeps a lease nobody renews (its answer)
+        self._urls: dict[str, URL] = {}  # path -> URL, parsed once (aiohttp takes a URL as is)
         self._last_obs: Observation | None = None
         self._instruction = ""
 
@@ -130,15 +134,23 @@ class RemoteBrowserEnv:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
+    def _url(self, path: str) -> URL:
+        url = self._urls.get(path)
+        if url is None:
+            if len(self._urls) > 16:  # paths name the lease: a new lease, new paths
+                self._urls.clear()
+            url = self._urls[path] = URL(self.base_url + path)
+        return url
+
     async def _post(self, path: str, body: dict[str, Any] | None = None) -> tuple[int, bytes, str]:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         try:
             async with self._session.post(
-                self.base_url + path,
+                self._url(path),
                 json=body or {},
                 headers=self._headers(),
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                timeout=self._timeout,
             ) as r:
                 return r.status, await r.read(), r.content_type
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
@@ -169,7 +181,20 @@ class RemoteBrowserEnv:
         status, body, _ = await self._post("/envs", {"viewport": list(self.viewport)})
         if status != 200:
             raise self._fail("/envs", status, body)
-        self._lease = json.loads(body)["env"]
+        answer = json.loads(body)
+        self._lease = answer["env"]
+        self.lease_s = float(answer.get("lease_s", self.lease_s))
+
+    @property
+    def leased(self) -> bool:
+        """The env holds a lease on its host (taken, and neither closed nor given up)."""
+        return self._lease is not None
+
+    def end_episode(self) -> None:
+        """Forgets the episode (its last screen and instruction) but keeps the lease: the
+        fleet hands the env to the next episode, whose ``reset`` starts it afresh, without a
+        new lease and a close (two calls an episode, `envs.fleet`)."""
+        self._last_obs, self._instruction = None, ""
 
     def _obs(self, header: dict[str, Any], image: bytes) -> Observation:
         return Observation(
