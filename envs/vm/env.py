@@ -359,6 +359,7 @@ class VMEnv:
         reset's screenshot waits until the screen has held still this long (``_settle``), at
         most ``settle_timeout_s``: ``open`` returns when the app's window exists, before the
         app has drawn it (OSWorld's runner sleeps 60 s after every reset instead). 0: no wait.
+        A task's own ``settle_s`` (``OSWorldTask.settle_s``) takes its place.
     """
 
     def __init__(
@@ -455,7 +456,7 @@ class VMEnv:
                 options=self._setup,
             )
             if any(st.get("type") in WINDOW_STEPS for st in ot.config):
-                self.last_settle_s = await self._settle()
+                self.last_settle_s = await self._settle(ot.settle_s)
             obs, _ = await self._observe()
         except (VMError, osworld.SetupError, RuntimeError, OSError) as e:
             self._fault = f"{type(e).__name__}: {e}"
@@ -616,18 +617,20 @@ class VMEnv:
         assert obs is not None
         return StepResult(obs, True, 0.0, {INFO_ERROR: self._fault, INFO_DONE_REASON: "error"})
 
-    async def _settle(self) -> float:
-        """Waits until the screen holds still for `settle_s` (under `STILL_SHARE` of its pixels
-        change between screenshots `SETTLE_EVERY_S` apart: a blinking text cursor is still), at
-        most `settle_timeout_s`; returns the seconds waited. A screen that never holds still (a
-        video) costs the timeout, and the episode goes on with what it shows then."""
-        if self.settle_s <= 0:
+    async def _settle(self, settle_s: float | None = None) -> float:
+        """Waits until the screen holds still for `settle_s` (None: the env's; under
+        `STILL_SHARE` of its pixels change between screenshots `SETTLE_EVERY_S` apart: a
+        blinking text cursor is still), at most `settle_timeout_s`; returns the seconds waited.
+        A screen that never holds still (a video) costs the timeout, and the episode goes on
+        with what it shows then."""
+        settle_s = self.settle_s if settle_s is None else settle_s
+        if settle_s <= 0:
             return 0.0
         t0 = time.monotonic()
         last = await self._pixels()
         still_since = t0
         while (now := time.monotonic()) - t0 < self.settle_timeout_s:
-            if now - still_since >= self.settle_s:
+            if now - still_since >= settle_s:
                 return now - t0
             await asyncio.sleep(SETTLE_EVERY_S)
             shot = await self._pixels()

@@ -23,6 +23,9 @@ of pyautogui action strings (parsed into our typed actions) that solves the task
 actions, and optionally ``"api_actions"`` (the API actions the task may allow: "run_shell",
 "open_app", "write_file", "set_cell") with an ``"api_oracle"`` that solves it with them
 (``run_shell('mkdir -p ~/x')``, ``DONE``): what the oracle plays when a task source allows them.
+Any task may set ``"settle_s"``: how long its screen must hold still after its window steps
+before the first screenshot (the built-in xterm tasks: 0.2 s, where an office app needs the
+env's default of a second).
 """
 
 from __future__ import annotations
@@ -117,6 +120,9 @@ class OSWorldTask:
     api_actions: tuple[str, ...] = ()  # the API actions this task can allow
     api_oracle: tuple[str, ...] | None = None  # the oracle with them (pyautogui-format strings)
     max_steps: int = 15
+    # how long the screen must hold still after a window-showing setup step before the first
+    # screenshot (``VMEnv._settle``); None: the env's ``settle_s``
+    settle_s: float | None = None
     raw: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
@@ -235,6 +241,11 @@ def parse_task(
         )
     if api_oracle is not None and not api:
         raise TaskFormatError(f"{where}: an 'api_oracle' needs the 'api_actions' it uses")
+    settle = d.get("settle_s")
+    if settle is not None and (
+        isinstance(settle, bool) or not isinstance(settle, (int, float)) or not settle >= 0
+    ):
+        raise TaskFormatError(f"{where}: 'settle_s' must be a number of seconds >= 0")
     return OSWorldTask(
         id=str(d["id"]),
         instruction=d["instruction"],
@@ -248,6 +259,7 @@ def parse_task(
         api_actions=tuple(api),
         api_oracle=tuple(api_oracle) if api_oracle is not None else None,
         max_steps=int(d.get("max_steps", 15)),
+        settle_s=None if settle is None else float(settle),
         raw=dict(d),
     )
 

@@ -2,12 +2,18 @@
 window (`VMEnv._settle`): an app's window exists before the app has drawn it."""
 
 import io
+import json
+import pathlib
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from envs.vm import env as vm_env
+from envs.vm import osworld
 from envs.vm.client import VMClient
+
+TASKS = pathlib.Path(vm_env.__file__).parent / "tasks"
 
 
 def _png(img: np.ndarray) -> bytes:
@@ -59,3 +65,20 @@ def test_a_blinking_cursor_is_still_and_a_screen_that_never_settles_costs_the_ti
     never = vm_env.VMEnv(_Screens(video), settle_s=0.05, settle_timeout_s=0.3)
     assert 0.3 <= aio(never._settle()) < 1.0
     assert aio(vm_env.VMEnv(_Screens(video), settle_s=0.0)._settle()) == 0.0  # 0: no wait
+
+
+def test_a_task_s_own_settle_time_replaces_the_env_s_and_a_bad_one_is_refused(aio, monkeypatch):
+    monkeypatch.setattr(vm_env, "SETTLE_EVERY_S", 0.01)
+    env = vm_env.VMEnv(_Screens(_frames(drawing=0)), settle_s=5.0, settle_timeout_s=10.0)
+    assert aio(env._settle(0.05)) < 1.0  # the task's 0.05 s, not the env's 5 s
+    # the built-in desktop tasks (xterm windows, drawn at once) hold still for 0.2 s
+    tasks = [osworld.load_task(p) for p in sorted(TASKS.glob("*.json"))]
+    assert tasks and all(t.settle_s == 0.2 for t in tasks)
+    good = json.loads(next(TASKS.glob("*.json")).read_text())
+    for bad in (-1, "1", True, None):
+        d = {**good, "settle_s": bad}
+        if bad is None:
+            assert osworld.parse_task(d, where="t.json").settle_s is None  # the env's
+            continue
+        with pytest.raises(osworld.TaskFormatError, match="t.json: 'settle_s' must be"):
+            osworld.parse_task(d, where="t.json")
