@@ -93,7 +93,7 @@ def thread_cpu_s() -> dict[str, float]:
             out["loop"] += cpu
         elif name.startswith("cua-prompt"):
             out["prompt"] += cpu
-        elif name.startswith("asyncio_"):
+        elif name.startswith(("asyncio_", "cua-decode")):
             out["decode"] += cpu
         else:
             out["other"] += cpu
@@ -101,21 +101,27 @@ def thread_cpu_s() -> dict[str, float]:
 
 
 class GcTimer:
-    """Collections by generation, and the seconds they took (``gc.callbacks``)."""
+    """Collections by generation, and the CPU seconds they took (``gc.callbacks``)."""
 
     def __init__(self) -> None:
-        self.counts, self.seconds, self._t = [0, 0, 0], 0.0, 0.0
+        self.reset()
+        self._t = 0.0
         gc.callbacks.append(self)
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
-            self._t = time.perf_counter()
+            self._t = time.thread_time()  # CPU: GC runs in the thread that triggered it
         else:
-            self.counts[info["generation"]] += 1
-            self.seconds += time.perf_counter() - self._t
+            g = info["generation"]
+            self.counts[g] += 1
+            self.by_gen[g] += time.thread_time() - self._t
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.by_gen)
 
     def reset(self) -> None:
-        self.counts, self.seconds = [0, 0, 0], 0.0
+        self.counts, self.by_gen = [0, 0, 0], [0.0, 0.0, 0.0]
 
     def close(self) -> None:
         gc.callbacks.remove(self)
@@ -205,7 +211,8 @@ async def run_level(args, n: int, proc_: QwenVLProcessor, profile: LatencyProfil
         counting = False
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         threads = {k: v - threads0[k] for k, v in thread_cpu_s().items()}
-        gc_counts, gc_s = list(gct.counts), gct.seconds
+        gc_counts, gc_s, gc_by_gen = list(gct.counts), gct.seconds, list(gct.by_gen)
+        tracked = len(gc.get_objects())
         sim_cpu = (proc_cpu_s(sim.pid) - sim_cpu0) if sim else float("nan")
         rss = rss_mb()
         in_flight = sum(h.in_use for h in fleet.hosts.values())
@@ -247,6 +254,8 @@ async def run_level(args, n: int, proc_: QwenVLProcessor, profile: LatencyProfil
         **{f"cpu_ms_per_turn_{k}": round(1e3 * v / max(1, turns), 3) for k, v in threads.items()},
         "gc_collections": gc_counts,
         "gc_ms_per_turn": round(1e3 * gc_s / max(1, turns), 3),
+        "gc_s_by_generation": [round(x, 3) for x in gc_by_gen],
+        "gc_tracked_objects": tracked,
         "sim_host_cores": round(sim_cpu / wall, 3),
         "loop_lag_ms_p50": round(q(0.5), 2),
         "loop_lag_ms_p99": round(q(0.99), 2),
