@@ -34,7 +34,9 @@ from cua_jax.metrics import MetricsWriter
 from cua_jax.models import qwen_vl
 from cua_jax.rl import learner as L
 from cua_jax.rl import sources
+from cua_jax.rl.entropulse import Entropulse
 from cua_jax.rl.rollout import RolloutSettings
+from cua_jax.rl.sdpo import SelfDistiller
 from cua_jax.sampler import Engine, steps
 from cua_jax.sampler.kv_cache import kv_pages_for_budget, kv_pool_bytes_per_device
 
@@ -403,6 +405,38 @@ def build_metrics_writer(config: Any, workdir: str, *, enabled: bool) -> Metrics
         wandb_project=log.wandb_project,
         wandb_name=log.wandb_name,
         config=config.to_dict(),
+    )
+
+
+def build_distiller(config: Any, chat: Any) -> SelfDistiller | None:
+    """The `SelfDistiller` of `config.rl` (None for rl.algorithm = "grpo")."""
+    rl = config.rl
+    if rl.algorithm == "grpo":
+        return None
+    if rl.algorithm != "sdpo":
+        raise ValueError(f"rl.algorithm={rl.algorithm!r}; use 'grpo' or 'sdpo'")
+    return SelfDistiller(
+        chat,
+        weight=rl.sdpo_weight,
+        divergence=rl.sdpo_divergence,
+        js_beta=rl.sdpo_js_beta,
+        topk=rl.sdpo_topk,
+        teacher=rl.sdpo_teacher,
+        ema=rl.sdpo_ema,
+        feedback=feedback_kinds(rl.sdpo_feedback),
+    )
+
+
+def build_entropulse(config: Any) -> Entropulse | None:
+    """The run's `Entropulse` (None when `rl.entropulse_every` is 0)."""
+    rl = config.rl
+    if rl.entropulse_every <= 0:
+        return None
+    return Entropulse(
+        every=rl.entropulse_every,
+        sft_steps=rl.entropulse_sft_steps,
+        rows=rl.rows_per_step,
+        reset_optimizer=rl.entropulse_reset_optimizer,
     )
 
 

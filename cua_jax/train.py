@@ -12,12 +12,12 @@ never imports `envs`. `run` reads top to bottom, one function a phase, the run's
     rollouts -> update -> sampler weights, eval / checkpoints / metrics) -> _close -> _finish
 
 Where the ConfigDict goes: this module, `cua_jax.builders` (mesh, model, checkpointer, learner,
-engine, rollout settings and source, the SFT phases' settings), the start-up checks
-(`config_checks`, `rl.levers.check_levers`, `check_mid`) and `redact.write_run_config`. Below
-them it reaches only the `from_config`-style edges that read their own sections: `warmup.begin`
-(through `rl.shapes.ShapeSet.from_config`, which `cua_jax.plan` calls too),
-`rl.entropulse.from_config`, `rl.sdpo.from_config`, `rl.levers` and
-`evaluation.live.serve_live_policy`. Past those edges every library object gets typed arguments.
+engine, rollout settings and source, the SFT phases' settings, the SDPO distiller, Entropulse),
+the start-up checks (`config_checks`, `rl.levers.check_levers`, `check_mid`) and
+`redact.write_run_config`. Below them it reaches only the edges that read their own sections:
+`warmup.begin` (through `rl.shapes.ShapeSet.from_config`, which `cua_jax.plan` calls too),
+`rl.levers` and `evaluation.live.serve_live_policy`. Past those edges every library object
+gets typed arguments.
 
 A systematic rollout failure stops the run with `cua_jax.rl.sources.RolloutError`, a NaN or
 infinite loss or gradient norm with `cua_jax.rl.learner.NonFiniteError`; `launch/tpu.py` turns
@@ -53,7 +53,6 @@ from cua_jax.evaluation.summary import run_summary
 from cua_jax.job.resume import last_checkpoint, process_meta, resume_source, save_checkpoint
 from cua_jax.job.sft import mid_training, sft_warmup
 from cua_jax.job.steps import env_pool_metrics, job_metrics, next_groups
-from cua_jax.rl import entropulse, sdpo
 from cua_jax.rl.learner import check_finite
 from cua_jax.rl.levers import check_levers, source_levers, use_advantage_estimator
 from cua_jax.rl.ppo import ppo_update
@@ -287,7 +286,7 @@ def _start_sampler(r: _Run) -> None:
     r.progress = metrics_lib.Progress(
         config.total_steps, initial=r.step, desc="grpo", enabled=r.is_main and config.log.progress
     )
-    r.distiller = sdpo.from_config(config.rl, r.processor.chat)  # None unless rl.algorithm=sdpo
+    r.distiller = builders.build_distiller(config, r.processor.chat)  # None unless SDPO
     r.warm = warmup.begin(
         config,
         learner,
@@ -352,7 +351,7 @@ async def _grpo(r: _Run) -> None:
     """The GRPO steps up to `config.total_steps` (with Entropulse: an SFT phase every
     `rl.entropulse_every`), then the run-level checks of the rollouts and of the updates."""
     config = r.config
-    pulse = entropulse.from_config(config)
+    pulse = builders.build_entropulse(config)
     warm_pending = True  # the RL programs' warm-up: waited for before the first update
     if not r.warm.overlap:
         await asyncio.to_thread(r.warm.wait, r.compiles)

@@ -387,7 +387,7 @@ def engine_predictor(
     banned_token_ids: Sequence[int] = (),
 ) -> Predictor:
     """The project's model (greedy) on the step's recorded prompt ids and images."""
-    from cua_jax.sampler import SamplingParams
+    from cua_jax.sampler import SamplingParams  # JAX loads only for our model, not an API agent
 
     fmt = A.get_format(action_format)
     tok = processor.tokenizer

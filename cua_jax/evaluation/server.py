@@ -213,7 +213,7 @@ class ChatServer:
         return job.result()
 
     async def _complete(self, body: Any) -> JSONResponse:
-        from cua_jax.sampler import SamplingParams
+        from cua_jax.sampler import SamplingParams  # JAX: the module imports without it
 
         eng = self.engine
         req = await asyncio.to_thread(  # base64 + PNG decoding, off the loop that drives eng

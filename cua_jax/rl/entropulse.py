@@ -184,16 +184,3 @@ def reset_optimizer(learner: Any) -> None:
     its moments and its schedule from zero)."""
     state = learner._tx.init(learner._trainable)
     learner._opt_state = jax.device_put(state, learner._opt_sh)
-
-
-def from_config(config: Any) -> Entropulse | None:
-    """The run's `Entropulse` (None when `rl.entropulse_every` is 0)."""
-    rl = config.rl
-    if rl.entropulse_every <= 0:
-        return None
-    return Entropulse(
-        every=rl.entropulse_every,
-        sft_steps=rl.entropulse_sft_steps,
-        rows=rl.rows_per_step,
-        reset_optimizer=rl.entropulse_reset_optimizer,
-    )

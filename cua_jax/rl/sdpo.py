@@ -835,21 +835,3 @@ class SelfDistiller:
         div_sum, n = metrics.pop("sdpo_div_sum", 0.0), metrics.get("sdpo_tokens", 0.0)
         metrics["sdpo_divergence"] = div_sum / max(n, 1.0)
         return {**metrics, **info, "sdpo/teacher_s": t_teacher}
-
-
-def from_config(rl: Any, chat: Any) -> SelfDistiller | None:
-    """The `SelfDistiller` of `config.rl` (None for rl.algorithm = "grpo")."""
-    if rl.algorithm == "grpo":
-        return None
-    if rl.algorithm != "sdpo":
-        raise ValueError(f"rl.algorithm={rl.algorithm!r}; use 'grpo' or 'sdpo'")
-    return SelfDistiller(
-        chat,
-        weight=rl.sdpo_weight,
-        divergence=rl.sdpo_divergence,
-        js_beta=rl.sdpo_js_beta,
-        topk=rl.sdpo_topk,
-        teacher=rl.sdpo_teacher,
-        ema=rl.sdpo_ema,
-        feedback=feedback_kinds(rl.sdpo_feedback),
-    )
