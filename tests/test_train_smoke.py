@@ -32,6 +32,7 @@ SHORT = [
     "--config.rl.max_tokens=40",
     "--config.env.concurrency=4",
     "--config.env.max_turns=1",
+    "--config.rl.row_lengths=(512,)",  # one-turn samples: the 1024 rows are never used
     "--config.ckpt.save_every=1",
     "--config.log.eval_every=3",
     "--config.log.progress=False",

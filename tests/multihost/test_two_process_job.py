@@ -35,6 +35,7 @@ ARGS = [
     "--config.rl.filter_zero_variance=False",  # train even when a random policy scores 0
     "--config.env.concurrency=2",
     "--config.env.max_turns=1",
+    "--config.rl.row_lengths=(512,)",  # one-turn samples: the 1024 rows are never used
     "--config.ckpt.save_every=1",
     "--config.ckpt.keep=5",
     "--config.log.eval_every=2",
