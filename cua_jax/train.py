@@ -330,14 +330,15 @@ async def _warm_start(r: _Run) -> None:
     r.learner = None  # its optimizer state goes before the RL learner makes its own
     r.learner = builders.build_learner(policy, config, r.mesh, r.rules, sft=False)
     use_advantage_estimator(r.learner, config)
-    r.warm = warmup.begin(
-        config,
-        r.learner,
-        r.engine,
-        r.processor.image_config,
-        sft_phase=False,
-        distiller=r.distiller,
-    )
+    if r.step < config.total_steps:  # a run with no GRPO step to take compiles none
+        r.warm = warmup.begin(
+            config,
+            r.learner,
+            r.engine,
+            r.processor.image_config,
+            sft_phase=False,
+            distiller=r.distiller,
+        )
     r.sync_sampler()
     r.last_eval = await r.evaluate("after_sft", 0)
     row = {**sft_metrics, **r.last_eval, "phase_sft": 1.0}
