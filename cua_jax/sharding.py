@@ -10,7 +10,9 @@ axis, or a dimension the mesh cannot divide raises an error that names it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -188,3 +190,64 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> 
         if callable(getattr(m, "use_mesh", None)):
             m.use_mesh(mesh, rules)
     return model
+
+
+# ------------------------------------------------------------------ the training layout
+# (mesh, rules) of the `training_layout` being traced; None outside one.
+_TRAINING: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
+    "cua_jax_training_layout", default=None
+)
+
+
+@contextlib.contextmanager
+def training_layout(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[None]:
+    """While tracing inside it, the model lays out a learner's forward and backward as FSDP
+    does: `constrain` pins activations to their logical axes (rows over the "batch" mesh axes)
+    and `gathered` all-gathers each weight over those axes, in the compute dtype, just before
+    its matmul. Without it GSPMD is free to keep the FSDP-sharded weights in place and shard
+    the activations' model dimension instead: every chip then holds the whole batch's
+    activations and all-reduces partial sums, and the TPU compiler's collective matmuls park
+    an output buffer a layer for the whole backward (BENCHMARKS.md "What was in 2b's
+    temporaries on v5e-8"). The sampler traces outside it: a decode step's activations are tiny,
+    so there partial sums beat gathering every weight. A one-device mesh changes nothing."""
+    token = _TRAINING.set((mesh, tuple(rules)) if mesh.size > 1 else None)
+    try:
+        yield
+    finally:
+        _TRAINING.reset(token)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """`x` pinned to the sharding of its logical axes `names` inside a `training_layout`
+    (raises MeshError if the mesh cannot divide a dimension); `x` itself outside one."""
+    active = _TRAINING.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    sh = named_sharding(names, tuple(x.shape), mesh, rules, "activation")
+    return jax.lax.with_sharding_constraint(x, sh)
+
+
+def gathered(w: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Weight `w` with logical axes `names` as a matmul inside a `training_layout` uses it:
+    whole over the mesh axes that shard the rows ("batch": FSDP's all-gather), still split
+    over the others (tensor, expert); `w` itself outside one. Cast `w` to the compute dtype
+    first, so the all-gather moves the narrow copy."""
+    active = _TRAINING.get()
+    if active is None:
+        return w
+    mesh, rules = active
+    (rows,) = logical_to_spec(("batch",), rules)
+    batch_axes = set(_as_tuple(rows))
+
+    def keep(axes):
+        kept = tuple(a for a in _as_tuple(axes) if a not in batch_axes)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    spec = PartitionSpec(*(keep(a) for a in logical_to_spec(names, rules)))
+    return jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec))
+
+
+def _as_tuple(axes: Any) -> tuple[str, ...]:
+    """A PartitionSpec entry (None, a mesh axis, or a tuple of them) as a tuple."""
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)

@@ -606,6 +606,10 @@ class Learner:
 
     def _logprobs_fn(self, trainable, frozen, rest, xs, images, has_images):
         del has_images
+        with shd.training_layout(self.mesh, self.rules):
+            return self._logprobs(trainable, frozen, rest, xs, images)
+
+    def _logprobs(self, trainable, frozen, rest, xs, images):
         ids = xs["input_ids"]
         (emb, ds), vmask = self._embed(trainable, frozen, rest, ids, images)
         lp, _, _ = self._token_stats(
@@ -680,7 +684,15 @@ class Learner:
 
     def _grads_raw(self, mode, trainable, frozen, rest, ref_full, xs, images, n_total=None):
         """(grads, each micro-batch's metrics stacked [S]) of one call: the whole batch, or one
-        chunk of a token-budget batch whose trained tokens in all are `n_total`."""
+        chunk of a token-budget batch whose trained tokens in all are `n_total`. Traced in the
+        FSDP `shd.training_layout`: rows over the batch axes, each weight gathered as it is
+        used (else GSPMD may keep every row on every chip)."""
+        with shd.training_layout(self.mesh, self.rules):
+            return self._grads_laid_out(
+                mode, trainable, frozen, rest, ref_full, xs, images, n_total
+            )
+
+    def _grads_laid_out(self, mode, trainable, frozen, rest, ref_full, xs, images, n_total):
         s = self.num_substeps
         ids = xs["input_ids"]
         if n_total is None:

@@ -55,6 +55,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from cua_jax import sharding as shd
 from cua_jax.models.qwen_vl import qwen35
 from cua_jax.models.qwen_vl.config import QwenVLConfig
 from cua_jax.models.qwen_vl.gated_deltanet import LinearAttnState
@@ -69,6 +70,8 @@ from cua_jax.models.qwen_vl.text import (
     make_dense_attn_fn,
 )
 from cua_jax.models.qwen_vl.vision import VisionMeta, VisionModel, vision_metadata
+
+_ROWS_BTD = ("batch", None, None)  # a [B, T, D] activation's logical axes: rows over "batch"
 
 
 def _is_tracer(x) -> bool:
@@ -248,6 +251,8 @@ class QwenVL(nnx.Module):
             t.mrope_interleaved,
         )  # fmt: skip
         h = inputs_embeds_BTD.astype(jdtype(self.config.dtype))
+        # rows over the batch axes between layers, in a learner's `shd.training_layout`
+        h = shd.constrain(h, _ROWS_BTD)
         infos = []
         for i in range(t.num_hidden_layers):
             r = None if routes is None or i not in sparse else routes[sparse.index(i)]
@@ -258,6 +263,7 @@ class QwenVL(nnx.Module):
                 if visual_pos_mask is None:
                     raise ValueError("deepstack_embeds given without visual_pos_mask")
                 h = deepstack_add(h, deepstack_embeds[i], visual_pos_mask)
+            h = shd.constrain(h, _ROWS_BTD)
         h = lm.norm(h)
         if not return_routing:
             return h
@@ -265,20 +271,19 @@ class QwenVL(nnx.Module):
 
     # ----------------------------------------------------------------------------- logits
     def logits(self, hidden_BTD: jax.Array) -> jax.Array:
-        """f32[B, T, V] (tied: hidden @ embed_tokens.weight.T)."""
+        """f32[B, T, V] (tied: hidden @ embed_tokens.weight.T). In a learner's
+        `shd.training_layout` the rows stay over the batch axes and the head is all-gathered
+        over them in the compute dtype (`shd.gathered`)."""
+        hidden_BTD = shd.constrain(hidden_BTD, _ROWS_BTD)
+        dt = hidden_BTD.dtype
         if self.config.tie_word_embeddings:
             w_VD = self.model.language_model.embed_tokens.weight[...]
-            return jnp.einsum(
-                "btd,vd->btv", hidden_BTD, w_VD.astype(hidden_BTD.dtype),
-                preferred_element_type=jnp.float32,
-            ).astype(jnp.float32)  # fmt: skip
-        k = self.lm_head.kernel[...]
-        return jnp.einsum(
-            "btd,dv->btv",
-            hidden_BTD,
-            k.astype(hidden_BTD.dtype),
-            preferred_element_type=jnp.float32,
-        ).astype(jnp.float32)
+            w_VD = shd.gathered(w_VD.astype(dt), ("vocab", "embed"))
+            logits = jnp.einsum("btd,vd->btv", hidden_BTD, w_VD, preferred_element_type=jnp.float32)
+        else:
+            k_DV = shd.gathered(self.lm_head.kernel[...].astype(dt), ("embed", "vocab"))
+            logits = jnp.einsum("btd,dv->btv", hidden_BTD, k_DV, preferred_element_type=jnp.float32)
+        return shd.constrain(logits.astype(jnp.float32), ("batch", None, "vocab"))
 
     # ---------------------------------------------------------------------------- forward
     def position_ids_for(

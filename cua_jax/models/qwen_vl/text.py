@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
+from cua_jax import sharding as shd
 from cua_jax.models.qwen_vl.config import QwenVLConfig
 from cua_jax.models.qwen_vl.moe import SparseMoeBlock
 from cua_jax.models.qwen_vl.rope import apply_rotary
@@ -45,11 +46,16 @@ class Linear(nnx.Module):
         self.kernel = param(w.astype(param_dtype), axes)
         self.bias = param(jnp.zeros((dout,), param_dtype), (axes[1],)) if bias else None
         self.dtype = dtype
+        self.axes = tuple(axes)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("...i,io->...o", x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        # in a learner's `training_layout`: the kernel all-gathered over the rows' mesh axes,
+        # in the compute dtype, just before the matmul (FSDP); else as it is laid out
+        kernel = shd.gathered(self.kernel[...].astype(self.dtype), self.axes)
+        y = jnp.einsum("...i,io->...o", x.astype(self.dtype), kernel)
         if self.bias is not None:
-            y = y + _last_axis(self.bias[...].astype(self.dtype), y.ndim)
+            bias = shd.gathered(self.bias[...].astype(self.dtype), self.axes[1:])
+            y = y + _last_axis(bias, y.ndim)
         return y
 
 
