@@ -13,9 +13,14 @@ time a model's turn would take). Every group slot starts its next group as soon 
 one ends (closed loop), for ``--seconds`` after a warm-up.
 
 Per concurrency it prints:
-- episodes/s against the ideal: concurrency / the mean episode time the profile gives for the
-  same episode with no queueing (reset + steps x (step + think) + evaluate);
-- the trainer process's CPU (user + system, all threads) per turn and in cores, and per turn by
+- episodes/s against the ideal: concurrency / E[the slowest of a group of ``--group-size``
+  episodes], each episode reset + steps x (step + think) + evaluate with the call times drawn
+  from the profile and no queueing (a slot's groups run back to back, each as long as its
+  slowest member); "ratio" counts the episodes done in the window, "ratio_from_groups" uses the
+  mean duration of the groups that ended in it (groups that began in the warm-up's start-up
+  burst pull it down in short windows);
+- the trainer process's CPU (user + system, all threads) per turn, in cores, and the cores it
+  would need at the ideal rate (CPU a turn x the ideal's turns a second), and per turn by
   thread: the event loop, the prompt threads, the PNG-decode executor; the garbage collector's
   collections (by generation) and its time per turn;
 - event-loop lag: how late a 20 ms sleep wakes (p50, p99, max);
@@ -249,6 +254,9 @@ async def run_level(args, n: int, proc_: QwenVLProcessor, profile: LatencyProfil
         "ratio_from_groups": round(rate_groups / ideal, 3),
         "cpu_ms_per_turn": round(1e3 * cpu / max(1, turns), 3),
         "trainer_cores": round(cpu / wall, 3),
+        # The cores the rollout side would need at the ideal rate, from its CPU a turn: under 1
+        # is the goal's "under one core", whatever share of the machine the run was given.
+        "cores_at_ideal": round(cpu / max(1, turns) * ideal * mean_turns, 3),
         # The same CPU a turn, by thread: loop (HTTP, the agent loop, the fleet), prompt
         # (screenshot preprocessing, rendering), decode (PNG), other.
         **{f"cpu_ms_per_turn_{k}": round(1e3 * v / max(1, turns), 3) for k, v in threads.items()},
@@ -287,6 +295,7 @@ def main() -> None:
     )
     p.add_argument("--prompt-threads", type=int, default=1, help="RolloutSettings'")
     p.add_argument("--ray", action="store_true", help="hosts as Ray actors on a local Ray")
+
     p.add_argument("--json", default=None, help="write the rows to this file")
     args = p.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
