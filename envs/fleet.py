@@ -181,6 +181,10 @@ class BrowserFleet:
         for h in self.hosts.values():
             h.idle.clear()
         await asyncio.gather(*(env.close() for env in idle), return_exceptions=True)
+        if self._checks:  # health checks and lease closes in flight: a moment, then no more
+            _, late = await asyncio.wait(set(self._checks), timeout=2.0)
+            for task in late:
+                task.cancel()
         if self.local is not None:
             await self.local.close()
         if self._session is not None:

@@ -26,6 +26,13 @@ def _loop(proc):
     return AgentLoop(ScriptedEngine(proc.tokenizer), proc, settings)
 
 
+async def _until(cond, timeout_s: float = 10.0) -> None:
+    """Waits for a background lease close to land (polled; a loaded machine can take a while)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+
+
 async def _host(capacity=4, **kw):
     server = SimServer(capacity, profile=INSTANT, **kw)
     runner, ep = await start_sim_server(server)
@@ -95,10 +102,10 @@ def test_idle_leases_expire_and_a_host_that_went_down_leases_afresh(proc):
             async with fleet.acquire() as env:
                 await env.reset(sim_task(1))
             expired = (env is not first, server.leased)
-            await asyncio.sleep(0.01)  # the old lease's close, in the background
+            await _until(lambda: len(server.leases) == 1)  # the old lease's background close
             open_after_expiry = len(server.leases)
             fleet.mark_down(ep, "test: taken out")  # idle leases of a down host are given back
-            await asyncio.sleep(0.01)
+            await _until(lambda: not server.leases)
             down = (fleet.report()[ep]["idle_leases"], len(server.leases))
         await runner.cleanup()
         return expired, open_after_expiry, down
