@@ -116,20 +116,7 @@ def build_learner(model: Any, config: Any, mesh: Any, rules: Any, *, sft: bool):
     """The learner of the RL phase (`sft=False`) or of the SFT warm-up (`sft=True`: its own
     learning rate and schedule length, no KL term, untempered). It takes ownership of `model`
     (see the module docstring): build the sampler from `learner.model`."""
-    rl, opt = config.rl, config.optim
-    lr = config.sft.learning_rate if sft else rl.learning_rate
-    n_steps = config.sft.steps if sft else config.total_steps
-    optimizer = L.OptimizerConfig(
-        learning_rate=lr,
-        schedule=opt.schedule,
-        warmup_steps=opt.warmup_steps,
-        decay_steps=max(1, n_steps - opt.warmup_steps),
-        weight_decay=opt.weight_decay,
-        b1=opt.b1,
-        b2=opt.b2,
-        max_grad_norm=opt.grad_clip if opt.grad_clip > 0 else None,
-        max_update_ratio=opt.max_update_ratio,
-    )
+    rl = config.rl
     learner_tis = rl.old_logprobs == "learner" and rl.tis_cap > 0
     loss = L.LossConfig(
         eps_low=rl.clip_low,
@@ -160,7 +147,7 @@ def build_learner(model: Any, config: Any, mesh: Any, rules: Any, *, sft: bool):
         model,
         mesh=mesh,
         rules=rules,
-        optimizer=optimizer,
+        optimizer=_optimizer_config(config, sft=sft),
         loss=loss,
         advantages=advantages,
         lora=lora,
@@ -173,6 +160,24 @@ def build_learner(model: Any, config: Any, mesh: Any, rules: Any, *, sft: bool):
         donate=sft or rl.mode != "async",
         banned_token_ids=model.config.vision_placeholder_ids,
         logits_chunk=rl.logits_chunk,
+    )
+
+
+def _optimizer_config(config: Any, *, sft: bool) -> L.OptimizerConfig:
+    """`config.optim` with the phase's learning rate and schedule length."""
+    opt = config.optim
+    lr = config.sft.learning_rate if sft else config.rl.learning_rate
+    n_steps = config.sft.steps if sft else config.total_steps
+    return L.OptimizerConfig(
+        learning_rate=lr,
+        schedule=opt.schedule,
+        warmup_steps=opt.warmup_steps,
+        decay_steps=max(1, n_steps - opt.warmup_steps),
+        weight_decay=opt.weight_decay,
+        b1=opt.b1,
+        b2=opt.b2,
+        max_grad_norm=opt.grad_clip if opt.grad_clip > 0 else None,
+        max_update_ratio=opt.max_update_ratio,
     )
 
 
@@ -201,26 +206,10 @@ def kv_pages(
         return int(sc.num_pages)
     if learner.shapes is None:
         learner.shapes = warmup.shape_set(config, learner, image_config)
-    shape = max(learner.shapes.rl, key=lambda sh: (sh.rows * sh.length, sh.patches))
-    batch = learner.blank_batch(shape)
-    compiled = learner.lower_step(batch).compile()
-    m = compiled.memory_analysis()
-    scratch = int(m.temp_size_in_bytes) + int(m.output_size_in_bytes) - int(m.alias_size_in_bytes)
-    arrays = [batch.input_ids, batch.position_ids, batch.loss_mask, batch.loss_weights]
-    scratch += sum(int(np.asarray(a).nbytes) * 3 for a in arrays)  # the batch, generously
-    scratch += shape.patches * np.dtype(np.float32).itemsize * _patch_dim(learner.config)
+    scratch = _largest_program_bytes(learner)
     budget = int(stats["bytes_limit"] * frac) - int(stats.get("bytes_in_use", 0)) - scratch
     cfg, tensor = learner.config, learner.mesh.shape["tensor"]
-    # Hybrid models (Qwen3.5): the Engine's linear-state rows (max_slots slots + as many
-    # sessions; split over `tensor` as steps.linear_state_sharding splits them, when the
-    # heads and channels divide) come out of the same budget; none for the other families
-    rows = steps.linear_cache_shapes(cfg, 2 * sc.max_slots)
-    state_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(rows))
-    if rows and tensor > 1:
-        g = rows[0]
-        if g.recurrent.shape[1] % tensor == 0 and g.conv.shape[2] % tensor == 0:
-            state_bytes //= tensor
-    budget -= state_bytes
+    budget -= _linear_state_bytes(cfg, sc.max_slots, tensor)
     pages = kv_pages_for_budget(cfg, budget, sc.page_size, cfg.dtype, tensor)
     limit, in_use = stats["bytes_limit"] / 2**30, stats.get("bytes_in_use", 0) / 2**30
     logging.info(
@@ -244,6 +233,33 @@ def kv_pages(
             "the fraction or shrink the learner's batch (rl.tokens_per_chip)"
         )
     return pages
+
+
+def _largest_program_bytes(learner: Any) -> int:
+    """Device bytes of the learner's largest RL program (compiled now): its scratch and
+    outputs less what it donates, plus its batch (generously, three times over)."""
+    shape = max(learner.shapes.rl, key=lambda sh: (sh.rows * sh.length, sh.patches))
+    batch = learner.blank_batch(shape)
+    compiled = learner.lower_step(batch).compile()
+    m = compiled.memory_analysis()
+    scratch = int(m.temp_size_in_bytes) + int(m.output_size_in_bytes) - int(m.alias_size_in_bytes)
+    arrays = [batch.input_ids, batch.position_ids, batch.loss_mask, batch.loss_weights]
+    scratch += sum(int(np.asarray(a).nbytes) * 3 for a in arrays)  # the batch, generously
+    scratch += shape.patches * np.dtype(np.float32).itemsize * _patch_dim(learner.config)
+    return scratch
+
+
+def _linear_state_bytes(cfg: Any, max_slots: int, tensor: int) -> int:
+    """Hybrid models (Qwen3.5): the Engine's linear-state rows (max_slots slots + as many
+    sessions; split over `tensor` as steps.linear_state_sharding splits them, when the heads
+    and channels divide) come out of the KV budget; 0 for the other families."""
+    rows = steps.linear_cache_shapes(cfg, 2 * max_slots)
+    state_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(rows))
+    if rows and tensor > 1:
+        g = rows[0]
+        if g.recurrent.shape[1] % tensor == 0 and g.conv.shape[2] % tensor == 0:
+            state_bytes //= tensor
+    return state_bytes
 
 
 def _patch_dim(cfg: Any) -> int:

@@ -20,6 +20,7 @@ from absl import logging
 from cua_jax.config_limits import LimitError, check_limits
 from cua_jax.env_api import Task
 from cua_jax.models.qwen_vl.config import TINY_MOE
+from cua_jax.models.qwen_vl.text import SPLASH_BLOCK, splash_tile
 from cua_jax.sampler.kernels.paged_attention import GpuKernelOptions
 
 # Keys whose value must be one of a fixed set.
@@ -94,7 +95,7 @@ def validate_config(config: Any) -> None:
         check_limits(config)
     except LimitError as e:
         raise ConfigError(str(e)) from None
-    rl, sc, ck = config.rl, config.sampler, config.ckpt
+    rl, sc = config.rl, config.sampler
     if rl.algorithm == "sdpo":
         try:
             feedback_kinds(rl.sdpo_feedback)
@@ -119,6 +120,14 @@ def validate_config(config: Any) -> None:
         GpuKernelOptions.parse(sc.gpu_kernel)
     except ValueError as e:
         raise ConfigError(f"config.sampler.gpu_kernel={sc.gpu_kernel!r}: {e}") from None
+    _check_sources(config)
+    _check_splash(config)
+    _check_model(config)
+
+
+def _check_sources(config: Any) -> None:
+    """What the run reads from disk: init weights, the SFT source, the VM's disk image."""
+    ck = config.ckpt
     if ck.init_params_from:
         if ck.load_checkpoint_path:
             raise ConfigError(
@@ -144,8 +153,6 @@ def validate_config(config: Any) -> None:
             f"config.env.vm_qemu_image={qemu_image!r} is not a file (the guest's disk image, "
             "e.g. OSWorld's Ubuntu.qcow2)"
         )
-    _check_splash(config)
-    _check_model(config)
 
 
 def _check_splash(config: Any) -> None:
@@ -154,8 +161,6 @@ def _check_splash(config: Any) -> None:
     m = config.model
     if m.attn_impl != "splash":
         return
-    from cua_jax.models.qwen_vl.text import SPLASH_BLOCK, splash_tile
-
     block = m.attn_block or SPLASH_BLOCK
     tiles = {n: splash_tile(m.attn_block, n) for n in config.rl.row_lengths}
     bad = [n for n, tile in tiles.items() if n % tile or tile % 128]

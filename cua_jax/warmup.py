@@ -95,10 +95,16 @@ def sampler_programs(
     sds, i32 = jax.ShapeDtypeStruct, jnp.int32
     for n in b.copies:
         out.append((f"copy {n}", fns.copy_pages, (cache, sds((n,), i32), sds((n,), i32))))
-    # First tokens: one sampling call per prefill call, on its logits (X = its rows, n <= X
-    # sampled, both prefill row buckets)
+    return out + _first_token_programs(engine, b)
+
+
+def _first_token_programs(engine: Any, b: BucketSet) -> list[tuple[str, Any, tuple]]:
+    """First tokens: one sampling call per prefill call, on its logits (X = its rows, n <= X
+    sampled, both prefill row buckets)."""
+    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
     V = engine.config.text.vocab_size
     pairs = {(x, n) for x in b.prefill_rows for n in b.prefill_rows if n <= x}
+    out = []
     for x, n in sorted(pairs):
         samp = SlotSampling(
             temperature=sds((n,), jnp.float32),
@@ -111,7 +117,7 @@ def sampler_programs(
         # sharding (its mesh) is part of jit's cache key, host arrays' is not
         logits = sds((x, V), jnp.float32, sharding=engine.shardings.small)
         args = (logits, sds((n,), i32), samp, sds((n,), i32))
-        out.append((f"sample_first {x}->{n}", fns.sample_first, args))
+        out.append((f"sample_first {x}->{n}", engine._fns.sample_first, args))
     return out
 
 

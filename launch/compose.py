@@ -29,74 +29,83 @@ def build_env_factory(config):
     """Returns `(env_factory, load_tasks)` for `config.env.kind`; see `cua_jax.train.main`.
 
     `env_factory()` gives an env pool: an async context manager with `acquire()` lending one
-    env at a time, `config.env.concurrency` envs in all.
+    env at a time, `config.env.concurrency` envs in all. `envs` is imported here, not at the
+    top: `launch/tpu.py` imports this module before its flags are checked, and Ray is optional.
     """
     import envs.vm  # noqa: F401 -- registers the "desktop" / "osworld" task sources
     from envs import tasks as task_sources
 
     ec = config.env
     if ec.kind == "browser":
-        from envs.browser import BrowserPool
+        return _browser_factory(ec), task_sources.load_tasks
+    if ec.kind == "vm":
+        return _vm_factory(ec), task_sources.load_tasks
+    raise ValueError(f"config.env.kind={ec.kind!r} is not one of 'browser', 'vm'")
 
-        def local_pool():
-            return BrowserPool(
-                ec.concurrency,
-                viewport=(ec.viewport_width, ec.viewport_height),
-                executable_path=ec.executable_path,
-                step_timeout_s=ec.step_timeout_s,
-                page_memory_mb=ec.get("page_memory_mb") or None,
-            )
 
-        endpoints = tuple(ec.get("browser_endpoints", ()) or ())
-        fleet = ec.get("fleet", "") or ""
-        if fleet not in ("", "ray"):
-            raise ValueError(f"config.env.fleet={fleet!r} is not one of '', 'ray'")
-        if fleet == "ray":
-            # browser hosts as Ray actors, placed, restarted and found by Ray (envs/ray_fleet.py)
-            from envs.ray_fleet import fleet_from_config
+def _browser_factory(ec):
+    """Browsers: this host's pool, remote browser hosts (`env.browser_endpoints`, with the local
+    pool beside them when `env.concurrency` > 0), or a Ray fleet (`env.fleet=ray`)."""
+    from envs.browser import BrowserPool
 
-            def env_factory():
-                return fleet_from_config(ec)  # env.concurrency envs on Ray's hosts
-        elif endpoints:
-            from envs.fleet import BrowserFleet
+    def local_pool():
+        return BrowserPool(
+            ec.concurrency,
+            viewport=(ec.viewport_width, ec.viewport_height),
+            executable_path=ec.executable_path,
+            step_timeout_s=ec.step_timeout_s,
+            page_memory_mb=ec.get("page_memory_mb") or None,
+        )
 
-            def env_factory():
-                # `fleet.env_hosts()` is the rollout/env_hosts metric (hosts answering now)
-                return BrowserFleet(
-                    local_pool() if ec.concurrency > 0 else None,
-                    endpoints,
-                    token=ec.get("browser_token") or os.environ.get("CUA_BROWSER_TOKEN"),
-                    viewport=(ec.viewport_width, ec.viewport_height),
-                    request_timeout_s=3 * ec.step_timeout_s,
-                )
-        else:
+    endpoints = tuple(ec.get("browser_endpoints", ()) or ())
+    fleet = ec.get("fleet", "") or ""
+    if fleet not in ("", "ray"):
+        raise ValueError(f"config.env.fleet={fleet!r} is not one of '', 'ray'")
+    if fleet == "ray":
+        # browser hosts as Ray actors, placed, restarted and found by Ray (envs/ray_fleet.py)
+        from envs.ray_fleet import fleet_from_config
 
-            def env_factory():
-                return local_pool()
-    elif ec.kind == "vm" and (ec.get("fleet", "") or "") == "ray":
+        return lambda: fleet_from_config(ec)  # env.concurrency envs on Ray's hosts
+    if not endpoints:
+        return local_pool
+    from envs.fleet import BrowserFleet
+
+    def env_factory():
+        # `fleet.env_hosts()` is the rollout/env_hosts metric (hosts answering now)
+        return BrowserFleet(
+            local_pool() if ec.concurrency > 0 else None,
+            endpoints,
+            token=ec.get("browser_token") or os.environ.get("CUA_BROWSER_TOKEN"),
+            viewport=(ec.viewport_width, ec.viewport_height),
+            request_timeout_s=3 * ec.step_timeout_s,
+        )
+
+    return env_factory
+
+
+def _vm_factory(ec):
+    """Desktops: local ones, `env.vm_endpoints`' servers, or Ray actors (`env.fleet=ray`)."""
+    if (ec.get("fleet", "") or "") == "ray":
         # desktops in Ray actors placed by the `desktop` resource, restarted by Ray
         from envs.ray_fleet import ray_desktops
         from envs.vm.env import VMEnvPool
 
-        def env_factory():
-            return VMEnvPool(ray_desktops(ec))
-    elif ec.kind == "vm":
-        from envs.vm import make_env_pool
+        return lambda: VMEnvPool(ray_desktops(ec))
+    from envs.vm import make_env_pool
 
-        def env_factory():
-            return make_env_pool(
-                ec.concurrency,
-                endpoints=tuple(ec.vm_endpoints),
-                token=ec.vm_token,
-                screen=(ec.viewport_width, ec.viewport_height),
-                revert=ec.get("vm_revert", ""),
-                docker_image=ec.get("vm_docker_image") or None,
-                memory_mb=ec.get("desktop_memory_mb") or None,
-                max_processes=ec.get("desktop_max_processes") or None,
-                cpus=ec.get("desktop_cpus") or None,
-                qemu_image=ec.get("vm_qemu_image") or None,
-                qemu_options={"memory_mb": ec.vm_qemu_memory_mb, "cpus": ec.vm_qemu_cpus},
-            )
-    else:
-        raise ValueError(f"config.env.kind={ec.kind!r} is not one of 'browser', 'vm'")
-    return env_factory, task_sources.load_tasks
+    def env_factory():
+        return make_env_pool(
+            ec.concurrency,
+            endpoints=tuple(ec.vm_endpoints),
+            token=ec.vm_token,
+            screen=(ec.viewport_width, ec.viewport_height),
+            revert=ec.get("vm_revert", ""),
+            docker_image=ec.get("vm_docker_image") or None,
+            memory_mb=ec.get("desktop_memory_mb") or None,
+            max_processes=ec.get("desktop_max_processes") or None,
+            cpus=ec.get("desktop_cpus") or None,
+            qemu_image=ec.get("vm_qemu_image") or None,
+            qemu_options={"memory_mb": ec.vm_qemu_memory_mb, "cpus": ec.vm_qemu_cpus},
+        )
+
+    return env_factory

@@ -234,27 +234,8 @@ def _content(msg: Mapping[str, Any], i: int, images: list[np.ndarray]) -> str | 
     return parts
 
 
-def parse_request(body: Any, *, max_tokens_default: int, max_tokens_limit: int) -> ChatRequest:
-    """Validates a chat-completions body; raises RequestError (param names the bad field)."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object", None, "invalid_json")
-    unknown = sorted(set(body) - KNOWN_FIELDS)
-    if unknown:
-        raise RequestError(
-            f"unknown field(s) {unknown}; this server takes {sorted(KNOWN_FIELDS)}",
-            unknown[0],
-            "unknown_field",
-        )
-    if body.get("stream"):
-        raise RequestError("stream=true is not supported", "stream", "unsupported_value")
-    top = body.get("top_logprobs")
-    if top not in (None, 0):
-        raise RequestError(
-            "top_logprobs is not supported (only the chosen tokens' log-probs)",
-            "top_logprobs",
-            "unsupported_value",
-        )
-    msgs = body.get("messages")
+def _messages(msgs: Any) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
+    """The request's messages as (role, content) dicts, and the images their content holds."""
     if not isinstance(msgs, list) or not msgs:
         raise RequestError("messages must be a non-empty list", "messages", "invalid_value")
     images: list[np.ndarray] = []
@@ -275,6 +256,30 @@ def parse_request(body: Any, *, max_tokens_default: int, max_tokens_limit: int) 
                 "invalid_value",
             )
         out.append({"role": role, "content": _content(m, i, images)})
+    return out, images
+
+
+def parse_request(body: Any, *, max_tokens_default: int, max_tokens_limit: int) -> ChatRequest:
+    """Validates a chat-completions body; raises RequestError (param names the bad field)."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", None, "invalid_json")
+    unknown = sorted(set(body) - KNOWN_FIELDS)
+    if unknown:
+        raise RequestError(
+            f"unknown field(s) {unknown}; this server takes {sorted(KNOWN_FIELDS)}",
+            unknown[0],
+            "unknown_field",
+        )
+    if body.get("stream"):
+        raise RequestError("stream=true is not supported", "stream", "unsupported_value")
+    top = body.get("top_logprobs")
+    if top not in (None, 0):
+        raise RequestError(
+            "top_logprobs is not supported (only the chosen tokens' log-probs)",
+            "top_logprobs",
+            "unsupported_value",
+        )
+    out, images = _messages(body.get("messages"))
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if (

@@ -73,23 +73,11 @@ def domain_of(task: Any) -> str:
     return (getattr(task, "category", "") or "all").replace("/", "__")
 
 
-def write_episode(
-    result_dir: str,
-    task: Any,
-    traj: Any,
-    screens: Sequence[np.ndarray],
-    texts: Sequence[str],
-    *,
-    agent: str = "",
-    sample: int | None = None,
-) -> str:
-    """Writes one episode (a `Trajectory`, the screenshot of each turn and the model's text of
-    each turn) under RESULT_DIR/<domain>/<task_id>/ (<task_id>__s<sample> for one of several
-    samples of a task); returns that directory."""
-    name = task_dirname(task.id) + ("" if sample is None else f"__s{sample}")
-    out = os.path.join(result_dir, domain_of(task), name)
-    os.makedirs(out, exist_ok=True)
-    score = float(traj.score or 0.0)
+def _write_steps(
+    out: str, traj: Any, screens: Sequence[np.ndarray], texts: Sequence[str], score: float
+) -> None:
+    """OUT/traj.jsonl, one line a turn (its actions, the model's text, the reward at the last
+    turn), and OUT/step_<k>.png, the screen of each turn that has one."""
     lines = []
     n = len(traj.turns)
     for k, turn in enumerate(traj.turns):
@@ -113,6 +101,27 @@ def write_episode(
     with open(os.path.join(out, "traj.jsonl"), "w") as f:
         for line in lines:
             f.write(json.dumps(line) + "\n")
+
+
+def write_episode(
+    result_dir: str,
+    task: Any,
+    traj: Any,
+    screens: Sequence[np.ndarray],
+    texts: Sequence[str],
+    *,
+    agent: str = "",
+    sample: int | None = None,
+) -> str:
+    """Writes one episode (a `Trajectory`, the screenshot of each turn and the model's text of
+    each turn) under RESULT_DIR/<domain>/<task_id>/ (<task_id>__s<sample> for one of several
+    samples of a task); returns that directory."""
+    name = task_dirname(task.id) + ("" if sample is None else f"__s{sample}")
+    out = os.path.join(result_dir, domain_of(task), name)
+    os.makedirs(out, exist_ok=True)
+    score = float(traj.score or 0.0)
+    n = len(traj.turns)
+    _write_steps(out, traj, screens, texts, score)
     rpath = os.path.join(out, "result.txt")
     if traj.infra_fault:  # not scored (as eval.json leaves it out); a rerun may write it
         if os.path.exists(rpath):

@@ -213,8 +213,6 @@ class ChatServer:
         return job.result()
 
     async def _complete(self, body: Any) -> JSONResponse:
-        from cua_jax.sampler import SamplingParams  # JAX: the module imports without it
-
         eng = self.engine
         req = await asyncio.to_thread(  # base64 + PNG decoding, off the loop that drives eng
             parse_request,
@@ -237,24 +235,9 @@ class ChatServer:
                 "messages",
                 "context_length_exceeded",
             )
-        seed = req.seed if req.seed is not None else secrets.randbits(31)
         sessions = [prompt.session or self.renderer.new_session()]
         sessions += [self.renderer.new_session() for _ in range(req.n - 1)]
-        try:
-            params = [
-                SamplingParams(
-                    temperature=req.temperature,
-                    top_p=req.top_p,
-                    seed=(seed + k) % 2**63,
-                    max_new_tokens=req.max_tokens,
-                    stop_token_ids=self.stop_ids,
-                    stop_strings=req.stop,
-                    banned_token_ids=self.banned,
-                )
-                for k in range(req.n)
-            ]
-        except ValueError as e:
-            raise RequestError(str(e), None, "invalid_value") from None
+        params = self._sampling_params(req)
         self.requests += 1
         outs = await asyncio.gather(
             *(
@@ -268,35 +251,7 @@ class ChatServer:
                 return error_response(
                     500, f"the sampler failed: {out.error}", "server_error", None, "sampler_error"
                 )
-            tokens = [int(t) for t in out.tokens]
-            content_ids = tokens[:-1] if tokens and tokens[-1] in self.stop_ids else tokens
-            text = self.tokenizer.decode(content_ids)
-            for s in req.stop:  # OpenAI leaves the stop sequence out of the content
-                cut = text.find(s)
-                if cut >= 0:
-                    text = text[:cut]
-            self.renderer.remember(req.messages, text, tokens, sess)
-            choice: dict[str, Any] = {
-                "index": k,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": "stop" if out.finish_reason == "stop" else "length",
-                "logprobs": None,
-                "token_ids": tokens,
-                "policy_version": int(out.version),
-            }
-            if req.logprobs:
-                choice["logprobs"] = {
-                    "content": [
-                        {
-                            "token": (piece := self.tokenizer.decode([t])),
-                            "logprob": float(lp),
-                            "bytes": list(piece.encode("utf-8")),
-                            "top_logprobs": [],
-                        }
-                        for t, lp in zip(tokens, out.logprobs, strict=True)
-                    ]
-                }
-            choices.append(choice)
+            choices.append(self._choice(k, out, sess, req))
         version = min(c["policy_version"] for c in choices)
         n_gen = sum(len(c["token_ids"]) for c in choices)
         return JSONResponse(
@@ -316,6 +271,62 @@ class ChatServer:
                 },
             }
         )
+
+    def _sampling_params(self, req: Any) -> list[Any]:
+        """One `SamplingParams` a choice (seeds `seed`, `seed + 1`, ...: a random seed when the
+        request names none); a value the sampler refuses is the request's error."""
+        from cua_jax.sampler import SamplingParams  # JAX: the module imports without it
+
+        seed = req.seed if req.seed is not None else secrets.randbits(31)
+        try:
+            return [
+                SamplingParams(
+                    temperature=req.temperature,
+                    top_p=req.top_p,
+                    seed=(seed + k) % 2**63,
+                    max_new_tokens=req.max_tokens,
+                    stop_token_ids=self.stop_ids,
+                    stop_strings=req.stop,
+                    banned_token_ids=self.banned,
+                )
+                for k in range(req.n)
+            ]
+        except ValueError as e:
+            raise RequestError(str(e), None, "invalid_value") from None
+
+    def _choice(self, k: int, out: Any, sess: Any, req: Any) -> dict[str, Any]:
+        """Choice `k` of a completion: the text without its stop token or stop string (as
+        OpenAI's), the token ids, the policy version, and the log-probs when asked for; the
+        renderer remembers the turn for the session's next request."""
+        tokens = [int(t) for t in out.tokens]
+        content_ids = tokens[:-1] if tokens and tokens[-1] in self.stop_ids else tokens
+        text = self.tokenizer.decode(content_ids)
+        for s in req.stop:  # OpenAI leaves the stop sequence out of the content
+            cut = text.find(s)
+            if cut >= 0:
+                text = text[:cut]
+        self.renderer.remember(req.messages, text, tokens, sess)
+        choice: dict[str, Any] = {
+            "index": k,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": "stop" if out.finish_reason == "stop" else "length",
+            "logprobs": None,
+            "token_ids": tokens,
+            "policy_version": int(out.version),
+        }
+        if req.logprobs:
+            choice["logprobs"] = {
+                "content": [
+                    {
+                        "token": (piece := self.tokenizer.decode([t])),
+                        "logprob": float(lp),
+                        "bytes": list(piece.encode("utf-8")),
+                        "top_logprobs": [],
+                    }
+                    for t, lp in zip(tokens, out.logprobs, strict=True)
+                ]
+            }
+        return choice
 
     async def models(self, request: Request) -> JSONResponse:
         return JSONResponse(

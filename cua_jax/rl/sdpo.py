@@ -366,6 +366,19 @@ def action_decoder(chat: Any) -> Callable[[Sequence[int]], str]:
     return lambda ids: chat.tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def _teacher_info(pairs: Sequence[tuple[Sample, TeacherSample]], too_long: int) -> dict:
+    """The step's `sdpo/*` counts of its distilled samples and what their teachers were shown
+    (a sample can count in several)."""
+    return {
+        "sdpo/teacher_samples": float(len(pairs)),
+        "sdpo/teacher_rows": 0.0,
+        "sdpo/teacher_too_long": float(too_long),
+        "sdpo/feedback_screens": float(sum(t.feedback.screenshot is not None for _, t in pairs)),
+        "sdpo/feedback_messages": float(sum(bool(t.feedback.checker_message) for _, t in pairs)),
+        "sdpo/feedback_peers": float(sum(bool(t.feedback.peer_actions) for _, t in pairs)),
+    }
+
+
 def teacher_samples(
     groups: Sequence[Sequence[Trajectory]],
     chat: Any,
@@ -783,19 +796,7 @@ class SelfDistiller:
         student_at = [a for a, f in zip(student_at, fits, strict=True) if f]
         vocab = cfg.text.vocab_size
         k = topk_width(self.topk, vocab)
-        info = {
-            "sdpo/teacher_samples": float(len(pairs)),
-            "sdpo/teacher_rows": 0.0,
-            "sdpo/teacher_too_long": float(too_long),
-            # what the distilled samples' teachers were shown (a sample can count in several)
-            "sdpo/feedback_screens": float(
-                sum(t.feedback.screenshot is not None for _, t in pairs)
-            ),
-            "sdpo/feedback_messages": float(
-                sum(bool(t.feedback.checker_message) for _, t in pairs)
-            ),
-            "sdpo/feedback_peers": float(sum(bool(t.feedback.peer_actions) for _, t in pairs)),
-        }
+        info = _teacher_info(pairs, too_long)
         # multi-host: every process packs its share of the teacher batch and runs the pass
         # together, when any of them has a failure to distill
         if multihost.allgather_ints([len(pairs)]).sum() > 0:
