@@ -50,11 +50,14 @@ tools_agent_MODEL): with --workdir the run's own, else OUT/trajectories.sqlite (
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
 import re
 import sys
+import time
+from types import SimpleNamespace
 from typing import Any
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,6 +66,15 @@ if _ROOT not in sys.path:
 
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
+
+# What loads here is JAX-free (a bad flag fails fast); the model, the sampler and the config
+# checks load inside the functions that need them.
+from configs.common import load_run_config  # noqa: E402
+from cua_jax import metrics as metrics_lib  # noqa: E402
+from cua_jax.evaluation import results as results_lib  # noqa: E402
+from cua_jax.evaluation import stats, verdict  # noqa: E402
+from cua_jax.rl.rollout import AgentLoop, episode_seed  # noqa: E402
+from launch import compose  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file with a preset (instead of --workdir): configs/FILE.py:PRESET"
@@ -144,8 +156,6 @@ def _load_config():
     if (_WORKDIR.value is None) == (_CONFIG.value is None):
         raise EvalError("pass exactly one of --workdir (a training run) or --config (a preset)")
     if _WORKDIR.value is not None:
-        from configs.common import load_run_config
-
         try:
             config = load_run_config(_WORKDIR.value)
         except FileNotFoundError as e:
@@ -191,18 +201,12 @@ def osworld_meta_source() -> dict:
 
 def osworld_result_dir(root: str, model: str) -> str:
     """OSWorld's `root/<action_space>/<observation_type>/<model>` (model made one path part)."""
-    import re
-
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", model).strip("._") or "model"
     return os.path.join(root, _ACTION_SPACE.value, _OBSERVATION_TYPE.value, name)
 
 
 async def _sampled_episodes(agent, pool, played, seed, screens, on_episode):
     """Sampled episodes of the checkpoint (one per entry of `played`, each its own seed)."""
-    import asyncio
-
-    from cua_jax.rl.rollout import episode_seed
-
     per = [[] for _ in played]
     screens.extend(per)
 
@@ -219,8 +223,6 @@ async def _sampled_episodes(agent, pool, played, seed, screens, on_episode):
 
 def _check_flags() -> None:
     """The flag combinations that make no eval, before anything heavy is loaded."""
-    from cua_jax.evaluation import verdict
-
     try:
         verdict.check_sampling(_SAMPLES.value, _TEMPERATURE.value)
     except ValueError as e:
@@ -237,8 +239,7 @@ def _check_flags() -> None:
 
 def _load_tasks(config, task_sources):
     """The validated config's env factory and the tasks of `task_sources`."""
-    from cua_jax.config_checks import ConfigError, validate_config
-    from launch import compose
+    from cua_jax.config_checks import ConfigError, validate_config  # loads JAX
 
     try:
         validate_config(config)
@@ -286,8 +287,6 @@ def _player(config) -> Player:
     from cua_jax import builders
 
     if _AGENT.value != "checkpoint":
-        from types import SimpleNamespace
-
         from cua_jax.evaluation.loading import build_processor
         from tools.agents import AgentEvalLoop, AnthropicAgent, OpenAIAgent
 
@@ -306,7 +305,6 @@ def _player(config) -> Player:
         return Player(agent, processor, settings, remote.name, tag, remote=remote)
     from cua_jax.checkpoint.orbax_io import CheckpointError
     from cua_jax.evaluation.loading import load_policy
-    from cua_jax.rl.rollout import AgentLoop
 
     try:
         model, processor, step, mesh, rules = load_policy(
@@ -346,8 +344,6 @@ async def _play(player: Player, env_factory, tasks, played, n_samples: int, seed
 def _pass_at_k(trajs, n_samples: int) -> dict[str, float]:
     """Unbiased pass@k (k = 1, 2, 4, ... n_samples) from n_samples episodes a task, each in
     order; a task's infrastructure faults are not samples."""
-    from cua_jax.evaluation import stats
-
     per_task = [
         (sum(not t.infra_fault for t in g), sum(t.success for t in g if not t.infra_fault))
         for g in (trajs[i : i + n_samples] for i in range(0, len(trajs), n_samples))
@@ -364,8 +360,6 @@ def _pass_at_k(trajs, n_samples: int) -> dict[str, float]:
 def _write_episodes(result_dir, player: Player, trajs, played, screens, texts, n_samples) -> str:
     """OSWorld-style per-episode folders under `result_dir` (with --osworld_meta, in OSWorld's
     own layout under it); returns the folder the episodes went to."""
-    from cua_jax.evaluation import results as results_lib
-
     osworld_layout = _OSWORLD_META.value is not None
     if osworld_layout:  # <domain>/<OSWorld's task id>/ under <action_space>/<obs>/<model>/
         result_dir = osworld_result_dir(result_dir, _MODEL.value or player.tag)
@@ -381,17 +375,13 @@ def _write_episodes(result_dir, player: Player, trajs, played, screens, texts, n
 
 def main(argv: list[str]) -> None:
     """The evaluation the flags ask for (module docstring); a bad flag or config exits 2."""
-    import asyncio
-    import time
-
     if len(argv) > 1:
         raise EvalError(f"unexpected positional arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
     config, task_sources = _load_config()
     _check_flags()
-    from cua_jax import metrics as metrics_lib
-    from cua_jax.evaluation import episodes, stats, verdict
+    from cua_jax.evaluation import episodes  # loads JAX
 
     env_factory, tasks = _load_tasks(config, task_sources)
     player = _player(config)
