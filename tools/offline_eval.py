@@ -15,6 +15,8 @@ the same as JSON. --radius is the click tolerance in screen fractions (when a st
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import sys
 
@@ -24,6 +26,10 @@ if _ROOT not in sys.path:
 
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
+
+from configs.common import load_run_config  # noqa: E402  (these load without JAX)
+from cua_jax.evaluation import offline, stats  # noqa: E402
+from tools.agents import OpenAIAgent, agent_predictor  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config with a preset (or --workdir).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run (its config and checkpoint).")
@@ -50,8 +56,6 @@ def fail(msg: str):
 def format_report(report, title: str) -> str:
     """The report as text: overall accuracy with its interval, then by action kind and, when few
     enough, by task."""
-    from cua_jax.evaluation import stats
-
     lo, hi = report.interval
     lines = [
         f"{title}: {report.correct}/{report.n} steps correct = {report.accuracy:.3f} "
@@ -66,9 +70,6 @@ def format_report(report, title: str) -> str:
 
 def main(argv: list[str]) -> None:
     """The command line: runs what the module docstring describes."""
-    import asyncio
-    import json
-
     if len(argv) > 1:
         fail(f"unexpected arguments {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:
@@ -78,8 +79,6 @@ def main(argv: list[str]) -> None:
     if (_WORKDIR.value is None) == (_CONFIG.value is None):
         fail("pass exactly one of --workdir (a training run) or --config (a preset)")
     if _WORKDIR.value is not None:
-        from configs.common import load_run_config
-
         try:
             config = load_run_config(_WORKDIR.value)
         except FileNotFoundError as e:
@@ -90,8 +89,7 @@ def main(argv: list[str]) -> None:
     if (policy == "openai") != (_BASE_URL.value is not None):
         fail("--base_url goes with --policy=openai (and --policy=openai needs it)")
 
-    from cua_jax import builders
-    from cua_jax.evaluation import offline
+    from cua_jax import builders  # loads JAX (so does loading)
     from cua_jax.evaluation.loading import build_processor, load_policy
 
     fmt_name = config.env.action_format
@@ -136,13 +134,9 @@ def main(argv: list[str]) -> None:
             banned_token_ids=model.config.vision_placeholder_ids,
         )
     else:
-        from tools.agents import OpenAIAgent
-
         agent = OpenAIAgent(
             _BASE_URL.value, _MODEL.value, _API_KEY.value or os.environ.get("OPENAI_API_KEY")
         )
-        from tools.agents import agent_predictor
-
         predictor = agent_predictor(agent, processor, config)
         close = agent.close
 
