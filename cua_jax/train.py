@@ -310,9 +310,17 @@ async def _warm_start(r: _Run) -> None:
         r.db.log_step(0, {**r.last_eval, "phase_sft": 0.0})
     if not r.run_sft:
         return
-    await asyncio.to_thread(r.warm.wait, r.compiles)
+    warmed = False
+
+    async def ready() -> None:  # the SFT programs' warm-up, waited for once: the oracle
+        nonlocal warmed  # demonstrations are played while the SFT step compiles
+        if not warmed:
+            await asyncio.to_thread(r.warm.wait, r.compiles)
+            warmed = True
+
     sft_metrics = {}
     if r.run_mid:
+        await ready()
         sft_metrics = await mid_training(
             r.learner,
             r.agent,
@@ -323,8 +331,15 @@ async def _warm_start(r: _Run) -> None:
     if config.sft.steps > 0:
         sft_tasks = multihost.task_share(r.tasks[: config.sft.num_tasks or None])
         sft_metrics |= await sft_warmup(
-            r.learner, r.agent, r.pool, sft_tasks, builders.sft_settings(config), workdir=r.workdir
+            r.learner,
+            r.agent,
+            r.pool,
+            sft_tasks,
+            builders.sft_settings(config),
+            workdir=r.workdir,
+            before_first_step=ready,
         )
+    await ready()
     sft_metrics = job_metrics(sft_metrics)
     policy = r.learner.model
     r.learner = None  # its optimizer state goes before the RL learner makes its own

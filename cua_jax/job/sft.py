@@ -15,7 +15,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import jax
@@ -73,10 +73,13 @@ async def sft_warmup(
     settings: SftSettings,
     *,
     workdir: str,
+    before_first_step: Callable[[], Awaitable[None]] | None = None,
 ) -> dict[str, float]:
     """Behaviour cloning before RL (ComputerRL's SFT-then-RL recipe) with the SFT learner, from
     the tasks' oracle demonstrations (kept under WORKDIR/sft_demos for reuse) or from
-    `settings.source` (`cua_jax.rl.sft_data`)."""
+    `settings.source` (`cua_jax.rl.sft_data`). `before_first_step` is awaited once the
+    demonstrations are in hand, before the first step (the run waits there for the SFT step's
+    compile, which runs while the demonstrations are played)."""
     s = settings
     t0 = time.perf_counter()
     if s.source == "oracle":
@@ -98,6 +101,8 @@ async def sft_warmup(
         info = {"sft/demos": float(n)}
     else:
         batches, info = sft_data.sft_file_batches(s.source, learner, batch_size=s.rows, seed=s.seed)
+    if before_first_step is not None:
+        await before_first_step()
     losses = []
     bar = metrics_lib.Progress(s.steps, desc="sft", enabled=s.progress and jax.process_index() == 0)
     for i, batch in zip(range(s.steps), batches, strict=False):
