@@ -56,6 +56,11 @@ def base_config(family: str) -> ConfigDict:
     # TPU splash attention kernel in attn_block tiles, 512 when 0: flash-style, no [L, L]
     # scores; a TPU kernel, interpret mode on CPU)
     c.model.attn_impl = "xla"
+    # MoE models on a mesh with an expert axis: how tokens meet their experts. "all_to_all"
+    # sends each (token, expert) row to the device holding its expert and back
+    # (ragged_all_to_all on TPU / GPU); "all_gather" gathers every expert device's tokens and
+    # psums; "auto": all_to_all where the rules split the tokens over the expert axis
+    c.model.moe_dispatch = "auto"
     c.model.lora_rank = 0  # 0 = full fine-tuning
     c.model.lora_alpha = 16.0
     # Regexes over dotted module paths (= cua_jax.models.lora.DEFAULT_TARGETS): the language

@@ -64,11 +64,17 @@ def build_model_and_processor(config: Any, mesh: Any, rules: Any):
     decoder layer). Qwen3.5 takes Qwen3-VL's processor and chat rendering (transformers maps
     its model types to Qwen3VLProcessor)."""
     mc = config.model
+    dispatch = mc.get("moe_dispatch", "auto")  # configs saved before the key: "auto"
     if mc.hf_path is not None:
         model = qwen_vl.from_pretrained(mc.hf_path, dtype=mc.param_dtype, mesh=mesh, rules=rules)
         model.config = model.config.replace(
-            dtype=mc.dtype, remat=mc.remat, attn_block=mc.attn_block, attn_impl=mc.attn_impl
+            dtype=mc.dtype,
+            remat=mc.remat,
+            attn_block=mc.attn_block,
+            attn_impl=mc.attn_impl,
+            moe_dispatch=dispatch,
         )
+        qwen_vl.set_expert_mesh(model, mesh, rules, dispatch)  # its blocks were built "auto"
         processor = QwenVLProcessor.from_pretrained(mc.hf_path)
         return model, processor
     # Tiny screens: a screenshot of the smoke viewport is a few dozen merged tokens.
@@ -88,6 +94,7 @@ def build_model_and_processor(config: Any, mesh: Any, rules: Any):
         attn_block=mc.attn_block,
         attn_impl=mc.attn_impl,
         moe=mc.preset == "tiny_moe",
+        moe_dispatch=dispatch,
         scale=2 if mc.preset == "small" else 1,
     )
     return qwen_vl.init_random(cfg, seed=config.seed), processor

@@ -10,6 +10,7 @@ import asyncio
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from cua_jax.data.processor import QwenVLProcessor
 from cua_jax.models import qwen_vl
@@ -268,6 +269,34 @@ def test_config_keys_build_the_tiny_moe_and_are_checked():
             validate_config(_smoke_config(**bad))
     with pytest.raises(ConfigError, match="expert=2"):  # 1 device cannot hold expert=2
         builders.mesh_and_rules(_smoke_config(**{"mesh.expert": 2}), devices=jax.devices()[:1])
+
+
+def test_model_moe_dispatch_reaches_every_moe_block_of_a_tiny_or_loaded_model(tmp_path):
+    """config.model.moe_dispatch is the dispatch of every MoE block the builder makes: the tiny
+    MoE's, and a local checkpoint's (whose blocks are built "auto", then set); a bad value is
+    one line at the config check."""
+    from cua_jax import builders
+    from cua_jax.config_checks import ENUMS, ConfigError, validate_config
+    from cua_jax.models.qwen_vl.moe import MOE_DISPATCHES, SparseMoeBlock
+    from tests.data.hf_local import save_hf_processor_dir
+
+    assert ENUMS["model.moe_dispatch"] == MOE_DISPATCHES
+
+    def dispatches(model):
+        return {m.dispatch for _, m in nnx.iter_modules(model) if isinstance(m, SparseMoeBlock)}
+
+    c = _smoke_config(**{"model.preset": "tiny_moe", "model.moe_dispatch": "all_to_all"})
+    validate_config(c)
+    mesh, rules = builders.mesh_and_rules(c, devices=jax.devices()[:1])
+    model, _ = builders.build_model_and_processor(c, mesh, rules)
+    assert model.config.moe_dispatch == "all_to_all" and dispatches(model) == {"all_to_all"}
+    save_hf_processor_dir("qwen3_vl", str(tmp_path))  # a processor to load beside it
+    qwen_vl.save_pretrained(model, str(tmp_path))
+    c = _smoke_config(**{"model.hf_path": str(tmp_path), "model.moe_dispatch": "all_gather"})
+    loaded, _ = builders.build_model_and_processor(c, mesh, rules)
+    assert loaded.config.moe_dispatch == "all_gather" and dispatches(loaded) == {"all_gather"}
+    with pytest.raises(ConfigError, match="config.model.moe_dispatch='scatter' is not one of"):
+        validate_config(_smoke_config(**{"model.moe_dispatch": "scatter"}))
 
 
 def test_small_preset_is_tiny_at_twice_the_depth_and_width():
