@@ -408,7 +408,7 @@ def model_config(config: Any) -> qwen_vl.QwenVLConfig:
     mc = config.model
     options = dict(
         dtype=mc.dtype, param_dtype=mc.param_dtype, remat=mc.remat, attn_block=mc.attn_block,
-        attn_impl=mc.attn_impl,
+        attn_impl=mc.attn_impl, moe_dispatch=mc.get("moe_dispatch", "auto"),
     )  # fmt: skip
     if mc.hf_path is not None:
         path = os.path.expanduser(str(mc.hf_path))
