@@ -341,6 +341,19 @@ async def _warm_start(r: _Run) -> None:
         )
     await ready()
     sft_metrics = job_metrics(sft_metrics)
+    _start_rl_learner(r)
+    r.last_eval = await r.evaluate("after_sft", 0)
+    row = {**sft_metrics, **r.last_eval, "phase_sft": 1.0}
+    r.writer.write(0, row)
+    r.db.log_sft(sft_metrics, source=config.sft.source, steps=config.sft.steps)
+    r.db.log_step(0, row)
+    save_checkpoint(r.ckpt, r.step, r.learner, r.source.state_dict(), force=True)
+
+
+def _start_rl_learner(r: _Run) -> None:
+    """The RL learner replaces the SFT one (a fresh optimizer; the SFT policy is the KL
+    reference), its programs' warm-up starts, and the sampler takes its weights."""
+    config = r.config
     policy = r.learner.model
     r.learner = None  # its optimizer state goes before the RL learner makes its own
     r.learner = builders.build_learner(policy, config, r.mesh, r.rules, sft=False)
@@ -355,12 +368,6 @@ async def _warm_start(r: _Run) -> None:
             distiller=r.distiller,
         )
     r.sync_sampler()
-    r.last_eval = await r.evaluate("after_sft", 0)
-    row = {**sft_metrics, **r.last_eval, "phase_sft": 1.0}
-    r.writer.write(0, row)
-    r.db.log_sft(sft_metrics, source=config.sft.source, steps=config.sft.steps)
-    r.db.log_step(0, row)
-    save_checkpoint(r.ckpt, r.step, r.learner, r.source.state_dict(), force=True)
 
 
 async def _grpo(r: _Run) -> None:
