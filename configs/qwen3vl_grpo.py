@@ -27,10 +27,12 @@ real RL step", 2026-11-27):
                est. MFU 57-59%
   8b  v5p-8    full fine-tuning, fsdp=2 x tensor=2: 80.7 GiB, 6610 pages; 59 chunks, padding
                0.046, est. step 83 s, est. MFU 66-69%
-  2b on v5e-8 (16 GiB chips) does not fit (exit 1, BENCHMARKS.md "Plans of session 19"): the
-               TPU compiler asks 17.4-18.0 GiB of temporaries for a chunk program at 16384 and
-               at 8192 tokens a chip (the least the 15-turn, three-screen samples allow), so no
-               token budget fits it; its update, decode and prefill programs fit
+  2b on v5e-8 (16 GiB chips), --config.rl.tokens_per_chip=8192 --config.rl.row_lengths='(4096,
+               8192)' (the least the 15-turn, three-screen samples allow): every program fits
+               the chip since the learner's FSDP training layout (rl_grads 16x4096 13.6 GiB,
+               8x8192 12.8 GiB, est. MFU 43-48%; BENCHMARKS.md "What was in 2b's temporaries on
+               v5e-8"), but the plan exits 1: the KV pool left is 0.39 GiB, under
+               sampler.kv_min_fraction (4 GiB)
   32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4: not yet planned with the token budget
                (its 8-row text plan: 73.3 GiB)
   30b-a3b v5p-8  LoRA rank 32 (attention + experts) on bf16 weights, expert=4 (32 experts on
