@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cua_jax import multihost
+from cua_jax import sharding as shd
 from cua_jax.rl.micro import check_finite
 from cua_jax.rl.trajectory import Trajectory, live_episodes, trajectory_to_samples
 
@@ -48,11 +49,14 @@ def policy_entropy(learner: Any, batch: Any, cache: dict | None = None) -> float
     if fn is None:
 
         def f(trainable, frozen, rest, xs, images):
-            (emb, ds), vmask = learner._embed(trainable, frozen, rest, xs["input_ids"], images)
-            temp = learner.loss_config.temperature
-            ent = learner._token_stats(trainable, frozen, rest, emb, ds, vmask, xs, temp, True)[1]
-            mask = xs["loss_mask"][:, 1:].astype(jnp.float32)
-            return jnp.sum(ent * mask), jnp.sum(mask)
+            with shd.training_layout(learner.mesh, learner.rules):  # as the learner's programs
+                (emb, ds), vmask = learner._embed(trainable, frozen, rest, xs["input_ids"], images)
+                temp = learner.loss_config.temperature
+                stats = learner._token_stats(
+                    trainable, frozen, rest, emb, ds, vmask, xs, temp, True
+                )
+                mask = xs["loss_mask"][:, 1:].astype(jnp.float32)
+                return jnp.sum(stats[1] * mask), jnp.sum(mask)
 
         fn = cache["entropy"] = jax.jit(f)
     total = count = 0.0

@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cua_jax import multihost
+from cua_jax import sharding as shd
 from cua_jax.config_checks import FEEDBACK_KINDS, feedback_kinds
 from cua_jax.data.chat import RenderedChat
 from cua_jax.rl.image_groups import ImageGroups
@@ -549,8 +550,9 @@ def _teacher_jit(learner: Any, k: int, cache: dict | None) -> Any:
     fn = cache.get(k)
     if fn is None:
 
-        def teacher(*a):
-            return _teacher_topk_fn(learner, k, *a)
+        def teacher(*a):  # laid out as the learner's own programs (`shd.training_layout`)
+            with shd.training_layout(learner.mesh, learner.rules):
+                return _teacher_topk_fn(learner, k, *a)
 
         teacher.__name__ = TEACHER_PROGRAM  # the program's name in compile_stats' counts
         rows = learner.layout.rows_sharding(3)  # each process reads back its own rows

@@ -70,3 +70,28 @@ def test_the_learners_program_runs_each_row_on_one_chip_only():
     whole = re.findall(rf"\[{rows},{length},{f}\]", txt)
     local = re.findall(rf"\[{rows // 4},{length},{f}\]", txt)
     assert not whole and local, (len(whole), len(local))
+
+
+def test_the_sdpo_teacher_pass_and_the_entropy_probe_run_each_row_on_one_chip_only():
+    """The learner's other programs that run the model over a batch (SDPO's teacher pass,
+    Entropulse's entropy probe) trace in the same layout: no [rows, L, F] buffer either."""
+    from cua_jax.rl import entropulse, sdpo
+
+    mesh = shd.make_mesh(1, 4, 1, devices=jax.devices()[:4])
+    learner = Learner(_model(), mesh=mesh, loss=LossConfig(), seq_len_buckets=(64,))
+    batch, _ = learner.prepare_batch(make_groups(seed=3, n_groups=2, images=False))
+    rows, length = batch.shape
+    f = CFG.text.intermediate_size
+    (part, _), *_ = learner.chunks(batch)
+    state = (learner._trainable, learner._frozen, learner._rest)
+    xs, images = learner.layout.device_batch(part, substeps=learner.num_substeps)
+    teacher = sdpo._teacher_jit(learner, 0, {}).lower(*state, xs, images)
+    cache = {}
+    entropulse.policy_entropy(learner, batch, cache)  # compiles and runs the probe
+    xs1, images1 = learner.layout.device_batch(part, substeps=1)
+    probe = cache["entropy"].lower(*state, xs1, images1)
+    for name, lowered in (("teacher", teacher), ("entropy", probe)):
+        txt = lowered.compile().as_text()
+        whole = re.findall(rf"\[{rows},{length},{f}\]", txt)
+        local = re.findall(rf"\[{rows // 4},{length},{f}\]", txt)
+        assert not whole and local, (name, len(whole), len(local))
