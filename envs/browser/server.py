@@ -10,8 +10,10 @@ Playwright's browser server (``launch_server`` is Node-only; Python Playwright c
 or Chromium's CDP endpoint (which would give a client the whole browser, and run the network
 isolation on the client, with the pages served from its memory):
 
-    GET  /health                 {"capacity", "free", "leases", "browser_connected",
-                                 "browser_ok", "version"}: 503 (with "message") when the
+    GET  /health                 {"capacity", "free", "leases", "episodes",
+                                 "browser_connected", "browser_ok", "version"} ("episodes":
+                                 leases between a reset and its evaluate; a lease a client
+                                 keeps between episodes is not one): 503 (with "message") when the
                                  browser cannot open a page, or one has been opening for
                                  over --health-timeout-s (a wedged browser stays connected)
     POST /envs                   {"viewport": [w, h]} -> {"env": id, "lease_s"} (503: full)
@@ -105,6 +107,7 @@ class _Lease:
     env: BrowserEnv
     deadline: float
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    in_episode: bool = False  # reset, not evaluated yet
 
 
 class BrowserServer:
@@ -193,6 +196,7 @@ class BrowserServer:
             "capacity": self.capacity,
             "free": self.capacity - len(self.leases),
             "leases": len(self.leases),
+            "episodes": sum(le.in_episode for le in self.leases.values()),
             "browser_connected": self.host.connected,
             "browser_ok": why is None,
             "version": PROTOCOL_VERSION,
@@ -247,10 +251,12 @@ class BrowserServer:
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             return error(f"reset's seed must be an integer or null, got {seed!r:.100}", 400)
         async with le.lock:
+            le.in_episode = False
             try:
                 obs = await le.env.reset(task, seed)
             except EnvError as e:
                 return error(str(e), 422)
+            le.in_episode = True
             return self._obs_response(le.env, obs, {})
 
     async def step(self, request: web.Request) -> web.Response:
@@ -266,6 +272,7 @@ class BrowserServer:
     async def evaluate(self, request: web.Request) -> web.Response:
         le = self._lease_of(request)
         async with le.lock:
+            le.in_episode = False  # the episode ends with its score, or without one
             try:
                 return web.json_response({"score": await le.env.evaluate()})
             except EnvError as e:

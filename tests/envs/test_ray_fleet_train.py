@@ -1,5 +1,5 @@
 """The smoke main job (`launch/tpu.py`, cut to a few GRPO steps, no SFT) on a Ray fleet of
-browser hosts on a three-node ``ray.cluster_utils.Cluster``; a worker node holding leased envs
+browser hosts on a three-node ``ray.cluster_utils.Cluster``; a worker node with episodes in flight
 is killed while the job's episodes are in flight. The run finishes all its steps, the killed
 host's episodes are played again on other hosts and counted (`rollout/env_faults`,
 `rollout/env_retries`), none is lost or counted twice (every step trains `groups_per_batch`
@@ -55,14 +55,15 @@ ARGS = [
 ]
 
 
-def _leases(endpoint: str) -> int:
-    """The host's leased envs (its /health), or -1 when it does not answer."""
+def _episodes(endpoint: str) -> int:
+    """The host's episodes in flight (its /health: leased envs between a reset and its
+    evaluate; a lease kept between episodes is not one), or -1 when it does not answer."""
     req = urllib.request.Request(
         f"http://{endpoint}/health", headers={"Authorization": f"Bearer {TOKEN}"}
     )
     try:
         with urllib.request.urlopen(req, timeout=2) as r:
-            return int(json.load(r)["leases"])
+            return int(json.load(r)["episodes"])
     except Exception:  # noqa: BLE001 -- starting, or on the killed node
         return -1
 
@@ -147,12 +148,12 @@ def test_smoke_job_on_a_ray_fleet_survives_a_killed_node(tmp_path):
 
         def busy_worker():
             for name, info in on_workers.items():
-                if (n := _leases(info["endpoint"])) > 0:
+                if (n := _episodes(info["endpoint"])) > 0:
                     return name, info, n
             return None
 
         victim, old, in_flight = _until(
-            busy_worker, 600, "a worker's host with leased envs", proc, 0.02
+            busy_worker, 600, "a worker's host with episodes in flight", proc, 0.02
         )
         victim_node = next(w for w in workers if w.node_id == old["node_id"])
         killed = {n: i for n, i in hosts.items() if i["node_id"] == old["node_id"]}

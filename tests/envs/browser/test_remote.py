@@ -49,8 +49,18 @@ async def _oracle_episode(env, task):
 
 
 def test_remote_env_runs_oracle_episodes_and_api_actions(host, run):
+    async def episodes(s):  # the host's episodes in flight (between reset and evaluate)
+        from envs.browser.remote import host_health
+
+        return (await host_health(s, host, TOKEN))["episodes"]
+
     async def go():
-        async with RemoteBrowserEnv(host, TOKEN, VIEWPORT) as env:
+        async with RemoteBrowserEnv(host, TOKEN, VIEWPORT) as env, aiohttp.ClientSession() as s:
+            await env.reset(suite.make_task("click-button", 4))
+            in_flight = [await episodes(s)]
+            await env.evaluate()
+            in_flight.append(await episodes(s))  # the lease is kept, the episode is over
+            assert in_flight == [1, 0], in_flight
             out = []
             for name in ("click-button", "enter-name-email", "nav-two-level"):
                 out.append(await _oracle_episode(env, suite.make_task(name, 5)))
