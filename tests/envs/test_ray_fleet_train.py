@@ -55,17 +55,21 @@ ARGS = [
 ]
 
 
-def _episodes(endpoint: str) -> int:
-    """The host's episodes in flight (its /health: leased envs between a reset and its
-    evaluate; a lease kept between episodes is not one), or -1 when it does not answer."""
+def _load(endpoint: str) -> tuple[int, int]:
+    """The host's (episodes in flight, leases) from its /health, or (-1, -1) when it does not
+    answer. An episode is a leased env between a reset and its evaluate; a client keeps its
+    lease between episodes, so a lease may be idle, and an idle one may start an episode
+    between this probe and the kill: the leases bound the faults, the episodes find a host
+    that has something to retry."""
     req = urllib.request.Request(
         f"http://{endpoint}/health", headers={"Authorization": f"Bearer {TOKEN}"}
     )
     try:
         with urllib.request.urlopen(req, timeout=2) as r:
-            return int(json.load(r)["episodes"])
+            health = json.load(r)
+            return int(health["episodes"]), int(health["leases"])
     except Exception:  # noqa: BLE001 -- starting, or on the killed node
-        return -1
+        return -1, -1
 
 
 def _host_infos() -> dict[str, dict]:
@@ -148,11 +152,12 @@ def test_smoke_job_on_a_ray_fleet_survives_a_killed_node(tmp_path):
 
         def busy_worker():
             for name, info in on_workers.items():
-                if (n := _episodes(info["endpoint"])) > 0:
-                    return name, info, n
+                episodes, leases = _load(info["endpoint"])
+                if episodes > 0:
+                    return name, info, leases
             return None
 
-        victim, old, in_flight = _until(
+        victim, old, leased = _until(
             busy_worker, 600, "a worker's host with episodes in flight", proc, 0.02
         )
         victim_node = next(w for w in workers if w.node_id == old["node_id"])
@@ -171,7 +176,7 @@ def test_smoke_job_on_a_ray_fleet_survives_a_killed_node(tmp_path):
         # The killed host's episodes: faults, retried elsewhere, none a policy failure.
         last = steps[-1]
         faults, retries = last["rollout/env_faults"], last["rollout/env_retries"]
-        assert 1 <= faults <= in_flight and retries == faults, (faults, retries, in_flight)
+        assert 1 <= faults <= leased and retries == faults, (faults, retries, leased)
         assert all(r["rollout/env_failures"] == 0 for r in steps), steps
         assert sum(r["rollout/faults_env_error"] for r in steps) == 0, steps
         # Nothing counted twice: the database holds each step's group_size x groups episodes.
@@ -190,7 +195,7 @@ def test_smoke_job_on_a_ray_fleet_survives_a_killed_node(tmp_path):
                 {
                     "victim": victim,
                     "killed": sorted(killed),
-                    "in_flight": in_flight,
+                    "leased": leased,
                     "t_kill_s": round(t_kill, 1),
                     "wall_s": round(time.monotonic() - t0, 1),
                     "faults": last["rollout/env_faults"],
