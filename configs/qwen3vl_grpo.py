@@ -25,8 +25,9 @@ real RL step", 2026-11-27):
                474 samples in 30 chunks, padding 0.062, est. step 27 s, est. MFU 43-49%
   4b  v5p-8    full fine-tuning, fsdp=4: 80.7 GiB, 4618 pages; 30 chunks, est. step 54 s,
                est. MFU 57-59%
-  8b  v5p-8    full fine-tuning, fsdp=2 x tensor=2: 80.7 GiB, 6610 pages; 59 chunks, padding
-               0.046, est. step 83 s, est. MFU 66-69%
+  8b  v5p-8    full fine-tuning, fsdp=2 x tensor=2: 80.7 GiB, 7088 pages (6610 before the
+               training layout); 59 chunks, padding 0.046, est. step 83 s, est. MFU 66-69%
+               (replanned 2026-11-28, exit 0)
   2b on v5e-8 (16 GiB chips), --config.rl.tokens_per_chip=8192 --config.rl.row_lengths='(4096,
                8192)' (the least the 15-turn, three-screen samples allow): every program fits
                the chip since the learner's FSDP training layout (rl_grads 16x4096 13.6 GiB,
