@@ -31,7 +31,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import jax
@@ -310,13 +310,11 @@ async def _warm_start(r: _Run) -> None:
         r.db.log_step(0, {**r.last_eval, "phase_sft": 0.0})
     if not r.run_sft:
         return
-    warmed = False
 
-    async def ready() -> None:  # the SFT programs' warm-up, waited for once: the oracle
-        nonlocal warmed  # demonstrations are played while the SFT step compiles
-        if not warmed:
-            await asyncio.to_thread(r.warm.wait, r.compiles)
-            warmed = True
+    def ready() -> Awaitable[dict[str, float]]:
+        """The SFT programs' warm-up, waited for (a second wait returns at once): the oracle
+        demonstrations are played while the SFT step compiles."""
+        return asyncio.to_thread(r.warm.wait, r.compiles)
 
     sft_metrics = {}
     if r.run_mid:

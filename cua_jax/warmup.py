@@ -171,6 +171,7 @@ class Warmup:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="warmup")
         self._future = self._pool.submit(fn, self._stop)
         self.watched, self.strict = watched, strict
+        self._times: dict[str, float] | None = None  # set by the first `wait`
         # the first step's rollouts may run before `wait` (only the learner is compiling: a
         # sampler program compiled by both threads would be compiled twice)
         self.overlap = overlap
@@ -183,14 +184,16 @@ class Warmup:
 
     def wait(self, stats: compile_stats.CompileStats | None = None) -> dict[str, float]:
         """Waits for the compiles (re-raising their error); from then on a compile of a warmed
-        program is unplanned in `stats`."""
-        try:
-            times = self._future.result()
-        finally:
-            self._pool.shutdown(wait=False)
-        if stats is not None and self.watched:
-            stats.expect_no_compiles(self.watched, strict=self.strict)
-        return times
+        program is unplanned in `stats`. A later call returns the same times and leaves
+        `stats` as it is (the unplanned compiles it has counted since are kept)."""
+        if self._times is None:
+            try:
+                self._times = self._future.result()
+            finally:
+                self._pool.shutdown(wait=False)
+            if stats is not None and self.watched:
+                stats.expect_no_compiles(self.watched, strict=self.strict)
+        return self._times
 
 
 def shape_set(config: Any, learner: Any, image_config: Any) -> ShapeSet:

@@ -113,6 +113,25 @@ def test_a_cancelled_warm_up_stops_before_its_next_program():
     assert list(warm.wait()) == ["a"] and compiled == ["a"]
 
 
+def test_a_second_wait_returns_the_same_programs_and_keeps_the_unplanned_compiles():
+    """`Warmup.wait` twice (the SFT warm-up waits before its first step and after it): the
+    second returns the first's times and does not re-arm `stats`, which would drop the
+    unplanned compiles counted in between."""
+    from cua_jax import warmup
+
+    class _Stats:
+        def __init__(self):
+            self.armed = 0
+
+        def expect_no_compiles(self, programs, *, strict):
+            self.armed += 1
+
+    warm = warmup.Warmup(lambda stop: {"a": 1.0}, ("a",), True, overlap=True)
+    stats = _Stats()
+    first = warm.wait(stats)
+    assert warm.wait(stats) is first and first == {"a": 1.0} and stats.armed == 1
+
+
 def test_wall_share_from_metrics_rows():
     rows = [
         {"step": 1, "time/step": 10.0, "time/compile_s": 6.0, "compile/count": 2.0},

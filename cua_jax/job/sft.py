@@ -73,7 +73,7 @@ async def sft_warmup(
     settings: SftSettings,
     *,
     workdir: str,
-    before_first_step: Callable[[], Awaitable[None]] | None = None,
+    before_first_step: Callable[[], Awaitable[Any]] | None = None,
 ) -> dict[str, float]:
     """Behaviour cloning before RL (ComputerRL's SFT-then-RL recipe) with the SFT learner, from
     the tasks' oracle demonstrations (kept under WORKDIR/sft_demos for reuse) or from
