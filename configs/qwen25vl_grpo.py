@@ -17,7 +17,7 @@ chunk, splash attention, remat=full, the KV pool from 85% of HBM). `tools/plan.p
 flag compiles what the run compiles (BENCHMARKS.md "Every preset's real RL step", 2026-11-27):
   3b  v5p-8    full fine-tuning, fsdp=4: largest program 80.7 GiB of 95, KV pool 21816
                pages; 474 samples in 39 chunks of 4 x 16384, padding 0.144, est. step 73 s,
-               est. MFU 40-42% (BENCHMARKS.md "Plans of session 19")
+               est. MFU 40-42% (BENCHMARKS.md "Qwen2.5-VL 3b on v5p-8")
   7b  v5p-8    full fine-tuning, fsdp=2 x tensor=2: largest program 80.7 GiB of 95, KV pool
                20212 pages; 474 samples in 78 chunks, padding 0.144, est. step 119 s, est. MFU
                56-57%

@@ -1,5 +1,5 @@
 """Compile accounting from JAX's monitoring events: how many programs were compiled, which, and
-how long it took (#23).
+how long it took.
 
     stats = compile_stats.install()        # once per process; idempotent
     mark = stats.snapshot()

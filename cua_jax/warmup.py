@@ -1,4 +1,4 @@
-"""Warm-up (#23): compile a run's programs ahead, before the first step, for the shape set the
+"""Warm-up: compile a run's programs ahead, before the first step, for the shape set the
 config decides: the learner's RL / SFT steps (`cua_jax.rl.shapes`) and the sampler's bucket set
 (`cua_jax.sampler.scheduler.BucketSet`: prefill rows x tokens x table columns, image prefills
 of 1..max_history_images screens, the decode chunk per table width, page copies, first-token

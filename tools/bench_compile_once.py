@@ -1,4 +1,4 @@
-"""GRPO learner steps on batches that vary like a scaled-up smoke run's (#23): per-step time,
+"""GRPO learner steps on batches that vary like a scaled-up smoke run's: per-step time,
 compiles and compile seconds, before (rows and patches rounded to powers of two per batch) and
 after (the config's fixed shape set, compiled ahead).
 

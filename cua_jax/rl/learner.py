@@ -321,7 +321,7 @@ class Learner:
 
     @property
     def shapes(self) -> shapes_lib.ShapeSet | None:
-        """The run's fixed shape set (#23, `cua_jax.rl.shapes`): `pack` puts every batch into
+        """The run's fixed shape set (`cua_jax.rl.shapes`): `pack` puts every batch into
         one of its shapes and `warmup` compiles them ahead. None: rounded buckets."""
         return self.layout.shapes
 

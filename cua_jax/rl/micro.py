@@ -72,7 +72,7 @@ def compile_each(
     stop: threading.Event | None = None,
 ) -> dict[str, float]:
     """Compiles `lower(shape)` (a `jax.stages.Lowered`) for every shape ahead of time: the
-    warm-up's loop (#23). Returns {"<program> <shape>": seconds}. A set `stop` (the run failed:
+    warm-up's loop. Returns {"<program> <shape>": seconds}. A set `stop` (the run failed:
     `warmup.Warmup.cancel`) ends the loop before the next shape."""
     out = {}
     for shape in shapes:

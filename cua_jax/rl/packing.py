@@ -38,7 +38,7 @@ class PackedBatch:
     num_samples: int = 0
     # MoE: i32[R, L, layers, K] the sampler's experts per token (-1: unrecorded); None: dense
     routes: np.ndarray | None = None
-    # > 0: the learner's shape set (#23) fixed this batch's shape; its patches are padded to this
+    # > 0: the learner's shape set fixed this batch's shape; its patches are padded to this
     # many in the step (blank screens), so every batch of the shape has one vision input shape
     patch_budget: int = 0
     # Multi-host: `pixel_values` are every process's patches in process order, and this batch's

@@ -722,7 +722,7 @@ class SelfDistiller:
         return step_mode(self.divergence, self.js_beta, self.weight)
 
     def warmup(self, learner: Any, stop: threading.Event | None = None) -> dict[str, float]:
-        """Compiles ahead what an SDPO step runs, for the learner's shape set (#23): the
+        """Compiles ahead what an SDPO step runs, for the learner's shape set: the
         learner's SDPO step for every RL shape (with all-zero teacher targets of the step's
         top-k width) and the teacher pass for every shape a teacher batch takes (the shape
         set's teacher shapes: the RL rows, a screen more per sample). Returns {program and

@@ -1,6 +1,6 @@
-"""The learner's fixed shape set (#23): every batch of a run is packed into one of a few
-(rows, row length, patches) shapes decided from the config before the first step, so the train
-step compiles once per shape at start-up and never again.
+"""The learner's fixed shape set: every batch of a run is packed into one of a few (rows, row
+length, patches) shapes decided from the config before the first step, so the train step
+compiles once per shape at start-up and never again (BENCHMARKS.md "Compile once").
 
     shapes = ShapeSet.from_config(config, image_config, row_multiple=learner.row_multiple)
     print(shapes.describe())

@@ -67,7 +67,7 @@ STAT_NAMES = (
 
 
 # ------------------------------------------------------------------------------ the bucket set
-# Every jitted sampler call takes one of a few shapes (#23: a run compiles its programs once):
+# Every jitted sampler call takes one of a few shapes (a run compiles its programs once):
 # prefill rows and tokens, the page-table columns attention reads, page-copy counts. These are
 # the rules; `BucketSet` enumerates what they allow for one engine configuration, which bounds
 # (and, compiled ahead, fixes) the programs a run ever compiles.
