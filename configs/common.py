@@ -268,6 +268,9 @@ def base_config(family: str) -> ConfigDict:
     # and CPU-core quota (0: none); envs/vm/limits.py
     c.env.desktop_max_processes = 4096
     c.env.desktop_cpus = 0.0
+    # CPU seconds of each command a local desktop's server runs (RLIMIT_CPU: a busy loop ends
+    # by SIGXCPU, a bounded fault of its episode); 0: no cap
+    c.env.desktop_command_cpu_s = 0.0
     # kind="browser": remote browser hosts ('host:port' of `python -m envs.browser.server`);
     # episodes spread over them and the local pool (env.concurrency envs)
     c.env.browser_endpoints = ()

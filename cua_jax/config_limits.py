@@ -171,6 +171,9 @@ LIMITS: dict[str, Limit] = {
     "env.step_timeout_s": _POS,
     "env.page_memory_mb": _int(0, why="MiB of JavaScript heap per page; 0: no cap"),
     "env.desktop_memory_mb": _int(0, why="MiB of address space per desktop process; 0: no cap"),
+    "env.desktop_command_cpu_s": _float(
+        1, 86400, also=(0,), why="CPU seconds per command a local desktop runs; 0: no cap"
+    ),
     "env.vm_qemu_memory_mb": _int(256, why="MiB of guest memory"),
     "env.vm_qemu_cpus": _int(1, 64, why="virtual CPUs per guest"),
     # ---- ckpt

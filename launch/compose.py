@@ -104,6 +104,7 @@ def _vm_factory(ec):
             memory_mb=ec.get("desktop_memory_mb") or None,
             max_processes=ec.get("desktop_max_processes") or None,
             cpus=ec.get("desktop_cpus") or None,
+            command_cpu_s=ec.get("desktop_command_cpu_s") or None,
             qemu_image=ec.get("vm_qemu_image") or None,
             qemu_options={"memory_mb": ec.vm_qemu_memory_mb, "cpus": ec.vm_qemu_cpus},
         )

@@ -75,6 +75,7 @@ BAD = [
     ("env.step_timeout_s", -1.0, "a finite number > 0"),
     ("env.viewport_width", 0, "in [64, 8192]"),
     ("env.viewport_height", 0, "in [64, 8192]"),
+    ("env.desktop_command_cpu_s", 0.5, "in [1, 86400] or 0"),
     ("sampler.decode_chunk", 0, "an integer >= 1"),
     ("rl.temperature", -math.inf, "> 0"),
     ("optim.b2", 1.0, "in [0, 1)"),

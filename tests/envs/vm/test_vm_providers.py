@@ -170,6 +170,29 @@ def test_remote_endpoints_take_the_token_from_the_environment(monkeypatch):
     assert remote.client.token is None
 
 
+def test_compose_passes_the_desktop_limits_to_each_local_desktop():
+    """launch/compose.py's env factory for env.kind="vm" hands env.desktop_memory_mb,
+    desktop_max_processes, desktop_cpus and desktop_command_cpu_s to every LocalDesktop it
+    builds (building starts no desktop); their 0 is no cap (None), max_processes' default 4096."""
+    from configs.qwen3vl_grpo import get_config
+    from launch import compose
+
+    c = get_config("smoke")
+    c.env.kind, c.env.concurrency = "vm", 2
+    pool = compose.build_env_factory(c)[0]()
+    for d in pool.desktops.desktops:
+        assert isinstance(d, LocalDesktop)
+        assert (d.memory_mb, d.max_processes, d.cpus, d.command_cpu_s) == (None, 4096, None, None)
+    c.env.desktop_memory_mb = 2048
+    c.env.desktop_max_processes = 64
+    c.env.desktop_cpus = 0.5
+    c.env.desktop_command_cpu_s = 30
+    desks = compose.build_env_factory(c)[0]().desktops.desktops
+    assert len(desks) == 2 and all(d.server_pid is None for d in desks)  # nothing started
+    for d in desks:
+        assert (d.memory_mb, d.max_processes, d.cpus, d.command_cpu_s) == (2048, 64, 0.5, 30)
+
+
 def test_make_env_pool_local_and_remote_endpoints(xserver, aio, monkeypatch):
     """The pool launch/tpu.py builds: local desktops, and a server reached as a remote endpoint
     (a LocalDesktop's server stands in for an OSWorld VM) with its token from $CUA_VM_TOKEN."""
