@@ -27,6 +27,7 @@ numpy + PIL only (no torch): this runs in rollout workers next to the sampler.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -325,6 +326,42 @@ def patchify(x_CHW: np.ndarray, config: ImageConfig) -> tuple[np.ndarray, int, i
     return np.ascontiguousarray(x).reshape(gh * gw, c * t * p * p), gh, gw
 
 
+@functools.lru_cache(maxsize=16)
+def _normalize_table(config: ImageConfig) -> np.ndarray:
+    """f32[3 * 256]: `normalize` of every uint8 value of every channel, channel-major.
+
+    `normalize` is elementwise in (channel, value), so a lookup in this table gives its bits
+    exactly, in either backend's dtypes.
+    """
+    values = np.broadcast_to(np.arange(256, dtype=np.uint8)[None, :, None], (1, 256, 3))
+    return np.ascontiguousarray(normalize(values, config)).reshape(3 * 256)
+
+
+def patch_values(rgb_HWC: np.ndarray, config: ImageConfig) -> tuple[np.ndarray, int, int]:
+    """`patchify(normalize(rgb_HWC))`, bit for bit, in one pass over uint8 data.
+
+    The frame is rearranged into patch order while it is still uint8 (a quarter of the f32
+    bytes), channel-major, and each value becomes its normalized float by one lookup per channel
+    in `_normalize_table`, written straight into the temporally duplicated rows: no float64
+    frame, no f32 frame and no f32 transpose (BENCHMARKS.md, "Screens into patches by table
+    lookup").
+    """
+    h, w, c = rgb_HWC.shape
+    p, m, t = config.patch_size, config.merge_size, config.temporal_patch_size
+    if h % (p * m) or w % (p * m):
+        raise ValueError(f"frame {h}x{w} is not a multiple of patch*merge = {p * m}")
+    gh, gw = h // p, w // p
+    x = rgb_HWC.reshape(gh // m, m, p, gw // m, m, p, c)
+    # (C, gh/m, gw/m, m, m, P, P), still uint8: one row a patch, per channel.
+    x = np.ascontiguousarray(x.transpose(6, 0, 3, 1, 4, 2, 5)).reshape(c, gh * gw, p * p)
+    table = _normalize_table(config)
+    out = np.empty((gh * gw, c, t, p * p), np.float32)
+    for ch in range(c):
+        values = np.take(table[ch * 256 : (ch + 1) * 256], x[ch], mode="clip")
+        out[:, ch] = values[:, None]
+    return out.reshape(gh * gw, c * t * p * p), gh, gw
+
+
 def preprocess_images(
     images: Sequence[ImageLike], config: ImageConfig | None = None
 ) -> dict[str, np.ndarray]:
@@ -341,7 +378,7 @@ def preprocess_images(
             rgb.shape[0], rgb.shape[1], config.factor, config.min_pixels, config.max_pixels
         )
         resize = resize_bicubic if config.resize_backend == "pil" else resize_bicubic_torchvision
-        flat, gh, gw = patchify(normalize(resize(rgb, h, w), config), config)
+        flat, gh, gw = patch_values(resize(rgb, h, w), config)
         patches.append(flat)
         grids.append((1, gh, gw))
     if not patches:

@@ -234,3 +234,21 @@ def test_preprocessor_config_round_trip():
         ImageConfig.from_preprocessor_config({"resample": 2})
     with pytest.raises(ValueError, match="resize_backend"):
         ImageConfig(resize_backend="opencv")
+
+
+@pytest.mark.parametrize("backend", ["pil", "torchvision"])
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_patch_values_are_normalize_then_patchify_bit_for_bit(fam, backend):
+    """The table-lookup path gives the two-step path's float32 bits on every uint8 value."""
+    from cua_jax.data.image import normalize, patch_values, patchify
+
+    cfg = ImageConfig.for_family(fam, resize_backend=backend)
+    rng = np.random.default_rng(3)
+    f = cfg.factor
+    for h, w in ((f, f), (2 * f, 3 * f), (5 * f, 2 * f)):
+        rgb = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        rgb.reshape(-1, 3)[:256] = np.arange(256)[:, None]  # every value in every channel
+        want, wh, ww = patchify(normalize(rgb, cfg), cfg)
+        got, gh, gw = patch_values(rgb, cfg)
+        assert (gh, gw) == (wh, ww) and got.dtype == want.dtype == np.float32
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
