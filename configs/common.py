@@ -131,7 +131,7 @@ def base_config(family: str) -> ConfigDict:
     c.rl.filter_zero_variance = True
     # micro-batches of gradient accumulation (memory only: one optimizer update per batch)
     c.rl.num_substeps = 1
-    # ---- levers of RL that learns (#24; cua_jax.rl.advantages / cua_jax.rl.sources)
+    # ---- RL levers (cua_jax.rl.advantages / cua_jax.rl.sources; BENCHMARKS.md "RL that learns")
     c.rl.advantage = "grpo"  # "grpo" | "drgrpo" | "rloo"
     # PPO updates per batch: the step's groups are split into ppo_minibatches mini-batches and
     # each gets an optimizer update, ppo_epochs times over (needs old_logprobs="behaviour": the
@@ -147,7 +147,7 @@ def base_config(family: str) -> ConfigDict:
     c.rl.replay_successes = False
     c.rl.replay_max_staleness = -1
     c.rl.persist_rollouts = False  # every rollout -> WORKDIR/rollouts (a source for SFT)
-    # ---- SDPO (#16, cua_jax.rl.sdpo): the policy shown feedback on a failed episode (its last
+    # ---- SDPO (cua_jax.rl.sdpo): the policy shown feedback on a failed episode (its last
     # screen, the checker's message, a successful peer's tool calls) is a teacher distilled into
     # itself on the episode's own tokens; a step minimises (1 - sdpo_weight) GRPO + sdpo_weight SDPO
     c.rl.algorithm = "grpo"  # "grpo" | "sdpo"
@@ -175,7 +175,7 @@ def base_config(family: str) -> ConfigDict:
     # replay: the learner routes each token through the experts the sampler chose for it
     c.rl.router_aux_coef = 0.0
     c.rl.routing_replay = False
-    # ---- compile once (#23; cua_jax/rl/shapes.py): the learner packs every batch into one of a
+    # ---- compile once (cua_jax/rl/shapes.py): the learner packs every batch into one of a
     # few (rows, row length, patches) shapes decided here, compiled at start-up. RL rows (0: one
     # per episode of a step), screens per row in the patch budget (0: what a row can hold, at
     # most env.max_turns x env.max_history_images); strict: a batch or program outside the set
@@ -463,8 +463,8 @@ def apply_smoke(c: ConfigDict) -> None:
     c.sampler.decode_chunk = 8
     c.rl.group_size = 4
     c.rl.groups_per_batch = 4
-    # 3e-5 moved the weights by 0.2% in 16 steps and held-out success not at all (#37,
-    # BENCHMARKS.md "make smoke's GRPO on 128 held-out pages"); 3e-4 drifted down after SFT
+    # 3e-5 moved the weights by 0.2% in 16 steps and held-out success not at all
+    # (BENCHMARKS.md "make smoke's GRPO on 128 held-out pages"); 3e-4 drifted down after SFT
     # (smoke run, 2026-11-22)
     c.rl.learning_rate = 1e-4
     c.rl.max_tokens = 48
@@ -477,7 +477,7 @@ def apply_smoke(c: ConfigDict) -> None:
     c.rl.rows_per_step = 8
     c.rl.max_steps_off_policy = 1
     c.optim.grad_clip = 1.0
-    c.sft.steps = 200  # 300 before #37: the time goes to GRPO and the 128-task evals
+    c.sft.steps = 200  # 300 before: the time goes to GRPO and the 128-task evals
     c.sft.learning_rate = 1e-3
     c.sft.episodes_per_task = 4
     c.sft.num_tasks = 40  # 10 tasks a template, 4 demonstrations each
@@ -519,25 +519,25 @@ LEARN_TEMPLATES = (
 
 
 def apply_learn(c: ConfigDict) -> None:
-    """RL that learns on a 2-core CPU (#24; BENCHMARKS.md, "RL that learns"): the smoke's tiny
+    """RL that learns on a 2-core CPU (BENCHMARKS.md, "RL that learns"): the smoke's tiny
     model with a short SFT warm-up that leaves headroom, then GRPO with the settings the
     sweeps measured best so far (three seeds; the issue's goal is not met). Checkpoints at
     step 0 (after SFT) and every 10 steps are all kept, so `tools/eval.py --step=0` and the
     final step score on the same held-out tasks."""
     apply_smoke(c)
-    c.total_steps = 50  # held-out success peaked near step 50 and fell after (session 8)
+    c.total_steps = 50  # held-out success peaked near step 50 and fell by step 200 (BENCHMARKS.md)
     c.env.max_turns = 3  # two-action tasks, and one turn to recover from a miss
     c.sft.steps = 150
     c.sft.episodes_per_task = 2
     c.sft.num_tasks = 120  # the SFT demonstrations: 20 tasks per template
     c.rl.group_size = 4
     # 64 episodes a step: above 16 at step 50 on all three seeds (+0.057 mean, BENCHMARKS.md,
-    # session 12); about 20 s a step here
+    # "RL that learns"); about 20 s a step here
     c.rl.groups_per_batch = 16
     c.env.concurrency = 16
     # 4 micro-batches (the same gradient): XLA's temporaries of the step's largest shape, 192
     # rows x 1024 + 82944 patches, are 30.7 GiB in one batch (more than this 24 GiB VM: the
-    # session 11 run was OOM-killed in it) and 9.2 GiB in four; 64 x 1024: 11.3 -> 4.1 GiB
+    # first 64-episode run was OOM-killed in it) and 9.2 GiB in four; 64 x 1024: 11.3 -> 4.1 GiB
     c.rl.num_substeps = 4
     c.rl.learning_rate = 1e-4  # 1e-3 collapsed the policy (invalid actions 0.05 -> 0.7)
     # 0.7: invalid actions per turn 0.46 -> 0.05, 27% fewer generated tokens than at 1.0
