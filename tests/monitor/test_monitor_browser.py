@@ -198,3 +198,42 @@ def test_open_page_shows_a_new_step_without_reload(tmp_path, browser_page, artif
         srv.close()
     assert errors == []
     assert isinstance(db, db_lib.TrajectoryDB)
+
+
+# Markup a writer (or anyone with the database file) could leave in an eval's num_tasks: inserted
+# as HTML it would be a <b id="pwned"> and an <img> in the table (its handler blocked by the CSP,
+# which then reports a violation), not this text.
+HOSTILE = '<b id="pwned">7</b><img src="/x" onerror="window.__pwned = 1">'
+
+
+def test_a_hostile_eval_value_is_shown_as_text(tmp_path, browser_page, artifacts):
+    """A string in evals.num_tasks (SQLite keeps it in an INTEGER column) is shown as text both
+    in the page the server renders and in the rows monitor.js redraws when a new eval arrives."""
+    import sqlite3
+
+    url = str(tmp_path / "hostile.sqlite")
+    db = fill_run(str(tmp_path / "run"), url, "hostile-run", 3, close=False)
+    with sqlite3.connect(url) as con:
+        con.execute("UPDATE evals SET num_tasks = ? WHERE step = 3", (HOSTILE,))
+    page, errors = browser_page
+    srv = Server(url, poll_ms=300)
+    cell = "#evals a[href='/runs/1/evals/3?tag=step3'] >> xpath=../../td[4]"
+    try:
+        page.goto(f"{srv.base}/runs/1?token={srv.token}")
+        page.wait_for_selector(cell)
+        rendered = page.inner_text(cell)  # the server's page
+        trajs, tasks, shots = synth.eval_batch(4)
+        db.log_eval(4, "step4", trajs, tasks, screens=shots, metrics={"eval/success": 0.25})
+        assert db.flush(30)
+        # monitor.js redraws every row of the table when the number of evals changes
+        page.wait_for_selector("#evals a[href='/runs/1/evals/4?tag=step4']", timeout=15_000)
+        redrawn = page.inner_text(cell)
+        injected = page.locator("#evals #pwned, #evals img").count()
+        pwned = page.evaluate("window.__pwned === 1")
+        page.screenshot(path=os.path.join(artifacts, "run_hostile_eval.png"), full_page=True)
+    finally:
+        db.close("finished")
+        srv.close()
+    assert rendered == HOSTILE and redrawn == HOSTILE
+    assert injected == 0 and not pwned
+    assert errors == []
