@@ -1,6 +1,6 @@
 """No silent failure: a run whose every rollout fails stops with an error that names the fault
-(launch/tpu.py exits 1), and a NaN or infinite loss stops it naming the step, the metric and the
-last good checkpoint.
+(launch/tpu.py exits 1), and a NaN or infinite loss, or an update the guard rejected, stops it
+naming the step, the metric and the last good checkpoint.
 
 The runs are the smoke preset cut to one GRPO step with no SFT and no eval tasks, on an env pool
 whose every reset fails, so no episode reaches the sampler: nothing compiles.
@@ -252,6 +252,22 @@ def test_a_non_finite_loss_or_gradient_norm_names_step_metric_and_checkpoint(key
     with pytest.raises(NonFiniteError, match="SFT step 2: .*no checkpoint was saved"):
         check_finite(metrics, step=2, phase="SFT", last_checkpoint=None)
     check_finite({"loss": 0.5, "grad_norm": 1.0}, step=7, phase="GRPO", last_checkpoint=None)
+
+
+def test_a_rejected_update_names_the_last_good_checkpoint():
+    """The update guard (optim.max_update_ratio): a step whose update was rejected stops the run
+    even with a finite loss and gradient norm, saying the update was not applied and naming the
+    last checkpoint saved before it, or that none was."""
+    metrics = {"loss": 0.5, "grad_norm": 1.0, "update_rejected": 1.0, "update_ratio": 3.2e29}
+    with pytest.raises(
+        NonFiniteError,
+        match=r"GRPO step 4: its update was 3\.2e\+29 x .*not applied.*"
+        r"the last good checkpoint is /w/checkpoints/3\)",
+    ):
+        check_finite(metrics, step=4, phase="GRPO", last_checkpoint="/w/checkpoints/3")
+    with pytest.raises(NonFiniteError, match=r"not applied.*no checkpoint was saved before it"):
+        check_finite(metrics, step=1, phase="GRPO", last_checkpoint=None)
+    check_finite({**metrics, "update_rejected": 0.0}, step=4, phase="GRPO", last_checkpoint=None)
 
 
 _LAUNCH = """
