@@ -6,6 +6,7 @@ episode is lost or counted twice, and Ray brings the host back on another node."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 
@@ -159,6 +160,64 @@ def test_browser_hosts_on_ray_survive_a_killed_node(cluster):
         3,
     )
     _check_kill_run(*out)
+
+
+def test_scaling_down_drains_a_busy_host_before_killing_it_and_scaling_up_starts_it_again(
+    cluster,
+):
+    """`RayFleet.scale` to fewer hosts: the surplus host takes no new episode, keeps the one it
+    has until it ends, and only then is its actor killed and the host dropped; scaling back up
+    starts a fresh actor under the same name."""
+
+    def names() -> set[str]:
+        listed = ray.util.list_named_actors(all_namespaces=True)
+        return {a["name"] for a in listed if a["name"].startswith("scale-host-")}
+
+    async def go():
+        fleet = RayFleet(
+            kind="sim",
+            target_concurrency=8,
+            host_capacity=4,
+            actor_options=host_actor_options("sim", num_cpus=0),
+            host_options={"time_scale": 0.5},
+            namespace=NS,
+            prefix="scale-host-",
+            token=TOKEN,
+            viewport=(640, 480),
+            discover_interval_s=0.3,
+            health_interval_s=0.5,
+            acquire_timeout_s=60,
+        )
+        async with fleet, contextlib.AsyncExitStack() as held:
+            up = lambda: sum(h.up for h in fleet.hosts.values())  # noqa: E731
+            await _until(lambda: up() == 2, 300, "two hosts up")
+            surplus = fleet.actors["scale-host-1"]["endpoint"]
+            first = fleet.actors["scale-host-0"]["endpoint"]
+            # Two envs: the fleet gives each to the host with more free, so one a host.
+            envs = [await held.enter_async_context(fleet.acquire()) for _ in range(2)]
+            assert {fleet.host_of(e) for e in envs} == {surplus, first}
+            busy = next(e for e in envs if fleet.host_of(e) == surplus)
+
+            assert await fleet.scale(4) == 1
+            assert fleet.hosts[surplus].draining
+            async with fleet.acquire() as env:  # a new episode: never the draining host
+                assert fleet.host_of(env) == first
+            await asyncio.sleep(1.5)  # several discovery rounds: the busy host is kept
+            assert "scale-host-1" in names() and surplus in fleet.hosts
+            assert fleet.host_of(busy) == surplus
+
+            await held.aclose()  # the episode on the surplus host ends
+            await _until(lambda: surplus not in fleet.hosts, 30, "the drained host dropped")
+            await _until(lambda: "scale-host-1" not in names(), 30, "its actor killed")
+            assert up() == 1 and names() == {"scale-host-0"}
+
+            assert await fleet.scale(8) == 2
+            await _until(lambda: up() == 2, 300, "the second host started again")
+            again = fleet.actors["scale-host-1"]["endpoint"]
+            assert again in fleet.hosts and not fleet.hosts[again].draining
+        assert names() == set()  # close() kills the hosts the fleet started
+
+    asyncio.run(go())
 
 
 def test_the_config_s_env_section_builds_the_ray_fleet():
