@@ -1,4 +1,5 @@
-"""Per-desktop limits (envs.vm.limits): a fork bomb and a busy loop stay inside their desktop.
+"""Per-desktop limits (envs.vm.limits): a fork bomb and a busy loop stay inside their desktop,
+and a second desktop beside it (another episode's) runs its commands as before.
 
 A task's setup or a model's action runs shell commands as the trainer's user. Each test runs the
 attack through the desktop's own server (the path an action takes) and then checks the host: the
@@ -60,19 +61,25 @@ def test_a_fork_bomb_gets_its_desktops_budget_and_dies_with_the_desktop(xserver,
     bomb.write_text(BOMB)
 
     async def go():
-        async with LocalDesktop(320, 240, window_manager=None, max_processes=BUDGET) as d:
+        async with (
+            LocalDesktop(320, 240, window_manager=None, max_processes=BUDGET) as d,
+            LocalDesktop(320, 240, window_manager=None, max_processes=BUDGET) as other,
+        ):
             if d.limits_mode == "none":
                 pytest.skip("no writable cgroup and RLIMIT_NPROC does not bind root here")
             r = await d.client.execute(["python3", str(bomb)], timeout=30)
             n, *pids = (int(x) for x in r["output"].split())
             assert _host_forks()  # the trainer's side forks while the desktop is full
+            # another episode's desktop, beside it: forks and answers as before
+            neighbour = await other.client.execute("sh -c 'echo neighbour'", shell=True, timeout=10)
             after = await d.client.execute("echo still here", shell=True, timeout=10)
             await d.restart()  # an episode's reset: the bomb's children go with the desktop
             gone = not any(_alive(p) for p in pids)
             again = await d.client.execute("echo fresh", shell=True, timeout=10)
-            return d.limits_mode, n, after, gone, again
+            return d.limits_mode, n, after, gone, again, neighbour
 
-    mode, n, after, gone, again = aio(go())
+    mode, n, after, gone, again, neighbour = aio(go())
+    assert neighbour["output"].strip() == "neighbour", neighbour
     # the server, its worker and Xvfb hold part of the budget; the bomb got the rest, not 300
     assert 0 < n < BUDGET, (mode, n)
     # the full desktop's next command is a bounded failure of this episode (fork refused), or
@@ -84,7 +91,10 @@ def test_a_fork_bomb_gets_its_desktops_budget_and_dies_with_the_desktop(xserver,
 
 def test_a_busy_loop_is_capped_killed_by_cpu_seconds_and_dies_with_the_desktop(xserver, aio):
     async def go():
-        async with LocalDesktop(320, 240, window_manager=None, cpus=0.5, command_cpu_s=1) as d:
+        async with (
+            LocalDesktop(320, 240, window_manager=None, cpus=0.5, command_cpu_s=1) as d,
+            LocalDesktop(320, 240, window_manager=None, cpus=0.5, command_cpu_s=1) as other,
+        ):
             # in the foreground: RLIMIT_CPU ends it after ~1 CPU second, not the 120 s limit
             t0 = time.monotonic()
             fg = await d.client.execute(["python3", "-c", "while True: pass"], timeout=60)
@@ -99,6 +109,11 @@ def test_a_busy_loop_is_capped_killed_by_cpu_seconds_and_dies_with_the_desktop(x
             c0, w0 = _cpu_s(pid), time.monotonic()
             time.sleep(1.5)
             share = (_cpu_s(pid) - c0) / (time.monotonic() - w0)
+            # another episode's desktop, beside the loop: its command runs to the end
+            neighbour = await other.client.execute(
+                ["python3", "-c", "print(sum(range(10**5)))"], timeout=30
+            )
+            assert neighbour["output"].strip() == str(sum(range(10**5))), neighbour
             mode = d.limits_mode
             await d.restart()
             return mode, fg, fg_s, share, _alive(pid)
