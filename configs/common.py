@@ -61,6 +61,10 @@ def base_config(family: str) -> ConfigDict:
     # (ragged_all_to_all on TPU / GPU); "all_gather" gathers every expert device's tokens and
     # psums; "auto": all_to_all where the rules split the tokens over the expert axis
     c.model.moe_dispatch = "auto"
+    # Qwen3.5's chunked gated delta rule: "reference" (jnp), "pallas" (the Pallas TPU kernel,
+    # interpret mode on CPU; its backward is the reference's VJP, recomputed) or "auto" (pallas
+    # on TPU, reference elsewhere)
+    c.model.gated_delta_impl = "reference"
     c.model.lora_rank = 0  # 0 = full fine-tuning
     c.model.lora_alpha = 16.0
     # Regexes over dotted module paths (= cua_jax.models.lora.DEFAULT_TARGETS): the language

@@ -65,6 +65,7 @@ def build_model_and_processor(config: Any, mesh: Any, rules: Any):
     its model types to Qwen3VLProcessor)."""
     mc = config.model
     dispatch = mc.get("moe_dispatch", "auto")  # configs saved before the key: "auto"
+    gated_delta = mc.get("gated_delta_impl", "reference")  # configs saved before the key
     if mc.hf_path is not None:
         model = qwen_vl.from_pretrained(mc.hf_path, dtype=mc.param_dtype, mesh=mesh, rules=rules)
         model.config = model.config.replace(
@@ -73,6 +74,7 @@ def build_model_and_processor(config: Any, mesh: Any, rules: Any):
             attn_block=mc.attn_block,
             attn_impl=mc.attn_impl,
             moe_dispatch=dispatch,
+            gated_delta_impl=gated_delta,
         )
         qwen_vl.set_expert_mesh(model, mesh, rules, dispatch)  # its blocks were built "auto"
         processor = QwenVLProcessor.from_pretrained(mc.hf_path)
@@ -95,6 +97,7 @@ def build_model_and_processor(config: Any, mesh: Any, rules: Any):
         attn_impl=mc.attn_impl,
         moe=mc.preset == "tiny_moe",
         moe_dispatch=dispatch,
+        gated_delta_impl=gated_delta,
         scale=2 if mc.preset == "small" else 1,
     )
     return qwen_vl.init_random(cfg, seed=config.seed), processor

@@ -31,6 +31,7 @@ ENUMS = {
     "model.remat": ("none", "full", "dots"),
     "model.attn_impl": ("xla", "splash"),
     "model.moe_dispatch": ("auto", "all_to_all", "all_gather"),  # = qwen_vl.MOE_DISPATCHES
+    "model.gated_delta_impl": ("reference", "pallas", "auto"),  # = config.GATED_DELTA_IMPLS
     "rl.mode": ("sync", "async"),
     "rl.kl_estimator": ("k1", "k2", "k3"),
     "rl.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),

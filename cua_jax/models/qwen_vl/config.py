@@ -52,6 +52,7 @@ DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots")
 ATTN_IMPLS = ("xla", "splash")
 MOE_DISPATCHES = ("auto", "all_to_all", "all_gather")
+GATED_DELTA_IMPLS = ("reference", "pallas", "auto")
 _DEFAULT_MROPE = {"qwen2_5_vl": (16, 24, 24), "qwen3_vl": (24, 20, 20), "qwen3_5": (11, 11, 10)}
 
 
@@ -179,6 +180,11 @@ class QwenVLConfig:
     # "auto": all_to_all when the sharding rules split the tokens over the expert axis ("batch"
     # maps to it), else all_gather: the one that moves fewer bytes (`moe.choose_all_to_all`)
     moe_dispatch: str = "auto"
+    # Qwen3.5's chunked gated delta rule (prefill and training; decode steps are recurrent):
+    # "reference": the jnp form (`gated_delta/reference.py`); "pallas": the Pallas TPU kernel
+    # (`gated_delta/kernel.py`, interpret mode on CPU; its backward is the reference's VJP,
+    # recomputed); "auto": pallas on TPU, reference elsewhere
+    gated_delta_impl: str = "reference"
 
     @property
     def model_type(self) -> str:
@@ -214,6 +220,10 @@ class QwenVLConfig:
             raise ValueError(f"attn_impl={self.attn_impl!r}: use one of {ATTN_IMPLS}")
         if self.moe_dispatch not in MOE_DISPATCHES:
             raise ValueError(f"moe_dispatch={self.moe_dispatch!r}: use one of {MOE_DISPATCHES}")
+        if self.gated_delta_impl not in GATED_DELTA_IMPLS:
+            raise ValueError(
+                f"gated_delta_impl={self.gated_delta_impl!r}: use one of {GATED_DELTA_IMPLS}"
+            )
         t, v = self.text, self.vision
         if t.num_attention_heads % t.num_key_value_heads:
             raise ValueError(

@@ -12,18 +12,25 @@ The layer carries `LinearAttnState` between calls: the conv's last W-1 inputs an
 recurrent state [B, N, H, V]. A call with T > 1 uses the chunked rule (prefill, training), a
 call with T == 1 the recurrent one (decode); either takes the state in and gives it back, so
 prefill-then-decode equals one pass over the whole sequence.
+
+Which chunked rule (`make_chunk_rule`, from the model config's `gated_delta_impl`): the jnp
+reference, or the Pallas TPU kernel (`gated_delta/kernel.py`) whose gradient is the reference's
+VJP recomputed in the backward pass (no Pallas backward kernel).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
 
+from cua_jax.models.qwen_vl.config import GATED_DELTA_IMPLS
 from cua_jax.models.qwen_vl.gated_delta import reference as gdr
 from cua_jax.models.qwen_vl.text import Linear, jdtype, param
 
@@ -90,6 +97,76 @@ def layer_types(num_hidden_layers: int, full_attention_interval: int = 4) -> tup
         "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
         for i in range(num_hidden_layers)
     )
+
+
+# (q, k, v, g, beta, *, initial_state, segment_ids, chunk_size) -> (o, final state): the
+# signature of `reference.chunk_gated_delta_rule`
+ChunkRule = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def make_chunk_rule(
+    impl: str = "reference", mesh: Mesh | None = None, rules: Sequence = ()
+) -> ChunkRule:
+    """The chunked gated delta rule of `model.gated_delta_impl`.
+
+    "reference": `reference.chunk_gated_delta_rule` (jnp). "pallas": the Pallas TPU kernel
+    with a custom VJP whose backward recomputes the reference and takes its VJP
+    (`kernel.chunk_gated_delta_rule_trainable`); on the CPU it runs in Pallas interpret mode
+    (tests), a GPU is refused. "auto": pallas on a TPU, reference elsewhere. On a mesh of more
+    than one device the kernel runs in `shard_map`: rows over the mesh axes of the logical
+    "batch" axis, heads over those of "heads" when the q/k heads divide evenly (each device
+    then holds whole groups of value heads), else whole. Raises ValueError on another impl or
+    platform, naming the key."""
+    if impl not in GATED_DELTA_IMPLS:
+        raise ValueError(f"model.gated_delta_impl={impl!r}: use one of {GATED_DELTA_IMPLS}")
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    if impl == "auto":
+        impl = "pallas" if platform == "tpu" else "reference"
+    if impl == "reference":
+        return gdr.chunk_gated_delta_rule
+    if platform not in ("tpu", "cpu"):
+        raise ValueError(
+            f"model.gated_delta_impl='pallas' is a TPU kernel and cannot run on {platform}; "
+            "use 'reference' or 'auto'"
+        )
+    # Pallas loads only when the kernel is asked for (the reference path never imports it).
+    from cua_jax.models.qwen_vl.gated_delta import kernel
+
+    def rule(q, k, v, g, beta, *, initial_state=None, segment_ids=None, chunk_size=gdr.CHUNK):
+        B, T, M, H = q.shape
+        N, V = v.shape[2:]
+        s0 = gdr._initial_state(initial_state, B, N, H, V)
+        seg = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids
+
+        def local(q, k, v, g, beta, s0, seg):
+            return kernel.chunk_gated_delta_rule_trainable(
+                q, k, v, g, beta, initial_state=s0, segment_ids=seg, chunk_size=chunk_size,
+                interpret=platform != "tpu",
+            )  # fmt: skip
+
+        if mesh is None or mesh.size == 1:
+            return local(q, k, v, g, beta, s0, seg)
+        bs, hs = _mesh_axes(mesh, rules, "batch", B), _mesh_axes(mesh, rules, "heads", M)
+        tok, row = PartitionSpec(bs, None, hs, None), PartitionSpec(bs, None, hs)
+        state = PartitionSpec(bs, hs, None, None)
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(tok, tok, tok, row, row, state, PartitionSpec(bs, None)),
+            out_specs=(tok, state),
+            check_vma=False,  # the Pallas kernel carries no varying-axes annotations
+        )(q, k, v, g, beta, s0, jnp.asarray(seg, jnp.int32))
+
+    return rule
+
+
+def _mesh_axes(mesh: Mesh, rules: Sequence, logical: str, size: int) -> tuple[str, ...] | None:
+    """The mesh axes (of size > 1) that `rules` map `logical` to, if they divide `size`."""
+    target = dict(rules).get(logical)
+    names = (target,) if isinstance(target, str) else tuple(target or ())
+    names = tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
+    n = int(np.prod([mesh.shape[a] for a in names])) if names else 1
+    return names if names and size % n == 0 else None
 
 
 class LinearAttnState(NamedTuple):
@@ -161,6 +238,7 @@ class GatedDeltaNet(nnx.Module):
         segment_ids: jax.Array | None = None,
         attention_mask: jax.Array | None = None,
         lengths: jax.Array | None = None,
+        chunk_rule: ChunkRule | None = None,
     ) -> tuple[jax.Array, LinearAttnState]:
         """x [B, T, D] -> (y [B, T, D], the state after the last token).
 
@@ -172,7 +250,8 @@ class GatedDeltaNet(nnx.Module):
         idle decode slot): they get g = 0 and beta = 0, so the recurrent state passes them
         unchanged, and the returned conv state is the W-1 inputs up to token lengths[b] - 1;
         the state returned is the one after each row's last real token (their outputs are
-        not meaningful)."""
+        not meaningful). chunk_rule: the chunked rule for T > 1 (`make_chunk_rule`; the jnp
+        reference when None)."""
         cfg = self.cfg
         B, T, _ = x_BTD.shape
         M, N = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -222,9 +301,8 @@ class GatedDeltaNet(nnx.Module):
         if T == 1:
             o, recurrent = gdr.recurrent_gated_delta_rule(q, k, v, g, beta, **rule_kw)
         else:
-            o, recurrent = gdr.chunk_gated_delta_rule(
-                q, k, v, g, beta, chunk_size=cfg.chunk_size, **rule_kw
-            )
+            rule = gdr.chunk_gated_delta_rule if chunk_rule is None else chunk_rule
+            o, recurrent = rule(q, k, v, g, beta, chunk_size=cfg.chunk_size, **rule_kw)
         o = self.norm(o.astype(dt), z).reshape(B, T, cfg.value_dim)
         return self.out_proj(o), LinearAttnState(conv_state.astype(dt), recurrent)
 

@@ -43,6 +43,8 @@ decoder (Gated DeltaNet and gated full-attention layers). `decode` also takes `s
 `attention_mask` for the linear layers (by default those of the `qwen35.RowAttnFn` that
 `model.attn_fn` returns) and `linear_states` (one `LinearAttnState` per linear layer, to
 continue an earlier call); `return_linear_states=True` appends their new states to the result.
+The linear layers' chunked rule follows `config.gated_delta_impl` (the jnp reference, or the
+Pallas kernel on the model's `use_mesh` mesh; `gated_deltanet.make_chunk_rule`).
 
 Random init (tiny / smoke presets): `QwenVL(config, rngs=nnx.Rngs(seed))` or `init_random`.
 """
@@ -58,7 +60,7 @@ from jax.sharding import Mesh
 from cua_jax import sharding as shd
 from cua_jax.models.qwen_vl import qwen35
 from cua_jax.models.qwen_vl.config import QwenVLConfig
-from cua_jax.models.qwen_vl.gated_deltanet import LinearAttnState
+from cua_jax.models.qwen_vl.gated_deltanet import LinearAttnState, make_chunk_rule
 from cua_jax.models.qwen_vl.moe import RoutingInfo
 from cua_jax.models.qwen_vl.rope import get_rope_index, mrope_cos_sin, text_positions
 from cua_jax.models.qwen_vl.text import (
@@ -231,6 +233,9 @@ class QwenVL(nnx.Module):
                 attention_mask=attention_mask,
                 linear_states=linear_states,
                 lengths=lengths,
+                chunk_rule=make_chunk_rule(
+                    self.config.gated_delta_impl, self.attn_mesh, self.attn_rules
+                ),
             )
             out = (h, routing) if return_routing else (h,)
             out = (*out, states) if return_linear_states else out

@@ -35,6 +35,7 @@ from flax import nnx
 
 from cua_jax.models.qwen_vl.config import QwenVLConfig
 from cua_jax.models.qwen_vl.gated_deltanet import (
+    ChunkRule,
     GatedDeltaNet,
     GatedDeltaNetConfig,
     LinearAttnState,
@@ -209,9 +210,10 @@ class HybridDecoderLayer(nnx.Module):
         segment_ids: jax.Array | None = None,
         attention_mask: jax.Array | None = None,
         lengths: jax.Array | None = None,
+        chunk_rule: ChunkRule | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, LinearAttnState | None]:
         """-> (hidden, (router logits, experts) of a sparse layer or None, the linear layer's
-        new state or None)."""
+        new state or None). chunk_rule: the linear layer's chunked rule (`GatedDeltaNet`)."""
         x = self.input_layernorm(h_BTD)
         new_state = None
         if self.linear_attn is not None:
@@ -221,6 +223,7 @@ class HybridDecoderLayer(nnx.Module):
                 segment_ids=segment_ids,
                 attention_mask=attention_mask,
                 lengths=lengths,
+                chunk_rule=chunk_rule,
             )
         else:
             y = self.self_attn(x, cos, sin, attn_fn, layer_idx)
@@ -257,11 +260,12 @@ class HybridTextModel(nnx.Module):
         segment_ids: jax.Array | None = None,
         attention_mask: jax.Array | None = None,
         lengths: jax.Array | None = None,
+        chunk_rule: ChunkRule | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, LinearAttnState | None]:
         """Layer i (see HybridDecoderLayer.__call__), wrapped in jax.checkpoint per cfg.remat."""
 
         def call(layer, h, cos, sin, routes, state, seg, mask, lengths):
-            return layer(h, cos, sin, attn_fn, i, routes, state, seg, mask, lengths)
+            return layer(h, cos, sin, attn_fn, i, routes, state, seg, mask, lengths, chunk_rule)
 
         return remat_call(
             self.layers[i],
@@ -289,6 +293,7 @@ def decode(
     attention_mask: jax.Array | None = None,
     linear_states: Sequence[LinearAttnState] | None = None,
     lengths: jax.Array | None = None,
+    chunk_rule: ChunkRule | None = None,
 ) -> tuple[jax.Array, RoutingInfo | None, list[LinearAttnState]]:
     """Decoder layers + final norm -> (hidden f[B, T, D], RoutingInfo of the sparse layers or
     None, the linear layers' states after the last token).
@@ -299,7 +304,9 @@ def decode(
     sequences), so a KV-cache caller cannot forget them. A call with T == 1 takes the
     recurrent (decode) form. `lengths` i32[B]: real tokens of each right-padded row; the
     linear states returned are those after each row's last real token (`GatedDeltaNet`), so a
-    sampler can bucket its prefill lengths and leave idle decode slots' states untouched."""
+    sampler can bucket its prefill lengths and leave idle decode slots' states untouched.
+    `chunk_rule`: the linear layers' chunked rule for T > 1 (`gated_deltanet.make_chunk_rule`
+    of the config's `gated_delta_impl`; the jnp reference when None)."""
     cfg = lm.cfg
     t = cfg.text
     linear = linear_attention_layers(cfg)
@@ -340,7 +347,7 @@ def decode(
         if i in linear and linear_states is not None:
             st = linear_states[linear.index(i)]
         h, info, new_state = lm.run_layer(
-            i, h, cos, sin, attn_fn, r, st, segment_ids, attention_mask, lengths
+            i, h, cos, sin, attn_fn, r, st, segment_ids, attention_mask, lengths, chunk_rule
         )
         if info is not None:
             infos.append(info)

@@ -14,6 +14,13 @@ no Pallas lowering. The wrapper does the elementwise work outside (q/k L2 norm, 
 padding to whole chunks, the chunk-local cumulative log-decay c and the segment index r) and
 hands c and r in both orientations, column [L, 1] and row [1, L], so the kernel needs no
 transpose. Letters as in `reference.py`.
+
+The kernel is forward only. `chunk_gated_delta_rule_trainable` (what the model calls with
+model.gated_delta_impl="pallas") gives it a gradient with `jax.custom_vjp` whose backward is
+NOT a Pallas kernel: it recomputes the jnp reference (`reference.chunk_gated_delta_rule`) from
+the saved inputs and returns that function's VJP. The forward keeps no [L, L] array in HBM; the
+backward materialises the reference's per-chunk [B, N, S, L, L] arrays for one layer at a time,
+as the reference path does in its own backward.
 """
 
 from __future__ import annotations
@@ -22,9 +29,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from cua_jax.models.qwen_vl.gated_delta import reference as ref
 from cua_jax.models.qwen_vl.gated_delta.reference import (
     CHUNK,
     _initial_state,
@@ -161,3 +170,61 @@ def chunk_gated_delta_rule(
         s0,
     )  # fmt: skip
     return jnp.swapaxes(o[:, :, :T], 1, 2).astype(v_BTNV.dtype), S
+
+
+def chunk_gated_delta_rule_trainable(
+    q_BTMH: jax.Array,
+    k_BTMH: jax.Array,
+    v_BTNV: jax.Array,
+    g_BTN: jax.Array,
+    beta_BTN: jax.Array,
+    *,
+    initial_state: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    chunk_size: int = CHUNK,
+    use_qk_l2norm: bool = True,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """`chunk_gated_delta_rule` (the Pallas forward) with a gradient: the backward recomputes
+    the jnp reference from the inputs and returns its VJP (see the module docstring), for q, k,
+    v, g, beta and the initial state; segment_ids get none (integers).
+
+    The same arguments and results as `reference.chunk_gated_delta_rule`."""
+    B, T = q_BTMH.shape[:2]
+    N, H, V = v_BTNV.shape[2], q_BTMH.shape[3], v_BTNV.shape[3]
+    s0 = _initial_state(initial_state, B, N, H, V)
+    seg = jnp.zeros((B, T), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids)
+    return _trainable(
+        q_BTMH, k_BTMH, v_BTNV, g_BTN, beta_BTN, s0, seg.astype(jnp.int32),
+        chunk_size, use_qk_l2norm, interpret,
+    )  # fmt: skip
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _trainable(q, k, v, g, beta, s0, seg, chunk_size, use_qk_l2norm, interpret):
+    return chunk_gated_delta_rule(
+        q, k, v, g, beta, initial_state=s0, segment_ids=seg, chunk_size=chunk_size,
+        use_qk_l2norm=use_qk_l2norm, interpret=interpret,
+    )  # fmt: skip
+
+
+def _trainable_fwd(q, k, v, g, beta, s0, seg, chunk_size, use_qk_l2norm, interpret):
+    out = _trainable(q, k, v, g, beta, s0, seg, chunk_size, use_qk_l2norm, interpret)
+    return out, (q, k, v, g, beta, s0, seg)
+
+
+def _trainable_bwd(chunk_size, use_qk_l2norm, interpret, res, cts):
+    del interpret
+    q, k, v, g, beta, s0, seg = res
+
+    def reference(q, k, v, g, beta, s0):
+        return ref.chunk_gated_delta_rule(
+            q, k, v, g, beta, initial_state=s0, segment_ids=seg, chunk_size=chunk_size,
+            use_qk_l2norm=use_qk_l2norm,
+        )  # fmt: skip
+
+    _, vjp = jax.vjp(reference, q, k, v, g, beta, s0)
+    return (*vjp(cts), np.zeros(seg.shape, jax.dtypes.float0))
+
+
+_trainable.defvjp(_trainable_fwd, _trainable_bwd)
