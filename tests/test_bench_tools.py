@@ -1,9 +1,13 @@
 """The accelerator benchmark runs end to end on CPU at a tiny size, so the command a GPU session
-runs (`python3 tools/bench_paged_decode.py`) has not rotted by the time a GPU is lent."""
+runs (`python3 tools/bench_paged_decode.py`) has not rotted by the time a GPU is lent; the
+forward benchmark's Qwen3.5 models (tools/bench_forward.py) load and agree with transformers."""
 
 import os
 import subprocess
 import sys
+
+import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,3 +33,30 @@ def test_bench_paged_decode_small_on_cpu():
     rows = [line.split() for line in table if line.split()[:1] in (["auto"], ["interpret"])]
     assert [r[0] for r in rows] == ["auto", "interpret"], out
     assert all(r[-1] == "100%" for r in rows), out
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_bench_forward_qwen35_models_load_and_agree(family, tmp_path):
+    """tools/bench_forward.py's Qwen3.5 configs build in transformers, load into cua_jax with
+    the family's layout (3 Gated DeltaNet layers, full attention at 3; the MoE's 8 experts and
+    shared expert), and give transformers' logits on a short text (the bench adds an image)."""
+    torch = pytest.importorskip("torch")
+    from flax import nnx
+
+    from cua_jax.models import qwen_vl
+    from tools import bench_forward
+
+    hf, *_ = bench_forward.hf_model(family)
+    hf.save_pretrained(str(tmp_path))
+    model = qwen_vl.from_pretrained(str(tmp_path))
+    t = model.config.text
+    assert model.config.model_type == family
+    assert [t.layer_type(i) for i in range(4)] == ["linear_attention"] * 3 + ["full_attention"]
+    assert (t.num_experts, t.shared_expert_intermediate_size) == (
+        (8, 704) if family == "qwen3_5_moe" else (0, 0)
+    )
+    ids = np.random.default_rng(0).integers(0, 4000, (1, 24))
+    with torch.no_grad():
+        want = hf(input_ids=torch.as_tensor(ids)).logits.numpy()
+    got = nnx.jit(lambda m, ids: m(ids))(model, ids.astype(np.int32))
+    assert np.abs(np.asarray(got) - want).max() < 1e-4

@@ -1,14 +1,22 @@
 """Jitted cua_jax QwenVL forward vs transformers forward on CPU, side by side in one run.
 
-    .venv/bin/python tools/bench_forward.py [--family qwen2_5_vl|qwen3_vl|both] [--iters 10]
-        [--threads N]
+    .venv/bin/python tools/bench_forward.py
+        [--family qwen2_5_vl|qwen3_vl|qwen3_5|qwen3_5_moe|both|all] [--iters 10] [--threads N]
 
 Same small-but-nontrivial config (text hidden 512, 4 layers, GQA 8/4 heads; vision hidden 256,
-4 blocks), same weights (a random transformers model is saved to a temp dir and loaded with
-`qwen_vl.from_pretrained`), same inputs (one 280x392 image + text, ~300 tokens, batch 1), f32,
+4 blocks; "both" is the two Qwen-VL families, "all" adds Qwen3.5 and its MoE), same weights (a
+random transformers model is saved to a temp dir and loaded with `qwen_vl.from_pretrained`),
+same inputs (one 280x392 image + text, ~300 tokens, batch 1), f32,
 equal thread counts (torch.set_num_threads = the CPU count that XLA's CPU client uses, or
 `--threads N` for both). The two are timed alternately so background load hits both alike.
 Prints compile time apart, steady-state median times, the ratio, and the logits max abs diff.
+
+Qwen3.5 (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`): the same
+widths, transformers' default layer pattern (Gated DeltaNet layers 0-2, full attention at 3;
+4 q/k and 8 value heads of 64 in the linear layers), rotary on a quarter of each head, Qwen3-VL's
+tower without DeepStack; the MoE has 8 experts (top-2, width 352) and a shared expert of 704 in
+every layer. transformers runs its torch gated delta rule (no flash-linear-attention kernels on
+CPU); cua_jax its jnp reference (`model.gated_delta_impl="reference"`).
 """
 
 from __future__ import annotations
@@ -21,10 +29,14 @@ import numpy as np
 
 from tools import bench_setup
 
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+GROUPS = {"both": FAMILIES[:2], "all": FAMILIES}
+
 
 def hf_dicts(family: str) -> tuple[dict, dict, dict]:
-    """The benchmark's transformers config of `family` (text hidden 512, 4 layers, GQA 8/4 heads;
-    vision hidden 256, 4 blocks), as (special token ids, text_config, vision_config) dicts."""
+    """The benchmark's transformers config of `family` (one of FAMILIES; text hidden 512, 4
+    layers, GQA 8/4 heads; vision hidden 256, 4 blocks), as (special token ids, text_config,
+    vision_config) dicts."""
     V = 4096
     ids = dict(
         image_token_id=V - 4,
@@ -59,6 +71,32 @@ def hf_dicts(family: str) -> tuple[dict, dict, dict]:
         vision.update(
             patch_size=14, hidden_act="silu", window_size=112, fullatt_block_indexes=[1, 3]
         )
+    elif family in ("qwen3_5", "qwen3_5_moe"):
+        text.update(
+            head_dim=64,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            linear_num_key_heads=4,
+            linear_num_value_heads=8,
+            full_attention_interval=4,
+        )
+        text["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "mrope_section": [3, 3, 2],
+            "mrope_interleaved": True,
+            "partial_rotary_factor": 0.25,
+        }
+        vision.update(patch_size=16, hidden_act="gelu_pytorch_tanh", num_position_embeddings=256)
+        if family == "qwen3_5_moe":  # every layer sparse: no dense intermediate_size
+            text.pop("intermediate_size")
+            text.update(
+                num_experts=8,
+                num_experts_per_tok=2,
+                moe_intermediate_size=352,
+                shared_expert_intermediate_size=704,
+            )
     else:
         text.update(head_dim=64)
         text["rope_parameters"] = {
@@ -80,21 +118,18 @@ def hf_model(family: str):
     """A random transformers model of `family` (`hf_dicts`) in f32 eval mode, with its image,
     vision-start and vision-end token ids."""
     import torch
-    from transformers import (
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen3VLConfig,
-        Qwen3VLForConditionalGeneration,
-    )
+    import transformers as tf
 
+    classes = {
+        "qwen2_5_vl": (tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration),
+        "qwen3_vl": (tf.Qwen3VLConfig, tf.Qwen3VLForConditionalGeneration),
+        "qwen3_5": (tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration),
+        "qwen3_5_moe": (tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration),
+    }
+    config_cls, model_cls = classes[family]
     ids, text, vision = hf_dicts(family)
     torch.manual_seed(0)
-    if family == "qwen2_5_vl":
-        cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
-        model = Qwen2_5_VLForConditionalGeneration(cfg)
-    else:
-        cfg = Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
-        model = Qwen3VLForConditionalGeneration(cfg)
+    model = model_cls(config_cls(text_config=text, vision_config=vision, **ids))
     return (
         model.float().eval(),
         ids["image_token_id"],
@@ -163,7 +198,7 @@ def bench(family: str, iters: int) -> dict:
 def main() -> None:
     """The command line: runs what the module docstring describes."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--family", default="both", choices=["qwen2_5_vl", "qwen3_vl", "both"])
+    ap.add_argument("--family", default="both", choices=[*FAMILIES, *GROUPS])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument(
         "--threads", type=int, default=0, help="threads for both (0 = all cores, XLA's default)"
@@ -171,7 +206,7 @@ def main() -> None:
     args = ap.parse_args()
     threads = bench_setup.pin_cpu_threads(args.threads)
     os.environ["BENCH_THREADS"] = str(threads)
-    fams = ["qwen2_5_vl", "qwen3_vl"] if args.family == "both" else [args.family]
+    fams = GROUPS.get(args.family, (args.family,))
     import jax
 
     print(f"jax {jax.__version__} devices={jax.devices()} cpu_count={os.cpu_count()}")
