@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 # `python launch/tpu.py` puts launch/ on sys.path, not the repo root that holds configs/ and envs/.
@@ -129,6 +129,43 @@ def maybe_initialize_distributed(environ: Mapping[str, str] | None = None) -> bo
     return True
 
 
+def accelerator_present() -> bool:
+    """Whether this machine has a TPU chip or a GPU, by JAX's own test (PCI ids, device files);
+    True when that test is not there to ask (a JAX without it: leave the choice to JAX)."""
+    try:
+        from jax._src import hardware_utils as hw  # private, but what JAX's TPU start-up asks
+    except ImportError:
+        return True
+    try:
+        tpu_chips, _ = hw.num_available_tpu_chips_and_device_id()
+        return bool(tpu_chips or hw.has_visible_nvidia_gpu() or hw.num_available_amd_gpus(1))
+    except (AttributeError, OSError):
+        return True
+
+
+def cpu_unless_accelerated(
+    environ: MutableMapping[str, str] | None = None, accelerated: bool | None = None
+) -> bool:
+    """Sets JAX_PLATFORMS=cpu on a machine with no TPU and no GPU when the user set no
+    JAX_PLATFORMS; returns whether it did.
+
+    Unset, JAX starts the TPU backend first, and libtpu (installed for `tools/plan.py`'s TPU
+    compiles) on a machine without a TPU logs a TPU_WORKER_HOSTNAMES error and a source-location
+    trace before JAX falls back to the CPU. The devices are the CPU's either way, so a run and
+    `--dry_run` are unchanged. A plan for a TPU slice still works: libtpu's topology description
+    needs no TPU backend (`tools/plan.py` runs with JAX_PLATFORMS=cpu too).
+    """
+    env = os.environ if environ is None else environ
+    if env.get("JAX_PLATFORMS") or (accelerator_present() if accelerated is None else accelerated):
+        return False
+    env["JAX_PLATFORMS"] = "cpu"
+    if environ is None:  # JAX, imported by accelerator_present, has read the variable already
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+    return True
+
+
 def _check_workdir(workdir: str) -> None:
     """A local workdir must be a directory this process can write (or creatable)."""
     if "://" in workdir:
@@ -167,6 +204,7 @@ def main(argv: list[str]) -> None:
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO: keep the bar readable
         logging.set_verbosity(logging.WARNING)
     # JAX and the trainer load only now: a bad flag above fails in a fraction of a second
+    cpu_unless_accelerated()
     from cua_jax import train
     from cua_jax.checkpoint.orbax_io import CheckpointError
     from cua_jax.config_checks import ConfigError, validate_config
