@@ -255,17 +255,45 @@ __all__ = ["ConfigError", "check_sft_source", "validate_config"]
 
 
 def warn_if_turns_cut(tasks: Sequence[Task], max_turns: int) -> None:
-    """An episode lasts min(task.max_steps, env.max_turns) turns: say so where the config cuts
-    tasks short (those whose solution needs more turns cannot succeed)."""
-    cut = sorted({t.id.rsplit("/", 1)[0] for t in tasks if t.max_steps > max_turns})
-    if cut:
-        kinds = ", ".join(cut[:10]) + (" ..." if len(cut) > 10 else "")
+    """An episode lasts min(task.max_steps, env.max_turns) turns: warns for the task kinds the
+    config cuts short. A task that says how many actions its oracle's solution takes
+    (`Task.oracle_steps`, or a fixed oracle's length) is cut when that is more than max_turns,
+    whatever its max_steps allows (the smoke's one-click pages allow 5 and take 1); one that does
+    not say, when its max_steps allows more than max_turns (it may need them)."""
+    long: dict[str, int] = {}  # kind -> the most actions its oracles take, over max_turns
+    unknown: dict[str, int] = {}  # kind -> its largest max_steps, over max_turns
+    for t in tasks:
+        kind, steps = t.id.rsplit("/", 1)[0], t.oracle_steps
+        if steps is None and t.oracle is not None:
+            steps = len(t.oracle)
+        if steps is not None and steps > max_turns:
+            long[kind] = max(long.get(kind, 0), steps)
+        elif steps is None and t.max_steps > max_turns:
+            unknown[kind] = max(unknown.get(kind, 0), t.max_steps)
+    if long:
         logging.warning(
-            "%d task kinds allow more steps than config.env.max_turns=%d, up to %d; their "
-            "episodes end after %d turns, so a task that needs more cannot succeed: %s",
-            len(cut),
+            "%d task kinds take more actions than config.env.max_turns=%d with their oracle's "
+            "solution, up to %d; their episodes end after %d turns, so such a task succeeds only "
+            "by a shorter solution, if there is one: %s",
+            len(long),
             max_turns,
-            max(t.max_steps for t in tasks),
+            max(long.values()),
             max_turns,
-            kinds,
+            _some(long),
         )
+    if unknown:
+        logging.warning(
+            "%d task kinds allow more steps than config.env.max_turns=%d, up to %d, and do not "
+            "say how many their solution takes; their episodes end after %d turns, so a task "
+            "that needs more cannot succeed: %s",
+            len(unknown),
+            max_turns,
+            max(unknown.values()),
+            max_turns,
+            _some(unknown),
+        )
+
+
+def _some(kinds: dict[str, int]) -> str:
+    names = sorted(kinds)
+    return ", ".join(names[:10]) + (" ..." if len(names) > 10 else "")

@@ -76,6 +76,9 @@ class Task:
       oracle: an optional fixed action sequence (screen pixels) that solves the task. Envs whose
         oracle depends on the live page (the built-in browser suite) instead give the next
         oracle action for the current state with ``await env.oracle_next()`` after ``reset``.
+      oracle_steps: how many actions the oracle's solution takes at most (scrolls not counted),
+        when the task source knows; None: not said (a fixed ``oracle`` gives its length). The
+        config check warns when ``env.max_turns`` is fewer (``config_checks.warn_if_turns_cut``).
       api_actions: the API actions (``cua_jax.actions.API_TOOLS`` names: "run_shell", "fill",
         ...) the policy may call in this task besides GUI actions; the system prompt lists them
         and the oracle uses them. Empty: GUI only (an API action is an invalid action).
@@ -93,6 +96,7 @@ class Task:
     has_checker: bool = True
     oracle: Sequence[Action] | None = None
     api_actions: tuple[str, ...] = ()
+    oracle_steps: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.api_actions, str):  # one name, from JSON or a config

@@ -273,6 +273,7 @@ _FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "seed": _INT,
     "spec": ((dict,), "an object"),
     "max_steps": _INT,
+    "oracle_steps": ((int, type(None)), "an integer or null"),
     "has_checker": ((bool,), "true or false"),
     "api_actions": ((list, str), "a list of names"),
 }

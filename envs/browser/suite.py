@@ -30,6 +30,9 @@ class Template:
     summary: str  # what the task asks, with the seeded parts left generic
     heldout: bool = False  # eval split only
     max_steps: int = 10
+    # the most actions the oracle's plan (static/templates.js) takes over seeds, scrolls not
+    # counted; test_suite.py checks it for every template
+    oracle_steps: int = 1
     # only when named (`templates_for(names=...)`): variants that would otherwise change the
     # task lists of every config that takes a whole split or category
     opt_in: bool = False
@@ -55,15 +58,25 @@ TEMPLATES: tuple[Template, ...] = (
         "double-click", "click", "medium", "Double-click the box of the given color.", max_steps=5
     ),
     Template("right-click", "click", "medium", "Right-click the named file.", max_steps=5),
-    Template("click-sequence", "click", "medium", "Click two named buttons in order.", max_steps=6),
+    Template(
+        "click-sequence",
+        "click",
+        "medium",
+        "Click two named buttons in order.",
+        max_steps=6,
+        oracle_steps=2,
+    ),
     # forms
-    Template("type-word", "forms", "medium", "Type a word into a text box and submit."),
+    Template(
+        "type-word", "forms", "medium", "Type a word into a text box and submit.", oracle_steps=3
+    ),
     Template(
         "enter-name-email",
         "forms",
         "medium",
         "Fill in a name and an email and submit.",
         max_steps=12,
+        oracle_steps=5,
     ),
     Template(
         "login-form",
@@ -71,24 +84,55 @@ TEMPLATES: tuple[Template, ...] = (
         "medium",
         "Log in with the given username and password.",
         max_steps=12,
+        oracle_steps=5,
     ),
-    Template("enter-number", "forms", "medium", "Enter a number and press Enter."),
-    Template("search-query", "forms", "medium", "Search for the given words.", heldout=True),
-    Template("copy-text", "forms", "hard", "Type the phrase shown on the page and submit."),
+    Template("enter-number", "forms", "medium", "Enter a number and press Enter.", oracle_steps=3),
     Template(
-        "fill-address", "forms", "hard", "Fill in a three-field address and save.", max_steps=14
+        "search-query",
+        "forms",
+        "medium",
+        "Search for the given words.",
+        heldout=True,
+        oracle_steps=3,
+    ),
+    Template(
+        "copy-text",
+        "forms",
+        "hard",
+        "Type the phrase shown on the page and submit.",
+        oracle_steps=3,
+    ),
+    Template(
+        "fill-address",
+        "forms",
+        "hard",
+        "Fill in a three-field address and save.",
+        max_steps=14,
+        oracle_steps=7,
     ),
     # select
     Template(
-        "radio-pick", "select", "easy", "Select the named radio option and submit.", max_steps=6
+        "radio-pick",
+        "select",
+        "easy",
+        "Select the named radio option and submit.",
+        max_steps=6,
+        oracle_steps=2,
     ),
-    Template("listbox-pick", "select", "medium", "Choose the named item in a list box and submit."),
+    Template(
+        "listbox-pick",
+        "select",
+        "medium",
+        "Choose the named item in a list box and submit.",
+        oracle_steps=2,
+    ),
     Template(
         "dropdown-pick",
         "select",
         "medium",
         "Pick the named option from a dropdown, submit.",
         heldout=True,
+        oracle_steps=3,
     ),
     Template(
         "two-dropdowns",
@@ -96,11 +140,23 @@ TEMPLATES: tuple[Template, ...] = (
         "hard",
         "Choose a size and a color from two dropdowns.",
         max_steps=12,
+        oracle_steps=5,
     ),
-    Template("pick-day", "select", "medium", "Pick the given day in a calendar and confirm."),
+    Template(
+        "pick-day",
+        "select",
+        "medium",
+        "Pick the given day in a calendar and confirm.",
+        oracle_steps=2,
+    ),
     # toggles
     Template(
-        "toggle-switch", "toggles", "easy", "Turn one setting on or off and save.", max_steps=6
+        "toggle-switch",
+        "toggles",
+        "easy",
+        "Turn one setting on or off and save.",
+        max_steps=6,
+        oracle_steps=2,
     ),
     Template(
         "checkbox-set",
@@ -109,11 +165,17 @@ TEMPLATES: tuple[Template, ...] = (
         "Check exactly the named boxes and submit.",
         heldout=True,
         max_steps=12,
+        oracle_steps=4,
     ),
     Template(
-        "settings-panel", "toggles", "hard", "Set four switches as asked and save.", max_steps=12
+        "settings-panel",
+        "toggles",
+        "hard",
+        "Set four switches as asked and save.",
+        max_steps=12,
+        oracle_steps=5,
     ),
-    Template("set-slider", "toggles", "hard", "Set a slider to a value and save."),
+    Template("set-slider", "toggles", "hard", "Set a slider to a value and save.", oracle_steps=2),
     # scroll
     Template("scroll-button", "scroll", "medium", "Scroll down to a button and click it."),
     Template(
@@ -124,7 +186,13 @@ TEMPLATES: tuple[Template, ...] = (
         heldout=True,
     ),
     Template("scroll-answer", "scroll", "hard", "Scroll to the bottom and answer the code word."),
-    Template("scroll-agree", "scroll", "medium", "Scroll a terms box, tick I agree, continue."),
+    Template(
+        "scroll-agree",
+        "scroll",
+        "medium",
+        "Scroll a terms box, tick I agree, continue.",
+        oracle_steps=2,
+    ),
     # navigation (real page loads)
     Template("nav-link", "navigation", "easy", "Go to the named page via the menu.", max_steps=5),
     Template("nav-tabs", "navigation", "easy", "Open the named tab.", max_steps=5),
@@ -134,6 +202,7 @@ TEMPLATES: tuple[Template, ...] = (
         "medium",
         "Open a product page via its category.",
         max_steps=8,
+        oracle_steps=2,
     ),
     Template(
         "nav-breadcrumb",
@@ -150,11 +219,24 @@ TEMPLATES: tuple[Template, ...] = (
         "hard",
         "Log in, then change a setting and save.",
         max_steps=15,
+        oracle_steps=7,
     ),
     Template(
-        "cart-checkout", "workflow", "hard", "Add an item to the cart and check out.", max_steps=10
+        "cart-checkout",
+        "workflow",
+        "hard",
+        "Add an item to the cart and check out.",
+        max_steps=10,
+        oracle_steps=3,
     ),
-    Template("compose-email", "workflow", "hard", "Compose and send an email.", max_steps=12),
+    Template(
+        "compose-email",
+        "workflow",
+        "hard",
+        "Compose and send an email.",
+        max_steps=12,
+        oracle_steps=6,
+    ),
     Template(
         "delete-confirm",
         "workflow",
@@ -162,10 +244,16 @@ TEMPLATES: tuple[Template, ...] = (
         "Delete the named file and confirm.",
         heldout=True,
         max_steps=6,
+        oracle_steps=2,
     ),
-    Template("rename-file", "workflow", "hard", "Rename a file in place."),
+    Template("rename-file", "workflow", "hard", "Rename a file in place.", oracle_steps=3),
     Template(
-        "edit-profile", "workflow", "hard", "Open the profile, edit the city, save.", max_steps=12
+        "edit-profile",
+        "workflow",
+        "hard",
+        "Open the profile, edit the city, save.",
+        max_steps=12,
+        oracle_steps=5,
     ),
 )
 # Forgiving variants of three one-click templates (static/templates_retry.js): a wrong pick is
@@ -231,6 +319,7 @@ def make_task(name: str, seed: int, split: str = "train", api_actions: Sequence[
         spec={"kind": "builtin", "template": name},
         max_steps=t.max_steps,
         api_actions=api,
+        oracle_steps=t.oracle_steps,
     )
 
 

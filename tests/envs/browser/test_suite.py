@@ -28,12 +28,15 @@ def pool(run):
 async def _oracle_episode(env, task):
     obs = await env.reset(task)
     before = await env.evaluate()
+    actions = 0  # what Task.oracle_steps counts: scrolls not
     for _ in range(task.max_steps + 5):  # + room for the Scrolls the oracle inserts
-        res = await env.step(await env.oracle_next())
+        action = await env.oracle_next()
+        res = await env.step(action)
+        actions += not isinstance(action, A.Scroll)
         assert not res.info.get("error") and not res.info.get("invalid_action"), res.info
         if res.done:
             break
-    return before, await env.evaluate(), res.done, obs.instruction
+    return before, await env.evaluate(), res.done, obs.instruction, actions
 
 
 def test_oracle_solves_every_template_10_seeds(pool, run):
@@ -44,6 +47,10 @@ def test_oracle_solves_every_template_10_seeds(pool, run):
         if isinstance(r, BaseException) or r[1] != 1.0 or r[0] != 0.0 or not r[2]:
             failed.append((task.id, r))
     assert not failed, failed[:5]
+    # the config check's count of the turns a task needs (config_checks.warn_if_turns_cut)
+    pairs = zip(tasks, results, strict=True)
+    over = [(t.id, r[4], t.oracle_steps) for t, r in pairs if r[4] > t.oracle_steps]
+    assert not over, over
     assert pool.host.launches == 1  # one browser process hosted every context
 
 
