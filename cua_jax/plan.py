@@ -18,6 +18,12 @@ and these programs are compiled (`PROGRAMS`; `programs=` picks):
                 (`rl.shapes`: a step's episodes or turns as rows) with its screens through the
                 vision tower: the program the trainer compiles for its biggest batch. Not in
                 the default set (its compile is the largest).
+  sft_step      the SFT learner's step (the SFT warm-up's, built by build_learner(sft=True):
+                no KL reference, its own optimizer state) on the shape set's SFT shapes with
+                their screens: with rl.tokens_per_chip each SFT shape's chunk gradient program
+                and the SFT learner's update; with Entropulse (rl.entropulse_every) also the RL
+                learner's SFT chunks. In the default set when the run trains SFT
+                (sft.steps, mid.steps or rl.entropulse_every) and has a token budget.
   sdpo_step     SDPO's step: the RL step with the teacher's top-k targets as inputs.
   sdpo_teacher  SDPO's teacher pass: a forward over the learner's micro-batches, top-k out, on
                 rows one length longer (the feedback message and screen).
@@ -470,17 +476,18 @@ def _opt_shardings(opt_state: Any, trainable: Any, replicated: NamedSharding) ->
 
 
 def build_abstract(
-    config: Any, cfg: qwen_vl.QwenVLConfig, mesh: Any, rules: shd.Rules
+    config: Any, cfg: qwen_vl.QwenVLConfig, mesh: Any, rules: shd.Rules, *, sft: bool = False
 ) -> _Abstract:
     """The trainer's learner (train.build_learner: LoRA, freezing, optimizer, KL reference) over
     an abstract model: everything is traced under `jax.eval_shape`, so no array is made; the
-    learner's jitted step and shardings are the ones a run uses."""
+    learner's jitted step and shardings are the ones a run uses. `sft`: the SFT warm-up's
+    learner (no KL reference, the SFT learning rate) instead of the RL one."""
     build_learner = _build_learner_fn()
     held: dict[str, Any] = {}
 
     def build():
         model = qwen_vl.QwenVL(cfg, rngs=nnx.Rngs(0))
-        learner = build_learner(model, config, mesh, rules, sft=False)
+        learner = build_learner(model, config, mesh, rules, sft=sft)
         held["learner"] = learner
         # The sampler's view of the same model (ModelDef.of turns remat off: no backward pass).
         from cua_jax.sampler.steps import ModelDef
@@ -639,15 +646,17 @@ def largest_rl_shape(shapes: Any) -> Any:
     return max(shapes.rl, key=lambda sh: (sh.rows * sh.length, sh.patches))
 
 
-def plan_train_step_screens(ab: _Abstract, chip: Chip, kv_bytes: int, shapes: Any) -> ProgramPlan:
+def plan_train_step_screens(
+    ab: _Abstract, chip: Chip, kv_bytes: int, shapes: Any, mode: str = "rl"
+) -> ProgramPlan:
     """The RL step at the largest shape of the trainer's shape set (most tokens), its screens
     through the vision tower: the program the trainer compiles for its biggest batch. The
     screens are laid out as the learner lays them out (`BatchLayout.device_batch`): grouped by
     micro-batch and device (`cua_jax.rl.image_groups`), sharded over the batch axes, in the
-    model's compute dtype."""
+    model's compute dtype. `mode="sft"`: the SFT step at the largest SFT shape instead."""
     learner = ab.learner
     cfg = learner.config
-    shape = largest_rl_shape(shapes)
+    shape = max(shapes.of(mode), key=lambda sh: (sh.rows * sh.length, sh.patches))
     xs = _step_inputs(learner, shape.rows, shape.length)
     s, b = learner.num_substeps, learner.layout.batch_parallel
     images, per_group, unit = _abstract_screens(learner, shape, shapes.grid)
@@ -655,20 +664,19 @@ def plan_train_step_screens(ab: _Abstract, chip: Chip, kv_bytes: int, shapes: An
     arguments["screens (pixel values by micro-batch and device, and layout)"] = tree_shard_bytes(
         images
     )
-    prog = ProgramPlan(
-        "train_step_screens", chip, arguments, {"KV pool (sampler, resident)": kv_bytes}
-    )
+    name = "train_step_screens" if mode == "rl" else f"{mode}_step_screens"
+    prog = ProgramPlan(name, chip, arguments, {"KV pool (sampler, resident)": kv_bytes})
     screens = shape.patches // unit
-    prog.kind, prog.rows, prog.row_length = "learner", shape.rows, shape.length
-    prog.screens = screens
+    prog.kind = "learner" if mode == "rl" else mode
+    prog.rows, prog.row_length, prog.screens = shape.rows, shape.length, screens
     prog.notes.append(
-        f"the trainer's largest RL shape: {shape.rows} rows x {shape.length} tokens and "
-        f"{screens} screens of {unit} patches ({shape.patches} patches) through the vision "
+        f"the trainer's largest {mode.upper()} shape: {shape.rows} rows x {shape.length} tokens "
+        f"and {screens} screens of {unit} patches ({shape.patches} patches) through the vision "
         f"tower, {per_group} a (micro-batch, device) group of {s} x {b}; shape set: "
-        f"{', '.join(map(str, shapes.rl))}; {s} micro-batches, remat={cfg.remat}"
+        f"{', '.join(map(str, shapes.of(mode)))}; {s} micro-batches, remat={cfg.remat}"
     )
     args = (ab.trainable, ab.opt_state, ab.frozen, ab.rest, ab.ref, xs, images)
-    _compile(learner._get_step("rl", grouped=True), args, prog)
+    _compile(learner._get_step(mode, grouped=True), args, prog)
     return prog
 
 
@@ -895,6 +903,10 @@ def plan_chunk_programs(
     shapes: Any,
     useful: float = 1.0,
     sdpo_config: Any = None,
+    *,
+    mode: str = "rl",
+    suffix: str = "",
+    update: bool = True,
 ) -> list[ProgramPlan]:
     """A token-budget shape set's learner programs (`rl.tokens_per_chip`): the gradient program
     of one chunk of each RL shape, its screens through the vision tower (grouped by
@@ -904,7 +916,10 @@ def plan_chunk_programs(
     a batch's size. `useful`: the share of a chunk's tokens that are samples' (MFU).
     `sdpo_config` (the run's config with rl.algorithm="sdpo"): the chunks are SDPO's (the
     gradient program of its step mode, the teacher's top-k targets among the chunk's inputs),
-    and each teacher shape's teacher pass (`plan_teacher_chunks`) follows the update."""
+    and each teacher shape's teacher pass (`plan_teacher_chunks`) follows the update.
+    `mode="sft"`: the SFT shapes' chunks of the SFT loss instead, and the update named
+    "apply_update (sft)" (kind "sft"); `suffix` ends each name; `update=False` leaves the
+    update out (Entropulse: the RL learner's, planned with its RL chunks)."""
     from cua_jax.rl import sdpo
     from cua_jax.rl.learner import APPLY_PROGRAM
 
@@ -912,13 +927,14 @@ def plan_chunk_programs(
     cfg = learner.config
     s, b = learner.num_substeps, learner.layout.batch_parallel
     repl = learner._repl
-    mode, prefix, k = "rl", "rl_grads", 0
+    prefix, k = f"{mode}_grads", 0
+    kind = "learner" if mode == "rl" else mode
     if sdpo_config is not None:
         rl = sdpo_config.rl
         mode = sdpo.step_mode(rl.sdpo_divergence, rl.sdpo_js_beta, rl.sdpo_weight)
         prefix, k = "sdpo_grads", sdpo.topk_width(int(rl.sdpo_topk), cfg.text.vocab_size)
     out = []
-    for shape in shapes.rl:
+    for shape in shapes.of(mode):
         xs = _step_inputs(learner, shape.rows, shape.length)
         if k:
             xs.update(_sdpo_targets(learner, shape.rows, shape.length, k))
@@ -938,8 +954,9 @@ def plan_chunk_programs(
         }
         if k and sdpo_config.rl.sdpo_teacher == "ema":
             resident["EMA teacher params (resident)"] = tree_shard_bytes(ab.trainable)
-        prog = ProgramPlan(f"{prefix} {shape.rows}x{shape.length}", chip, arguments, resident)
-        prog.kind = "sdpo" if k else "learner"
+        name = f"{prefix} {shape.rows}x{shape.length}{suffix}"
+        prog = ProgramPlan(name, chip, arguments, resident)
+        prog.kind = "sdpo" if k else kind
         prog.rows, prog.row_length = shape.rows, shape.length
         prog.screens = per_group * s * b
         tokens = shape.rows * shape.length
@@ -961,6 +978,8 @@ def plan_chunk_programs(
             prog.flops *= s  # XLA counts the micro-batch scan's body once
             prog.bytes_accessed *= s
         out.append(prog)
+    if not update:
+        return out
     arguments = {
         "params (trainable)": tree_shard_bytes(ab.trainable),
         "optimizer state": tree_shard_bytes(ab.opt_state),
@@ -972,8 +991,9 @@ def plan_chunk_programs(
     }
     if ab.ref is not None:
         resident["KL reference (resident)"] = tree_shard_bytes(ab.ref)
-    prog = ProgramPlan(APPLY_PROGRAM, chip, arguments, resident)
-    prog.kind = "learner"
+    name = APPLY_PROGRAM if mode == "rl" else f"{APPLY_PROGRAM} ({mode})"
+    prog = ProgramPlan(name + suffix, chip, arguments, resident)
+    prog.kind = kind
     _compile(learner._get_apply(), (ab.trainable, ab.opt_state, ab.trainable), prog)
     out.append(prog)
     if k:
@@ -1091,6 +1111,7 @@ def _step_arguments(ab: _Abstract, xs: dict[str, Any], batch: str) -> dict[str, 
 PROGRAMS = (
     "train_step",
     "train_step_screens",
+    "sft_step",
     "sdpo_step",
     "sdpo_teacher",
     "decode_step",
@@ -1100,14 +1121,60 @@ PROGRAMS = (
 
 def default_programs(config: Any) -> tuple[str, ...]:
     """What a run of `config` compiles: with a token-budget shape set (`rl.tokens_per_chip`)
-    the learner's chunk programs with their screens and the update, and the sampler's prefill
-    of a real turn, else the text-only `train_step`; SDPO's teacher pass and step when
-    `rl.algorithm` asks; the sampler's decode."""
+    the learner's chunk programs with their screens and the update, the SFT learner's chunks
+    and update when the run trains SFT (`trains_sft`), and the sampler's prefill of a real
+    turn, else the text-only `train_step`; SDPO's teacher pass and step when `rl.algorithm`
+    asks; the sampler's decode."""
     sdpo = ("sdpo_step", "sdpo_teacher") if config.rl.get("algorithm", "grpo") == "sdpo" else ()
     if config.rl.get("tokens_per_chip", 0) <= 0:
         return ("train_step", *sdpo, "decode_step")
     # with a token budget SDPO's programs are its chunks' (`plan_chunk_programs`)
-    return ("train_step_screens", *sdpo, "decode_step", "prefill_turn")
+    sft = ("sft_step",) if any(trains_sft(config)) else ()
+    return ("train_step_screens", *sft, *sdpo, "decode_step", "prefill_turn")
+
+
+def trains_sft(config: Any) -> tuple[bool, bool]:
+    """(the SFT warm-up's learner trains: sft.steps or mid.steps > 0, the RL learner takes SFT
+    steps: Entropulse, rl.entropulse_every > 0)."""
+    warmup = config.sft.get("steps", 0) > 0 or config.get("mid", {}).get("steps", 0) > 0
+    return warmup, config.rl.get("entropulse_every", 0) > 0
+
+
+def plan_sft(
+    config: Any,
+    ab: _Abstract,
+    cfg: qwen_vl.QwenVLConfig,
+    mesh: Any,
+    rules: shd.Rules,
+    chip: Chip,
+    kv_bytes: int,
+    shapes: Any,
+    useful: float = 1.0,
+) -> list[ProgramPlan]:
+    """The SFT programs a run of `config` compiles (kind "sft"), on the shape set's SFT shapes
+    with their screens: the SFT warm-up's learner (built as the trainer builds it: no KL
+    reference, its own optimizer state, beside the resident KV pool) with a token budget its
+    chunk gradient programs and its update, else its one-call step at the largest SFT shape;
+    with Entropulse the RL learner's SFT chunks too ("(entropulse)"). `ab`: the RL learner.
+    Asked for (`--programs=sft_step`) by a run that trains no SFT: the SFT learner's."""
+    warmup, entropulse = trains_sft(config)
+    out: list[ProgramPlan] = []
+    if warmup or not entropulse:
+        sft_ab = build_abstract(config, cfg, mesh, rules, sft=True)
+        if shapes.budgeted:
+            out += plan_chunk_programs(sft_ab, chip, kv_bytes, shapes, useful, mode="sft")
+        else:
+            out.append(plan_train_step_screens(sft_ab, chip, kv_bytes, shapes, mode="sft"))
+    if entropulse:
+        if shapes.budgeted:
+            out += plan_chunk_programs(
+                ab, chip, kv_bytes, shapes, useful, mode="sft", suffix=" (entropulse)", update=False
+            )
+        else:
+            prog = plan_train_step_screens(ab, chip, kv_bytes, shapes, mode="sft")
+            prog.name += " (entropulse)"
+            out.append(prog)
+    return out
 
 
 def plan_sdpo(
@@ -1408,7 +1475,7 @@ def make_plan(
     sdpo_programs = tuple(p for p in ("sdpo_step", "sdpo_teacher") if p in programs or with_train)
     out: list[ProgramPlan] = []
     shapes = None
-    if {"train_step", "train_step_screens"} & set(programs):
+    if {"train_step", "train_step_screens", "sft_step"} & set(programs):
         shapes = trainer_rl_shapes(config, ab.learner)
     if "train_step" in programs:
         out.append(plan_train_step(config, ab, mesh, topo.chip, rows, row_len, kv_bytes, shapes))
@@ -1424,6 +1491,9 @@ def make_plan(
         sdpo_programs = ()  # planned with the chunks: SDPO's gradient and teacher chunks
     elif "train_step_screens" in programs:
         out.append(plan_train_step_screens(ab, topo.chip, kv_bytes, shapes))
+    if "sft_step" in programs:  # the budget's shapes as fitted above (the SFT shapes are the RL)
+        useful = 1.0 - drawn.padding_share if drawn is not None else 1.0
+        out += plan_sft(config, ab, cfg, mesh, rules, topo.chip, kv_bytes, shapes, useful)
     if sdpo_programs:
         out += plan_sdpo(config, ab, mesh, topo.chip, rows, row_len, kv_bytes, sdpo_programs)
     pool_note = ""

@@ -49,7 +49,9 @@ _PROGRAMS = flags.DEFINE_list(
     "Programs to compile (default: what the run compiles; cua_jax.plan.default_programs): "
     "train_step (8 text-only rows; with rl.algorithm=sdpo also sdpo_step and sdpo_teacher), "
     "train_step_screens (the trainer's RL shapes with their screens: with rl.tokens_per_chip "
-    "each chunk's gradient program and the update), sdpo_step, sdpo_teacher, decode_step.",
+    "each chunk's gradient program and the update), sft_step (the SFT learner's: with "
+    "rl.tokens_per_chip each SFT shape's chunk program and its update; Entropulse's too), "
+    "sdpo_step, sdpo_teacher, decode_step, prefill_turn.",
 )
 _JSON = flags.DEFINE_string(
     "json", None, "Also write the plan as JSON here (preset, topology, programs, fits, bytes)."

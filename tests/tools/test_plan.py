@@ -275,10 +275,12 @@ def test_plan_for_the_devices_present(hf_dir):
 
 def test_token_budget_plan_writes_json_with_every_chunk_program(hf_dir, tmp_path):
     """With rl.tokens_per_chip the default programs are the run's: each RL shape's chunk
-    gradient program with its screens, the update, and the decode step; `--json` lists them
-    and the tool exits 0 when all fit. The chunk's screens argument is its (micro-batch,
-    device) groups' budget in bf16, by hand: a 64 x 64 screen is 4 x 4 patches, a 1024-token
-    row holds 256 screens of 4 tokens, so a group holds 256 (tokens_per_chip // 4 too)."""
+    gradient program with its screens, the update, the SFT warm-up's learner's (the smoke
+    preset's sft.steps) chunk program of each SFT shape and its update, the decode step and
+    the prefill; `--json` lists them with their kinds and the tool exits 0 when all fit. The
+    chunk's screens argument is its (micro-batch, device) groups' budget in bf16, by hand: a
+    64 x 64 screen is 4 x 4 patches, a 1024-token row holds 256 screens of 4 tokens, so a
+    group holds 256 (tokens_per_chip // 4 too)."""
     out = tmp_path / "plan.json"
     r = _tool(
         "--config=configs/qwen3vl_grpo.py:smoke", f"--config.model.hf_path={hf_dir}",
@@ -295,14 +297,26 @@ def test_token_budget_plan_writes_json_with_every_chunk_program(hf_dir, tmp_path
     assert record["processes"] == 1 and record["hbm_bytes"] == 16 * 2**30
     assert 0 <= record["padding_share"] < 1
     names = [p["name"] for p in record["programs"]]
-    assert names == ["rl_grads 2x1024", "apply_update", "decode_step", "prefill_turn"], names
-    grads = record["programs"][0]
+    assert names == [
+        "rl_grads 2x1024",
+        "apply_update",
+        "sft_grads 2x1024",
+        "apply_update (sft)",
+        "decode_step",
+        "prefill_turn",
+    ], names
+    kinds = [p["kind"] for p in record["programs"]]
+    assert kinds == ["learner", "learner", "sft", "sft", "sampler", "sampler"], kinds
+    grads, sft = record["programs"][0], record["programs"][2]
     assert grads["kind"] == "learner" and (grads["rows"], grads["row_length"]) == (2, 1024)
     assert grads["screens"] == 256 * 2 and grads["fits"] and grads["bytes"] > 0
-    assert record["programs"][2]["kind"] == record["programs"][3]["kind"] == "sampler"
+    # the SFT shapes of a token budget are the RL ones, their screens grouped the same way
+    assert (sft["rows"], sft["row_length"], sft["screens"]) == (2, 1024, 256 * 2)
+    assert sft["fits"] and sft["bytes"] > 0 and sft["est_mfu"] is not None
+    assert "| sft_grads 2x1024 | sft | 2 x 1024 | 512 |" in r.stdout
     # a turn: one 64 x 64 screen (4 tokens and its 2 markers) and a 600-token prompt, in a
     # prefill of the sampler's max_seq_len (256 here), which says the turn is longer
-    assert record["programs"][3]["row_length"] == SEQ and record["programs"][3]["fits"]
+    assert record["programs"][5]["row_length"] == SEQ and record["programs"][5]["fits"]
     assert "a turn is longer than sampler.max_seq_len=256" in r.stdout
     pixels = 256 * 16 * 3 * 2 * 16 * 16 * 2  # a group's screens x patches x patch dim x bf16
     row = next(ln for ln in r.stdout.splitlines() if "argument: chunk screens" in ln)
