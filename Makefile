@@ -5,7 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 APT_PKGS := chromium xvfb xdotool wmctrl x11-utils openbox scrot xterm imagemagick fonts-dejavu-core nano x11-xserver-utils postgresql
 VM_APT_PKGS := qemu-system-x86 qemu-utils debootstrap
-VM_IMAGE ?= $(HOME)/.cache/cua_jax/vm/debian.qcow2
+# APPS=office: the guest also gets OFFICE_APT_PKGS (below), in its own image by default
+APPS ?= base
+VM_IMAGE ?= $(HOME)/.cache/cua_jax/vm/debian$(if $(filter office,$(APPS)),-office).qcow2
 VM_IMAGE_ARGS ?=
 
 .PHONY: test smoke venv apt apt-office lint vm-image
@@ -46,7 +48,10 @@ apt-office:
 # A Debian guest image for QemuDesktop (envs/vm/qemu.py): tools/build_vm_image.sh, as root
 # (debootstrap, a loop mount), into $(VM_IMAGE), its token in $(VM_IMAGE).token; a few minutes.
 # Kept when it exists (VM_IMAGE_ARGS=--force rebuilds; see --help). The real-guest test: CUA_QEMU_IMAGE=$(VM_IMAGE) pytest
-# tests/envs/vm/test_vm_qemu_real.py
+# tests/envs/vm/test_vm_qemu_real.py. `make vm-image APPS=office`: the office image
+# ($(HOME)/.cache/cua_jax/vm/debian-office.qcow2, ~2.5 GB) with OFFICE_APT_PKGS and the apps'
+# per-user settings; CUA_QEMU_OFFICE_IMAGE=... runs tests/envs/vm/test_vm_osworld_office.py's Calc
+# task in it.
 vm-image:
 	@SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
 	missing=""; for p in $(VM_APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -54,7 +59,8 @@ vm-image:
 	  echo "installing Debian packages:$$missing"; \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing; \
 	fi; \
-	mkdir -p "$$(dirname "$(VM_IMAGE)")" && $$SUDO tools/build_vm_image.sh "$(VM_IMAGE)" $(VM_IMAGE_ARGS) && \
+	mkdir -p "$$(dirname "$(VM_IMAGE)")" && $$SUDO env OFFICE_APT_PKGS="$(OFFICE_APT_PKGS)" \
+	  tools/build_vm_image.sh "$(VM_IMAGE)" --apps "$(APPS)" $(VM_IMAGE_ARGS) && \
 	if [ -n "$$SUDO" ]; then $$SUDO chown "$$(id -u):$$(id -g)" "$(VM_IMAGE)" "$(VM_IMAGE).token"; fi
 
 test: venv apt

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds a small Debian desktop guest for envs.vm.qemu.QemuDesktop: Xvfb :0 (1280x720x24),
 # openbox, xterm, nano, and this repository's VM server (python3 -m envs.vm.server) on
-# 0.0.0.0:5000 inside the guest, started by systemd at boot.
+# 0.0.0.0:5000 inside the guest, started by systemd at boot. As OSWorld's VMs: a user "user"
+# whose home has Desktop/ Documents/ Downloads/ and whose sudo takes the client password
+# ("password"); --apps office adds LibreOffice, GIMP, VLC, Thunderbird and Evince.
 set -euo pipefail
 
 usage() {
@@ -12,12 +14,19 @@ Builds a bootable Debian guest image (qcow2) for envs.vm.qemu.QemuDesktop:
   * a plain ext4 filesystem over the whole disk (no partition table) booted by extlinux
     from its first sector: the image alone boots (SeaBIOS -> extlinux -> Debian's kernel);
   * Debian packages only (debootstrap + apt): linux-image-amd64, systemd, Xvfb, openbox,
-    xterm, nano, xdotool, wmctrl, imagemagick, python3 with aiohttp/numpy/PIL/xlib/tk, and
-    pyautogui (pure Python, fetched from PyPI by the host's pip; --no-pyautogui skips it);
+    xterm, nano, sudo, xdotool, wmctrl, imagemagick, python3 with aiohttp/numpy/PIL/xlib/tk,
+    and pyautogui (pure Python, fetched from PyPI by the host's pip; --no-pyautogui skips it);
+  * OSWorld's assumptions: user "user" (uid 1000, home /home/user with Desktop/, Documents/,
+    Downloads/), in group sudo with the password of --password: its tasks' setup runs
+    `echo {CLIENT_PASSWORD} | sudo -S ...` (QemuDesktop's client_password, default "password");
   * this checkout's envs/ (+ the few cua_jax modules envs.tasks imports) in /opt/cua;
   * cua-desktop.service: Xvfb :0 -screen 0 1280x720x24, openbox, then the VM server on
     0.0.0.0:5000 as user "user" (home /home/user), reached from the host only through
     QEMU's hostfwd; DHCP on the NIC via systemd-networkd;
+  * --apps office: also $OFFICE_APT_PKGS (default: the Makefile's list, LibreOffice Calc/
+    Writer/Impress, GIMP, VLC, Thunderbird, Evince; plus file and desktop-file-utils, which
+    xdg-open needs to pick the app), with the per-user settings a LocalDesktop's home gets
+    (envs.vm.providers._seed_app_profiles: LibreOffice's profile, VLC's vlcrc). ~2.5 GB;
   * the server's bearer token is baked in at build time (/etc/cua/token in the guest) and
     written next to the image as OUT.qcow2.token (mode 600): pass it as QemuDesktop(token=...).
 
@@ -26,6 +35,9 @@ Options:
   --suite NAME     Debian suite (default trixie: the server needs aiohttp >= 3.9, and
                    bookworm's python3-aiohttp is 3.8; the build checks the version)
   --mirror URL     Debian mirror (default http://deb.debian.org/debian)
+  --apps SET       "base" (default) or "office" (the office and media apps, see above)
+  --password PW    the password of user "user", which sudo takes (default "password",
+                   OSWorld's {CLIENT_PASSWORD}; QemuDesktop(client_password=PW) must match)
   --token T        the server token (default: reuse OUT.qcow2.token if present, else random)
   --cache DIR      .deb cache reused by later builds (default: DIR_OF_OUT/.debcache)
   --no-pyautogui   do not install pyautogui (the server then runs shell/API actions only)
@@ -36,6 +48,8 @@ Needs: debootstrap qemu-utils e2fsprogs mount, a loop device (mount -o loop); no
 support in the host kernel (the disk has no partition table).
 Build: 1.5-3 minutes (most of it apt); the qcow2 is ~0.9 GB. Example:
   sudo tools/build_vm_image.sh ~/.cache/cua_jax/vm/debian.qcow2      # or: make vm-image
+  sudo tools/build_vm_image.sh ~/.cache/cua_jax/vm/debian-office.qcow2 --apps office
+                                                       # or: make vm-image APPS=office
   CUA_QEMU_IMAGE=~/.cache/cua_jax/vm/debian.qcow2 pytest tests/envs/vm/test_vm_qemu_real.py
   # in code: QemuDesktop(IMG, token=open(IMG + ".token").read().strip(), memory_mb=1024)
 The guest boots in about a minute under TCG on a busy 2-core host (KVM with VMX/SVM: faster,
@@ -46,13 +60,19 @@ EOF
 die() { echo "build_vm_image: $*" >&2; exit 1; }
 log() { echo "build_vm_image: $(date +%T) $*" >&2; }
 
-OUT="" SIZE=4G SUITE=trixie MIRROR=http://deb.debian.org/debian TOKEN="" CACHE="" PYAUTOGUI=1 FORCE=0
+OUT="" SIZE="" SUITE=trixie MIRROR=http://deb.debian.org/debian TOKEN="" CACHE="" PYAUTOGUI=1 FORCE=0
+APPS=base PASSWORD=password
+# the Makefile's OFFICE_APT_PKGS (it passes its list in the environment; tests/test_hosts.py
+# checks the two agree)
+OFFICE_APT_PKGS="${OFFICE_APT_PKGS:-libreoffice-calc libreoffice-writer libreoffice-impress gimp vlc thunderbird evince}"
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
     --size) SIZE="${2:?--size needs a value}"; shift 2 ;;
     --suite) SUITE="${2:?--suite needs a value}"; shift 2 ;;
     --mirror) MIRROR="${2:?--mirror needs a value}"; shift 2 ;;
+    --apps) APPS="${2:?--apps needs a value}"; shift 2 ;;
+    --password) PASSWORD="${2:?--password needs a value}"; shift 2 ;;
     --token) TOKEN="${2:?--token needs a value}"; shift 2 ;;
     --cache) CACHE="${2:?--cache needs a value}"; shift 2 ;;
     --no-pyautogui) PYAUTOGUI=0; shift ;;
@@ -62,6 +82,10 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ -n "$OUT" ] || { usage >&2; exit 2; }
+case "$APPS" in base) SIZE="${SIZE:-4G}" ;; office) SIZE="${SIZE:-8G}" ;;
+  *) die "--apps: base or office, got $APPS" ;; esac
+[ -n "$PASSWORD" ] && [ "${PASSWORD#*:}" = "$PASSWORD" ] && [ "$PASSWORD" = "$(printf %s "$PASSWORD" | tr -d '\n')" ] \
+  || die "--password: not empty, no ':' or newline"
 [ "$(id -u)" = 0 ] || die "run as root (debootstrap, loop devices, mount, chroot)"
 for t in debootstrap qemu-img mkfs.ext4 mount umount mountpoint chroot blkid fstrim; do
   command -v "$t" >/dev/null || die "missing $t: apt-get install debootstrap qemu-utils e2fsprogs mount util-linux"
@@ -170,7 +194,14 @@ PKGS=(
   xvfb openbox xdotool wmctrl x11-utils x11-xserver-utils scrot xterm imagemagick
   fonts-dejavu-core nano xdg-utils procps iproute2
   python3 python-is-python3 python3-aiohttp python3-numpy python3-pil python3-xlib python3-tk
+  sudo
 )
+# xdg-open (the server's /setup/open_file) outside a desktop session picks the app by
+# `file --mime-type` and the desktop files' MIME cache (update-desktop-database)
+if [ "$APPS" = office ]; then
+  read -r -a EXTRA <<<"$OFFICE_APT_PKGS"
+  PKGS+=("${EXTRA[@]}" file desktop-file-utils shared-mime-info)
+fi
 log "apt-get install ${#PKGS[@]} packages (and their dependencies, no recommends)"
 in_root apt-get update -qq >"$WORK/apt.log" 2>&1 || { tail -30 "$WORK/apt.log" >&2; die "apt-get update failed"; }
 in_root apt-get install -y -q --no-install-recommends "${PKGS[@]}" >>"$WORK/apt.log" 2>&1 \
@@ -196,10 +227,18 @@ EOF
 in_root extlinux --install /boot/extlinux >>"$WORK/apt.log" 2>&1 || die "extlinux --install failed"
 
 log "guest config: user, network, cua-desktop.service"
-in_root useradd -m -s /bin/bash user
-# an empty home, as LocalDesktop's: /etc/skel's .bashrc retitles every xterm "user@cua-vm: ~",
-# and tasks find their windows by the title they launched them with (xterm -T task-term)
+in_root useradd -m -u 1000 -s /bin/bash -G sudo user
+printf 'user:%s\n' "$PASSWORD" | in_root chpasswd
+# a home as LocalDesktop's: no dot files (/etc/skel's .bashrc retitles every xterm
+# "user@cua-vm: ~", and tasks find their windows by the title they launched them with, xterm -T
+# task-term), and the folders OSWorld's tasks assume
 find "$ROOT/home/user" -mindepth 1 -delete
+mkdir "$ROOT"/home/user/{Desktop,Documents,Downloads}
+# sudo asks for the password on every call (as OSWorld's tasks expect: each one pipes it in),
+# without the first-use lecture
+printf 'Defaults timestamp_timeout=0\nDefaults lecture=never\n' >"$ROOT/etc/sudoers.d/cua"
+chmod 440 "$ROOT/etc/sudoers.d/cua"
+in_root visudo -cq || die "sudoers does not parse"
 in_root passwd -l root >/dev/null
 mkdir -p "$ROOT/etc/cua"
 printf '%s\n' "$TOKEN" >"$ROOT/etc/cua/token"
@@ -283,6 +322,30 @@ if [ "$PYAUTOGUI" = 1 ]; then
 fi
 in_root env PYTHONPATH=/opt/cua python3 -c 'import aiohttp, numpy, PIL, Xlib, envs.vm.server' \
   || die "the VM server does not import in the guest"
+if [ "$APPS" = office ]; then
+  log "office apps: the per-user settings a LocalDesktop's home gets, MIME cache"
+  # the same code a LocalDesktop runs on its fresh home (the apps' versions from the guest)
+  in_root env PYTHONPATH=/opt/cua python3 -c \
+    'from pathlib import Path; from envs.vm.providers import _seed_app_profiles as s; s(Path("/home/user"))' \
+    || die "seeding the apps' profiles failed"
+  XCU="$ROOT/home/user/.config/libreoffice/4/user/registrymodifications.xcu"
+  [ -f "$XCU" ] || die "no LibreOffice profile in /home/user (is soffice in the guest?)"
+  # LibreOffice's first start fills in the rest of its profile (tens of seconds under TCG);
+  # done here once, as user, so a task's first `open` in the guest starts a used profile
+  chown -R user:user "$ROOT/home/user"
+  timeout 600 chroot --userspec=user:user "$ROOT" env -i PATH=/usr/bin:/bin HOME=/home/user \
+    LANG=C.UTF-8 soffice --headless --norestore --terminate_after_init >>"$WORK/apt.log" 2>&1 \
+    || log "WARNING: LibreOffice's first start failed: its profile is made in the guest instead"
+  grep -q '"WarnAlienFormat"' "$XCU" || die "LibreOffice's first start dropped the seeded settings"
+  rm -rf "$ROOT/home/user/.cache"
+  in_root update-desktop-database -q /usr/share/applications || true
+  for m in application/vnd.openxmlformats-officedocument.spreadsheetml.sheet \
+      application/vnd.oasis.opendocument.text; do
+    app="$(in_root env HOME=/home/user xdg-mime query default "$m" 2>/dev/null || true)"
+    [ -n "$app" ] || die "xdg-open has no app for $m in the guest"
+  done
+fi
+in_root chown -R user:user /home/user
 # the server's request guard uses aiohttp >= 3.9 APIs (pyproject.toml pins aiohttp>=3.9)
 in_root python3 -c 'import aiohttp, sys; v = tuple(int(x) for x in aiohttp.__version__.split(".")[:2]); sys.exit(v < (3, 9))' \
   || die "$SUITE's python3-aiohttp is older than 3.9: the server needs 3.9 (use --suite trixie or newer)"

@@ -78,6 +78,9 @@ class QemuDesktop:
       qemu, qemu_img: the commands (argv prefixes) of ``qemu-system-x86_64`` and ``qemu-img``.
       boot_timeout: seconds to wait for the guest's server after starting QEMU.
       extra_args: more QEMU arguments (e.g. ``("-vga", "virtio")``).
+      client_password: the password the guest user's ``sudo`` takes (``VMEnv`` fills OSWorld's
+        ``{CLIENT_PASSWORD}`` with it): "password" in OSWorld's images and in
+        ``tools/build_vm_image.sh``'s (its ``--password``).
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class QemuDesktop:
         boot_timeout: float = 600.0,
         extra_args: Sequence[str] = (),
         name: str | None = None,
+        client_password: str = "password",
     ):
         self.image = Path(image).resolve()
         if not self.image.is_file():
@@ -107,6 +111,7 @@ class QemuDesktop:
         self.qemu, self.qemu_img = list(qemu), list(qemu_img)
         self.boot_timeout = boot_timeout
         self.extra_args = list(extra_args)
+        self.client_password = client_password
         self._name = name
         self.port: int | None = None
         self.url: str | None = None
