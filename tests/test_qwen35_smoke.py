@@ -48,4 +48,6 @@ def test_qwen35_smoke_trains(preset, tmp_path):
     r = [r for r in rows if r["step"] == 1][-1]
     assert r["train/samples"] == 2 and "skipped_no_signal" not in str(r), r
     assert math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"]), r
+    # the padding share of the step's packed batch (#34) is in its metrics row
+    assert 0.0 <= r["train/padding_share"] < 1.0, r
     assert r["rollout/faults_sampler_error"] == 0.0
