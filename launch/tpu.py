@@ -20,6 +20,12 @@ import sys
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
+# One thread for OpenBLAS (numpy's and scipy's, whose LAPACK is what XLA:CPU calls for a
+# triangular solve, e.g. in Qwen3.5's chunked gated delta rule), set before either is loaded: its
+# own pool spins beside XLA's threads and the rollout side's, and on a loaded 2-core machine a
+# 64x64 batched solve took 240 ms instead of 3 (BENCHMARKS.md, "Qwen3.5's forward and OpenBLAS").
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 # `python launch/tpu.py` puts launch/ on sys.path, not the repo root that holds configs/ and envs/.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:

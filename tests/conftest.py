@@ -17,6 +17,9 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " " + TEST_XLA_FLAGS
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# As launch/tpu.py: OpenBLAS's own thread pool (XLA:CPU's triangular solves) spins against the
+# two pytest workers' XLA threads on a 2-core machine.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # Tests never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

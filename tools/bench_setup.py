@@ -35,6 +35,9 @@ def pin_cpu_threads(threads: int) -> int:
     say: the `intra_op_parallelism_threads=N` word is not an XLA flag (no leading --) and XLA
     ignores it; it is kept so the scripts measure what their published figures measured."""
     n = threads or os.cpu_count() or 1
+    # OpenBLAS (the LAPACK XLA:CPU calls for triangular solves) keeps a pool of its own, which
+    # torch's set_num_threads does not reach: held to the same count, before numpy loads it.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(n))
     if threads:
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "")
