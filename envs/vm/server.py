@@ -447,7 +447,12 @@ class VMServer:
             args.append("-x")
         if data.get("strict"):
             args.append("-F")
-        rc, _, err = await run_limited([*args, flag, str(name)], shell=False, limit_s=10)
+        # LibreOffice >= 24.2 titles its windows "file.xlsx — LibreOffice Calc" (an em dash);
+        # OSWorld's tasks, written on LibreOffice 7, name them with " - ": try that title too
+        for title in dict.fromkeys([str(name), str(name).replace(" - ", " \u2014 ")]):
+            rc, _, err = await run_limited([*args, flag, title], shell=False, limit_s=10)
+            if rc == 0:
+                break
         if rc != 0:
             return error(f"window {name!r} not found ({err.strip() or 'wmctrl failed'})", 404)
         return web.Response(text=f"Window {verb} successfully")

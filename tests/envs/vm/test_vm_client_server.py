@@ -120,6 +120,21 @@ def test_launch_then_find_window(desk, aio):
     assert e.value.status == 404
 
 
+def test_a_window_named_with_a_hyphen_is_found_under_its_em_dash_title(desk, aio):
+    """OSWorld's tasks (LibreOffice 7) name "f.xlsx - LibreOffice Calc"; LibreOffice >= 24.2
+    titles it "f.xlsx — LibreOffice Calc". A strict activate_window finds it either way."""
+    aio(desk.client.launch("xterm -geometry 40x5+300+300 -T emdash-probe", shell=True))
+    aio(_wait_window(desk.client, "emdash-probe"))
+    # xterm's -T title is not UTF-8; xdotool sets the UTF-8 title (_NET_WM_NAME) as LibreOffice's
+    _sh(aio, desk, "xdotool search --name emdash-probe set_window --name 'f.xlsx — Calc'")
+    aio(_wait_window(desk.client, "f.xlsx"))
+    assert aio(desk.client.activate_window("f.xlsx - Calc", strict=True)).endswith("successfully")
+    active = _sh(aio, desk, "xdotool getactivewindow getwindowname")
+    assert active.strip() == "f.xlsx — Calc"
+    aio(desk.client.close_window("f.xlsx - Calc", strict=True))
+    aio(_wait_window(desk.client, "f.xlsx", present=False))
+
+
 def test_upload_then_file_round_trip(desk, aio):
     data = np.random.default_rng(0).integers(0, 256, 300_000, dtype=np.uint8).tobytes()
     assert aio(desk.client.upload("~/up/dir/blob.bin", data)) == "File uploaded"
