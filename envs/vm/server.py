@@ -161,6 +161,9 @@ class VMServer:
       allowed_hosts: names the ``Host`` header may carry besides loopback ones (the bound host);
         None: any (a wildcard bind, protected by its token).
       max_upload_bytes: the body cap of ``/setup/upload``.
+      open_wait_s: how long ``/setup/open_file`` waits for the file's window when the request
+        names no ``timeout`` (OSWorld's client names none), at most ``exec_limit_s``: 60 s covers
+        LibreOffice's cold start on a loaded machine; a TCG guest's Calc takes about as long.
       screen: the display object (default ``XScreen(display)``; tests pass a fake).
     """
 
@@ -175,10 +178,12 @@ class VMServer:
         allowed_hosts: Sequence[str] | None = (),
         max_upload_bytes: int = UPLOAD_MAX_BYTES,
         screen: Screen | None = None,
+        open_wait_s: float = 60.0,
     ):
         self.screen: Screen = screen if screen is not None else XScreen(display)
         self.guard = PathGuard(allowed_roots or [Path.home(), tempfile.gettempdir()])
         self.exec_limit_s = exec_limit_s
+        self.open_wait_s = open_wait_s
         self.worker = PyAutoGUIWorker() if warm_pyautogui else None
         self.launched: set[asyncio.subprocess.Process] = set()
         self.recording: dict[str, Any] = {}
@@ -425,7 +430,7 @@ class VMServer:
         # Like OSWorld: wait (bounded) for a window whose title names the file. OSWorld's client
         # sends no timeout and its server waits up to 1800 s; 60 s here (capped at the exec
         # limit) covers LibreOffice's cold start on a loaded machine (1-3 s idle).
-        wait = data.get("timeout", 60)
+        wait = data.get("timeout", self.open_wait_s)
         if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait < math.inf:
             return error(f"timeout must be a number of seconds >= 0, got {wait!r:.100}", 400)
         deadline = time.monotonic() + min(wait, self.exec_limit_s)
@@ -614,6 +619,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="CPU seconds each command it starts may use (RLIMIT_CPU; default: no cap)",
     )
+    p.add_argument(
+        "--open-wait",
+        type=float,
+        default=60.0,
+        help="seconds /setup/open_file waits for the file's window unless the request says "
+        "(default 60; at most --exec-limit)",
+    )
     p.add_argument("--display", default=None, help="X display (default $DISPLAY)")
     p.add_argument(
         "--no-warm-pyautogui",
@@ -680,6 +692,7 @@ async def serve(args: argparse.Namespace) -> None:
         warm_pyautogui=args.warm_pyautogui,
         allowed_hosts=allowed_hosts_for(args.host, args.allow_host),
         max_upload_bytes=args.max_upload_bytes,
+        open_wait_s=args.open_wait,
     )
     # At SIGTERM a request still running (a 120 s command, a wait for a window) is cancelled
     # after 2 s, its process group killed, instead of holding the server for aiohttp's 60 s.

@@ -12,6 +12,7 @@ import io
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -188,6 +189,29 @@ def test_arguments_of_the_wrong_type_are_400s_not_500s(tmp_path):
     for (_, route, body, message), r in zip(cases, replies, strict=True):
         text = json.dumps(_body(r))
         assert r.status == 400 and message in text, (route, body, r.status, text)
+
+
+def test_open_file_waits_open_wait_s_for_its_window_unless_the_request_says(tmp_path):
+    # OSWorld's client names no timeout: the server's own wait applies (a slow TCG guest runs
+    # its server with --open-wait 240, since Calc's cold start there takes about 60 s)
+    (tmp_path / "f.txt").write_text("x")
+    srv = _server(tmp_path, open_wait_s=0.5)
+    body = {"path": str(tmp_path / "f.txt")}
+
+    async def go(body):
+        t = time.monotonic()
+        with (
+            mock.patch("shutil.which", return_value="/bin/true"),  # xdg-open: a no-op here
+            mock.patch("envs.vm.server.wmctrl_windows", mock.AsyncMock(return_value=[])),
+        ):
+            r = await srv.open_file(_json_request("/setup/open_file", body))
+        return r, time.monotonic() - t
+
+    r, waited = asyncio.run(go(body))
+    assert r.status == 500 and "window not found" in json.dumps(_body(r))
+    assert 0.5 <= waited < 5
+    r, waited = asyncio.run(go({**body, "timeout": 0}))
+    assert r.status == 500 and waited < 0.5
 
 
 def test_bad_json_is_a_400_naming_the_path(tmp_path):
