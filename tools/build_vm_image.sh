@@ -52,7 +52,7 @@ Build: 1.5-3 minutes (most of it apt); the qcow2 is ~0.9 GB. Example:
                                                        # or: make vm-image APPS=office
   CUA_QEMU_IMAGE=~/.cache/cua_jax/vm/debian.qcow2 pytest tests/envs/vm/test_vm_qemu_real.py
   # in code: QemuDesktop(IMG, token=open(IMG + ".token").read().strip(), memory_mb=1024)
-The guest boots in about a minute under TCG on a busy 2-core host (KVM with VMX/SVM: faster,
+The guest boots in 1-4 minutes under TCG on a 2-core host (the busier, the longer) (KVM with VMX/SVM: faster,
 not measured: the host this was built on had a PVM /dev/kvm, which QemuDesktop skips).
 EOF
 }
@@ -200,7 +200,8 @@ PKGS=(
 # `file --mime-type` and the desktop files' MIME cache (update-desktop-database)
 if [ "$APPS" = office ]; then
   read -r -a EXTRA <<<"$OFFICE_APT_PKGS"
-  PKGS+=("${EXTRA[@]}" file desktop-file-utils shared-mime-info)
+  # python3-absl: envs.vm.providers (the profiles' code, run at build time) imports it
+  PKGS+=("${EXTRA[@]}" file desktop-file-utils shared-mime-info python3-absl)
 fi
 log "apt-get install ${#PKGS[@]} packages (and their dependencies, no recommends)"
 in_root apt-get update -qq >"$WORK/apt.log" 2>&1 || { tail -30 "$WORK/apt.log" >&2; die "apt-get update failed"; }
@@ -269,7 +270,8 @@ openbox &
 for i in $(seq 100); do wmctrl -m >/dev/null 2>&1 && break; sleep 0.05; done
 CUA_VM_TOKEN="$(cat /etc/cua/token)"
 export CUA_VM_TOKEN
-exec python3 -m envs.vm.server --host 0.0.0.0 --port 5000 --exec-limit 120
+# a TCG guest is slow: LibreOffice's cold start alone takes ~60 s, so an open step waits 240 s
+exec python3 -m envs.vm.server --host 0.0.0.0 --port 5000 --exec-limit 240 --open-wait 240
 EOF
 chmod 755 "$ROOT/usr/local/bin/cua-desktop"
 cat >"$ROOT/etc/systemd/system/cua-desktop.service" <<'EOF'
@@ -332,8 +334,8 @@ if [ "$APPS" = office ]; then
   [ -f "$XCU" ] || die "no LibreOffice profile in /home/user (is soffice in the guest?)"
   # LibreOffice's first start fills in the rest of its profile (tens of seconds under TCG);
   # done here once, as user, so a task's first `open` in the guest starts a used profile
-  chown -R user:user "$ROOT/home/user"
-  timeout 600 chroot --userspec=user:user "$ROOT" env -i PATH=/usr/bin:/bin HOME=/home/user \
+  in_root chown -R user:user /home/user
+  timeout 600 chroot --userspec=1000:1000 "$ROOT" env -i PATH=/usr/bin:/bin HOME=/home/user \
     LANG=C.UTF-8 soffice --headless --norestore --terminate_after_init >>"$WORK/apt.log" 2>&1 \
     || log "WARNING: LibreOffice's first start failed: its profile is made in the guest instead"
   grep -q '"WarnAlienFormat"' "$XCU" || die "LibreOffice's first start dropped the seeded settings"
