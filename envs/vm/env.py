@@ -691,7 +691,8 @@ class VMEnv:
 
     def _setup_options(self) -> osworld.SetupOptions:
         """This episode's setup options: a fresh work dir (``execute`` outputs), the password
-        the desktop's sudo takes (its own, e.g. ``LocalDesktop.client_password``)."""
+        the desktop's sudo takes (its own, e.g. ``LocalDesktop.client_password``), and how much
+        longer its ``sleep`` steps wait (``QemuDesktop.sleep_scale`` under TCG)."""
         self._drop_work_dir()
         self._work_dir = tempfile.mkdtemp(prefix="osworld-episode-")
         password = (
@@ -705,6 +706,7 @@ class VMEnv:
             work_dir=self._work_dir,
             strict=self.strict_setup,
             chrome_port=self.chrome_port,
+            sleep_scale=float(getattr(self._desktop, "sleep_scale", 1.0)),
         )
 
     def _drop_work_dir(self) -> None:

@@ -268,6 +268,8 @@ class SetupOptions:
       chrome_port: Chrome's DevTools port inside the VM (OSWorld's VMs: 9222).
       strict: any non-zero exit of an ``execute`` step is a fault (default: only 126 / 127).
       window_wait_s: how long ``activate_window`` / ``close_window`` look for the window.
+      sleep_scale: ``sleep`` steps wait this many times their ``seconds`` (a slow desktop's,
+        e.g. ``QemuDesktop.sleep_scale`` under TCG; 1 on the machines OSWorld times them for).
     """
 
     client_password: str = DEFAULT_CLIENT_PASSWORD
@@ -276,6 +278,7 @@ class SetupOptions:
     chrome_port: int = 9222
     strict: bool = False
     window_wait_s: float = 5.0
+    sleep_scale: float = 1.0
 
 
 async def run_setup(
@@ -391,7 +394,7 @@ async def _execute(s: _Step) -> None:
 
 
 async def _sleep(s: _Step) -> None:
-    await asyncio.sleep(float(s.p["seconds"]))
+    await asyncio.sleep(float(s.p["seconds"]) * s.opts.sleep_scale)
 
 
 async def _window(s: _Step, close: bool) -> None:

@@ -67,6 +67,11 @@ def kvm_usable(dev: str = "/dev/kvm", cpuinfo: str = "/proc/cpuinfo") -> bool:
     return True  # no x86 flags line to go by: trust /dev/kvm
 
 
+# A TCG guest (no hardware virtualisation) runs several times slower than the KVM guests
+# OSWorld's task files are timed on; its `sleep` steps wait this many times longer.
+TCG_SLEEP_SCALE = 10.0
+
+
 class QemuDesktop:
     """One QEMU guest booted from ``image`` (module docstring).
 
@@ -81,6 +86,11 @@ class QemuDesktop:
       client_password: the password the guest user's ``sudo`` takes (``VMEnv`` fills OSWorld's
         ``{CLIENT_PASSWORD}`` with it): "password" in OSWorld's images and in
         ``tools/build_vm_image.sh``'s (its ``--password``).
+      sleep_scale: how many times longer a task file's ``sleep`` steps wait on this guest
+        (``VMEnv`` hands it to the setup; None: ``TCG_SLEEP_SCALE`` under TCG, else 1).
+        OSWorld sizes its sleeps for KVM guests: 0.5 s after ctrl+s, where a TCG guest's Calc
+        was still writing the file that compare_table then read (BENCHMARKS.md, "OSWorld-ready
+        guest images under TCG").
     """
 
     def __init__(
@@ -97,6 +107,7 @@ class QemuDesktop:
         extra_args: Sequence[str] = (),
         name: str | None = None,
         client_password: str = "password",
+        sleep_scale: float | None = None,
     ):
         self.image = Path(image).resolve()
         if not self.image.is_file():
@@ -112,6 +123,15 @@ class QemuDesktop:
         self.boot_timeout = boot_timeout
         self.extra_args = list(extra_args)
         self.client_password = client_password
+        if sleep_scale is not None and not 1 <= sleep_scale <= 100:
+            raise ValueError(f"QemuDesktop: sleep_scale={sleep_scale} must be in [1, 100]")
+        self.sleep_scale = float(
+            sleep_scale
+            if sleep_scale is not None
+            else TCG_SLEEP_SCALE
+            if self.accel == "tcg"
+            else 1
+        )
         self._name = name
         self.port: int | None = None
         self.url: str | None = None

@@ -352,3 +352,34 @@ def test_credential_steps_say_what_they_need_in_one_line_unless_configured(tmp_p
     monkeypatch.setattr(importlib.util, "find_spec", real)
     if real("desktop_env") is not None:
         assert osworld.load_task(f).id == "g1"
+
+
+def test_sleep_steps_wait_the_desktops_sleep_scale_times_longer(monkeypatch, tmp_path):
+    """A task file's `sleep` waits `seconds` x SetupOptions.sleep_scale; VMEnv takes the scale
+    from its desktop (QemuDesktop: TCG_SLEEP_SCALE under TCG, 1 under KVM, or its own)."""
+    from envs.vm import qemu
+
+    waits, real_sleep = [], asyncio.sleep
+
+    def fake_sleep(seconds, *a, **k):
+        waits.append(seconds)
+        return real_sleep(0)
+
+    monkeypatch.setattr(osworld_setup.asyncio, "sleep", fake_sleep)
+    step = {"type": "sleep", "parameters": {"seconds": 0.5}}
+    _setup(Client(), [step])
+    _setup(Client(), [step], sleep_scale=4.0)
+    assert waits == [0.5, 2.0]
+    monkeypatch.undo()
+
+    class Desk:
+        name, client, sleep_scale = "slow", Client(), 4.0
+
+    assert VMEnv(Desk())._setup_options().sleep_scale == 4.0
+    image = tmp_path / "guest.qcow2"
+    image.write_bytes(b"")
+    assert qemu.QemuDesktop(image, accel="tcg").sleep_scale == qemu.TCG_SLEEP_SCALE
+    assert qemu.QemuDesktop(image, accel="kvm").sleep_scale == 1.0
+    assert qemu.QemuDesktop(image, accel="tcg", sleep_scale=2).sleep_scale == 2.0
+    with pytest.raises(ValueError, match="sleep_scale"):
+        qemu.QemuDesktop(image, sleep_scale=0.5)
