@@ -432,7 +432,8 @@ def test_sdpo_with_a_token_budget_plans_its_gradient_and_teacher_chunks(hf_dir):
     with jax.default_matmul_precision("default"):
         p = plan_lib.make_plan(c, "v5e-4", programs=("train_step_screens", "sdpo_step"))
     names = [q.name for q in p.programs]
-    assert names[:2] == ["sdpo_grads 2x1024", "apply_update"], names
+    # the update is named by its learner since the SFT programs joined the plan (bff0f6b)
+    assert names[0] == "sdpo_grads 2x1024" and names[1].startswith("apply_update"), names
     teacher = [q for q in p.programs if q.name.startswith("sdpo_teacher")]
     assert [q.row_length for q in teacher][0] == 1024 and len(teacher) == 2, names
     assert all(q.compile_error is None and q.kind == "sdpo" for q in teacher), names
