@@ -11,7 +11,7 @@ config.json dimensions of the preset's size (`qwen_vl.published_config`) or from
 `model.hf_path/config.json`, laid out on a mesh of the slice's devices with the preset's rules,
 and these programs are compiled (`PROGRAMS`; `programs=` picks):
 
-  train_step    the learner's RL step (cua_jax.rl.learner, built by train.build_learner) on one
+  train_step    the learner's RL step (cua_jax.rl.learner, built by builders.build_learner) on one
                 packed batch of `rl.rows_per_step` rows x the longest `rl.row_lengths` bucket;
                 with rl.algorithm="sdpo" also the two SDPO programs below.
   train_step_screens  the RL step at the largest shape of the trainer's shape set
@@ -52,7 +52,6 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -63,10 +62,21 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cua_jax import sharding as shd
+from cua_jax.builders import build_learner
+from cua_jax.data.processor import QwenVLProcessor
 from cua_jax.models import qwen_vl
 from cua_jax.models.qwen_vl.text import splash_tile
-from cua_jax.rl.shapes import ShapeError
+from cua_jax.rl import batching, sdpo
+from cua_jax.rl.image_groups import ImageGroups
+from cua_jax.rl.learner import APPLY_PROGRAM
+from cua_jax.rl.shapes import ShapeError, ShapeSet, teacher_row_length
+from cua_jax.rl.trajectory import Trajectory, Turn, trajectory_to_samples
+from cua_jax.sampler import kv_cache, steps
+from cua_jax.sampler.kernels.paged_attention import GpuKernelOptions, select_backend
 from cua_jax.sampler.kv_cache import kv_pages_for_budget, kv_pool_bytes_per_device
+from cua_jax.sampler.placement import kv_sharding
+from cua_jax.sampler.scheduler import token_bucket
+from cua_jax.sampler.steps import ModelDef
 
 GiB = 1 << 30
 
@@ -430,7 +440,6 @@ def model_config(config: Any) -> qwen_vl.QwenVLConfig:
             return qwen_vl.QwenVLConfig.from_hf_dict(json.load(f), **options)
     if (mc.family, mc.preset) in qwen_vl.PUBLISHED:
         return qwen_vl.published_config(mc.family, mc.preset, **options)
-    from cua_jax.data.processor import QwenVLProcessor
 
     w, h = config.env.viewport_width, config.env.viewport_height
     tok = QwenVLProcessor.default(mc.family, max_pixels=w * h, min_pixels=32 * 32).tokenizer
@@ -438,12 +447,6 @@ def model_config(config: Any) -> qwen_vl.QwenVLConfig:
         mc.family, vocab_size=tok.vocab_size, **tok.vision_token_ids(), eos_token_id=tok.eos_id,
         pad_token_id=tok.pad_id, moe=mc.preset == "tiny_moe", **options,
     )  # fmt: skip
-
-
-def _build_learner_fn() -> Callable[..., Any]:
-    from cua_jax.builders import build_learner
-
-    return build_learner
 
 
 # ------------------------------------------------------------------------------- abstract run
@@ -478,11 +481,10 @@ def _opt_shardings(opt_state: Any, trainable: Any, replicated: NamedSharding) ->
 def build_abstract(
     config: Any, cfg: qwen_vl.QwenVLConfig, mesh: Any, rules: shd.Rules, *, sft: bool = False
 ) -> _Abstract:
-    """The trainer's learner (train.build_learner: LoRA, freezing, optimizer, KL reference) over
+    """The trainer's learner (builders.build_learner: LoRA, freezing, optimizer, KL reference) over
     an abstract model: everything is traced under `jax.eval_shape`, so no array is made; the
     learner's jitted step and shardings are the ones a run uses. `sft`: the SFT warm-up's
     learner (no KL reference, the SFT learning rate) instead of the RL one."""
-    build_learner = _build_learner_fn()
     held: dict[str, Any] = {}
 
     def build():
@@ -490,21 +492,20 @@ def build_abstract(
         learner = build_learner(model, config, mesh, rules, sft=sft)
         held["learner"] = learner
         # The sampler's view of the same model (ModelDef.of turns remat off: no backward pass).
-        from cua_jax.sampler.steps import ModelDef
 
         held["decode_model"], _ = ModelDef.of(model)
-        # Learner internals (no public abstract constructor yet): the step's argument trees.
-        return learner._trainable, learner._opt_state, learner._frozen, learner._rest, learner._ref
+        # the step's argument trees
+        return learner.trainable, learner.opt_state, learner.frozen, learner.rest, learner.reference
 
     trainable, opt_state, frozen, rest, ref = jax.eval_shape(build)
     learner = held["learner"]
     repl = NamedSharding(mesh, P())
-    trainable = with_shardings(trainable, learner._trainable_sh)
-    frozen = with_shardings(frozen, learner._frozen_sh)
+    trainable = with_shardings(trainable, learner.trainable_sharding)
+    frozen = with_shardings(frozen, learner.frozen_sharding)
     rest = with_shardings(rest, jax.tree.map(lambda _: repl, rest))
-    ref = None if ref is None else with_shardings(ref, learner._trainable_sh)
+    ref = None if ref is None else with_shardings(ref, learner.trainable_sharding)
     opt_sh = _opt_shardings(opt_state, trainable, repl)
-    learner._opt_sh = opt_sh  # the real run reads these off the concrete zeros
+    learner.opt_sharding = opt_sh  # the real run reads these off the concrete zeros
     opt_state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt_state, opt_sh
     )
@@ -614,7 +615,7 @@ def plan_train_step(
     if ab.learner.config.attn_impl == "splash":
         prog.pallas_flops, prog.pallas_bytes = _splash_cost(ab.learner.config, rows, row_len, mesh)
         prog.notes.append("splash attention (Pallas): FLOPs and bytes counted by hand")
-    _compile(learner._get_step("rl"), args, prog)
+    _compile(learner.step_program("rl"), args, prog)
     s = learner.num_substeps
     if s > 1 and prog.compile_error is None:
         # XLA's cost analysis counts a loop body once: the micro-batch scan runs it s times (the
@@ -629,8 +630,6 @@ def plan_train_step(
 def trainer_rl_shapes(config: Any, learner: Any) -> Any:
     """The learner's shape set as the trainer builds it (`warmup.begin`): its RL shapes are a
     step's episodes (or turns) as rows, with their screens' patch budget."""
-    from cua_jax.data.processor import QwenVLProcessor
-    from cua_jax.rl.shapes import ShapeSet
 
     env = config.env
     ic = QwenVLProcessor.default(
@@ -676,7 +675,7 @@ def plan_train_step_screens(
         f"{', '.join(map(str, shapes.of(mode)))}; {s} micro-batches, remat={cfg.remat}"
     )
     args = (ab.trainable, ab.opt_state, ab.frozen, ab.rest, ab.ref, xs, images)
-    _compile(learner._get_step(mode, grouped=True), args, prog)
+    _compile(learner.step_program(mode, grouped=True), args, prog)
     return prog
 
 
@@ -713,8 +712,6 @@ def drawn_rl_batch(config: Any, learner: Any, shapes: Any, seed: int = 0) -> Any
     extend the previous one while the window keeps every screen, separate samples once it
     drops one (as the chat renders a cut history). Pixels are stand-ins of one value a
     patch. Returns the packed batch."""
-    from cua_jax.rl import batching
-    from cua_jax.rl.trajectory import Trajectory, Turn, trajectory_to_samples
 
     cfg = learner.config
     rl, env = config.rl, config.env
@@ -920,13 +917,11 @@ def plan_chunk_programs(
     `mode="sft"`: the SFT shapes' chunks of the SFT loss instead, and the update named
     "apply_update (sft)" (kind "sft"); `suffix` ends each name; `update=False` leaves the
     update out (Entropulse: the RL learner's, planned with its RL chunks)."""
-    from cua_jax.rl import sdpo
-    from cua_jax.rl.learner import APPLY_PROGRAM
 
     learner = ab.learner
     cfg = learner.config
     s, b = learner.num_substeps, learner.layout.batch_parallel
-    repl = learner._repl
+    repl = learner.replicated
     prefix, k = f"{mode}_grads", 0
     kind = "learner" if mode == "rl" else mode
     if sdpo_config is not None:
@@ -971,7 +966,7 @@ def plan_chunk_programs(
                 cfg, shape.rows, shape.length, learner.mesh
             )
         n_total = jax.ShapeDtypeStruct((), jnp.float32, sharding=repl)
-        grouped = learner._get_grads(mode, grouped=True)
+        grouped = learner.grads_program(mode, grouped=True)
         args = (ab.trainable, ab.frozen, ab.rest, ab.ref, xs, images, n_total, ab.trainable)
         _compile(grouped, args, prog)
         if s > 1 and prog.compile_error is None:
@@ -994,7 +989,7 @@ def plan_chunk_programs(
     name = APPLY_PROGRAM if mode == "rl" else f"{APPLY_PROGRAM} ({mode})"
     prog = ProgramPlan(name + suffix, chip, arguments, resident)
     prog.kind = kind
-    _compile(learner._get_apply(), (ab.trainable, ab.opt_state, ab.trainable), prog)
+    _compile(learner.apply_program(), (ab.trainable, ab.opt_state, ab.trainable), prog)
     out.append(prog)
     if k:
         out += plan_teacher_chunks(sdpo_config, ab, chip, kv_bytes, shapes, k)
@@ -1019,7 +1014,6 @@ def plan_teacher_chunks(
     (the RL shapes and one row length longer for the feedback message, `shapes.teacher`), its
     screens grouped by micro-batch and device as the step's, top-`k` ids and log-probs out,
     with the learner's optimizer state and the KV pool resident beside it."""
-    from cua_jax.rl import sdpo
 
     learner = ab.learner
     fn = sdpo._teacher_jit(learner, int(config.rl.sdpo_topk), {})
@@ -1053,7 +1047,6 @@ def _abstract_screens(learner: Any, shape: Any, grid: Any) -> tuple[Any, int, in
     """(the step's abstract `ImageGroups` for `shape`, screens a group, patches a screen): the
     screens grouped by micro-batch and device as `BatchLayout.grouped_images` lays them out
     (sharded over the batch axes, in the compute dtype; a token-budget shape's group budget)."""
-    from cua_jax.rl.image_groups import ImageGroups
 
     v = learner.config.vision
     patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
@@ -1061,7 +1054,7 @@ def _abstract_screens(learner: Any, shape: Any, grid: Any) -> tuple[Any, int, in
     per_group, unit, meta = learner.layout.screen_layout(
         shape.length, shape.patches, s, grid, per_group=shape.group_screens
     )
-    repl = learner._repl
+    repl = learner.replicated
 
     def spec(a):
         a = np.asarray(a)
@@ -1125,12 +1118,12 @@ def default_programs(config: Any) -> tuple[str, ...]:
     and update when the run trains SFT (`trains_sft`), and the sampler's prefill of a real
     turn, else the text-only `train_step`; SDPO's teacher pass and step when `rl.algorithm`
     asks; the sampler's decode."""
-    sdpo = ("sdpo_step", "sdpo_teacher") if config.rl.get("algorithm", "grpo") == "sdpo" else ()
+    distill = ("sdpo_step", "sdpo_teacher") if config.rl.get("algorithm", "grpo") == "sdpo" else ()
     if config.rl.get("tokens_per_chip", 0) <= 0:
-        return ("train_step", *sdpo, "decode_step")
+        return ("train_step", *distill, "decode_step")
     # with a token budget SDPO's programs are its chunks' (`plan_chunk_programs`)
     sft = ("sft_step",) if any(trains_sft(config)) else ()
-    return ("train_step_screens", *sft, *sdpo, "decode_step", "prefill_turn")
+    return ("train_step_screens", *sft, *distill, "decode_step", "prefill_turn")
 
 
 def trains_sft(config: Any) -> tuple[bool, bool]:
@@ -1192,8 +1185,6 @@ def plan_sdpo(
     top-k log-probs out) on the teacher rows, one length longer for the feedback message
     (`shapes.teacher_row_length`, with one screen's tokens for the final screenshot); those of
     the two in `programs`."""
-    from cua_jax.rl import sdpo
-    from cua_jax.rl.shapes import teacher_row_length
 
     rl, learner = config.rl, ab.learner
     cfg = learner.config
@@ -1213,7 +1204,7 @@ def plan_sdpo(
     args = (ab.trainable, ab.opt_state, ab.frozen, ab.rest, ab.ref, xs, None)
     out = []
     if "sdpo_step" in programs:
-        _compile(learner._get_step(mode), args, step)
+        _compile(learner.step_program(mode), args, step)
         out.append(step)
     if "sdpo_teacher" not in programs:
         return out
@@ -1273,8 +1264,6 @@ def _splash_cost(cfg: qwen_vl.QwenVLConfig, rows: int, row_len: int, mesh: Any) 
 def plan_decode_step(
     config: Any, ab: _Abstract, mesh: Any, chip: Chip, num_pages: int, backend: str
 ) -> ProgramPlan:
-    from cua_jax.sampler import kv_cache
-    from cua_jax.sampler.kernels.paged_attention import select_backend
 
     cfg = ab.learner.config
     t = cfg.text
@@ -1290,7 +1279,6 @@ def plan_decode_step(
     # Every slot live, the pool shared evenly: each slot's context is what the pool can hold.
     ctx = min(sc.max_seq_len, (num_pages - 1) * L // S)
     cache_dtype = jnp.dtype(cfg.dtype)
-    from cua_jax.sampler.placement import kv_sharding
 
     kv_sh = kv_sharding(mesh)  # as the engine lays out its pools
     pool = jax.ShapeDtypeStruct(
@@ -1330,8 +1318,6 @@ def plan_decode_step(
         f"its {sc.decode_chunk} steps; "
         f"paged attention: {backend} kernel, K/V {cache_dtype.name} sharded over tensor={tensor}"
     )
-    from cua_jax.sampler import steps
-    from cua_jax.sampler.kernels.paged_attention import GpuKernelOptions
 
     # The engine's own jitted decode chunk (cua_jax.sampler.steps), sharded as the engine
     # shards it: params in place with the learner's shardings, pools over kv heads.
@@ -1356,10 +1342,6 @@ def plan_prefill_turn(
     screens at its viewport with `SYSTEM_TOKENS` of prompt, in the engine's token bucket, its
     whole page table, with the KV pool resident as the decode step has it (the engine's
     `prefill(grid)` program, `cua_jax.sampler.steps`)."""
-    from cua_jax.sampler import kv_cache, steps
-    from cua_jax.sampler.kernels.paged_attention import GpuKernelOptions, select_backend
-    from cua_jax.sampler.placement import kv_sharding
-    from cua_jax.sampler.scheduler import token_bucket
 
     cfg = ab.learner.config
     t, v = cfg.text, cfg.vision

@@ -31,6 +31,7 @@ import numpy as np
 
 from cua_jax import multihost
 from cua_jax import sharding as shd
+from cua_jax.rl import step
 from cua_jax.rl.micro import check_finite
 from cua_jax.rl.trajectory import Trajectory, live_episodes, trajectory_to_samples
 
@@ -50,10 +51,12 @@ def policy_entropy(learner: Any, batch: Any, cache: dict | None = None) -> float
 
         def f(trainable, frozen, rest, xs, images):
             with shd.training_layout(learner.mesh, learner.rules):  # as the learner's programs
-                (emb, ds), vmask = learner._embed(trainable, frozen, rest, xs["input_ids"], images)
-                temp = learner.loss_config.temperature
-                stats = learner._token_stats(
-                    trainable, frozen, rest, emb, ds, vmask, xs, temp, True
+                spec = learner.spec
+                ids = xs["input_ids"]
+                (emb, ds), vmask = step.embed(spec, trainable, frozen, rest, ids, images)
+                temp = spec.loss.temperature
+                stats = step.token_stats(
+                    spec, trainable, frozen, rest, emb, ds, vmask, xs, temp, True
                 )
                 mask = xs["loss_mask"][:, 1:].astype(jnp.float32)
                 return jnp.sum(stats[1] * mask), jnp.sum(mask)
@@ -62,7 +65,7 @@ def policy_entropy(learner: Any, batch: Any, cache: dict | None = None) -> float
     total = count = 0.0
     for part, _ in learner.chunks(batch):  # a token-budget batch: one call a chunk
         xs, images = learner.layout.device_batch(part, substeps=1)
-        s, n = fn(learner._trainable, learner._frozen, learner._rest, xs, images)
+        s, n = fn(learner.trainable, learner.frozen, learner.rest, xs, images)
         total, count = total + float(s), count + float(n)
     return total / max(count, 1.0)
 
@@ -186,5 +189,4 @@ def _samples(traj: Trajectory, pos_fn: Any) -> list[Any]:
 def reset_optimizer(learner: Any) -> None:
     """A fresh optimizer state for the learner's current parameters (the next RL phase starts
     its moments and its schedule from zero)."""
-    state = learner._tx.init(learner._trainable)
-    learner._opt_state = jax.device_put(state, learner._opt_sh)
+    learner.reset_optimizer()

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from cua_jax import multihost
 from cua_jax.models.qwen_vl.text import jdtype
 from cua_jax.models.qwen_vl.vision import vision_metadata
-from cua_jax.rl import image_groups, sdpo
+from cua_jax.rl import distill, image_groups
 from cua_jax.rl import shapes as shapes_lib
 from cua_jax.rl.image_groups import ImageGroups
 from cua_jax.rl.packing import PackedBatch
@@ -266,9 +266,9 @@ class BatchLayout:
         """The shardings of a step's token-aligned inputs (`_device_batch`'s xs) in `mode`."""
         xs_sh = {k: self.row_sh for k in TEXT_KEYS}
         xs_sh["position_ids"] = self.pos_sh
-        if sdpo.parse_mode(mode) is not None:
-            for k in sdpo.TARGET_KEYS:
-                xs_sh[k] = self.rows_sharding(3 if k in sdpo.TOPK_KEYS else 2)
+        if distill.parse_mode(mode) is not None:
+            for k in distill.TARGET_KEYS:
+                xs_sh[k] = self.rows_sharding(3 if k in distill.TOPK_KEYS else 2)
         if self.moe:
             xs_sh["routes"] = self.route_sh
         return xs_sh
