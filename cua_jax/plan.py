@@ -166,8 +166,15 @@ def local_topology(devices: list[Any]) -> Topology:
     Topology: a known TPU chip's published figures, else the device's own memory limit (GPU; CPU
     devices: the host's memory split between them) and no peak figures (no roofline)."""
     kind = devices[0].device_kind.lower()
-    table = (("v6 lite", "v6e"), ("v6e", "v6e"), ("v5 lite", "v5e"), ("v5e", "v5e"),
-             ("v5p", "v5p"), ("v5", "v5p"), ("v4", "v4"))  # fmt: skip
+    table = (
+        ("v6 lite", "v6e"),
+        ("v6e", "v6e"),
+        ("v5 lite", "v5e"),
+        ("v5e", "v5e"),
+        ("v5p", "v5p"),
+        ("v5", "v5p"),
+        ("v4", "v4"),
+    )
     chip = next((CHIPS[c] for key, c in table if kind.startswith("tpu") and key in kind), None)
     if chip is None:
         stats = getattr(devices[0], "memory_stats", lambda: None)() or {}
@@ -349,9 +356,7 @@ class Plan:
 
     def misfits(self) -> list[ProgramPlan]:
         limit = self.budget_bytes or float("inf")  # a device that reports no memory limit
-        return [
-            p for p in self.programs if p.compile_error is not None or p.total_bytes > limit
-        ]  # fmt: skip
+        return [p for p in self.programs if p.compile_error is not None or p.total_bytes > limit]
 
     @property
     def fits(self) -> bool:
@@ -423,9 +428,13 @@ def model_config(config: Any) -> qwen_vl.QwenVLConfig:
     the preset's size, else (the smoke preset) the tiny model train.py builds."""
     mc = config.model
     options = dict(
-        dtype=mc.dtype, param_dtype=mc.param_dtype, remat=mc.remat, attn_block=mc.attn_block,
-        attn_impl=mc.attn_impl, moe_dispatch=mc.get("moe_dispatch", "auto"),
-    )  # fmt: skip
+        dtype=mc.dtype,
+        param_dtype=mc.param_dtype,
+        remat=mc.remat,
+        attn_block=mc.attn_block,
+        attn_impl=mc.attn_impl,
+        moe_dispatch=mc.get("moe_dispatch", "auto"),
+    )
     if mc.hf_path is not None:
         path = os.path.expanduser(str(mc.hf_path))
         if not os.path.isdir(path):
@@ -444,9 +453,14 @@ def model_config(config: Any) -> qwen_vl.QwenVLConfig:
     w, h = config.env.viewport_width, config.env.viewport_height
     tok = QwenVLProcessor.default(mc.family, max_pixels=w * h, min_pixels=32 * 32).tokenizer
     return qwen_vl.tiny(
-        mc.family, vocab_size=tok.vocab_size, **tok.vision_token_ids(), eos_token_id=tok.eos_id,
-        pad_token_id=tok.pad_id, moe=mc.preset == "tiny_moe", **options,
-    )  # fmt: skip
+        mc.family,
+        vocab_size=tok.vocab_size,
+        **tok.vision_token_ids(),
+        eos_token_id=tok.eos_id,
+        pad_token_id=tok.pad_id,
+        moe=mc.preset == "tiny_moe",
+        **options,
+    )
 
 
 # ------------------------------------------------------------------------------- abstract run
@@ -718,8 +732,11 @@ def drawn_rl_batch(config: Any, learner: Any, shapes: Any, seed: int = 0) -> Any
     rng = np.random.default_rng(seed)
     unit = int(np.prod(shapes.grid))
     merge = cfg.vision.spatial_merge_size
-    screen = np.r_[cfg.vision_start_token_id, [cfg.image_token_id] * (unit // merge**2),
-                   cfg.vision_end_token_id].astype(np.int32)  # fmt: skip
+    screen = np.r_[
+        cfg.vision_start_token_id,
+        [cfg.image_token_id] * (unit // merge**2),
+        cfg.vision_end_token_id,
+    ].astype(np.int32)
 
     def positions(ids, grid):
         return np.broadcast_to(np.arange(len(ids), dtype=np.int32), (3, len(ids))).copy()
@@ -877,8 +894,9 @@ def size_kv_pool(
     HBM less the largest planned program's peak (planned with no pool), in whole pages of
     `kv_pool_bytes_per_device`; each program's resident pool is set to it."""
     peak = max((p.total_bytes for p in programs), default=0)
-    pages = kv_pages_for_budget(cfg, max(0, int(hbm * frac) - peak), sc.page_size, cfg.dtype,
-                                tensor)  # fmt: skip
+    pages = kv_pages_for_budget(
+        cfg, max(0, int(hbm * frac) - peak), sc.page_size, cfg.dtype, tensor
+    )
     kv = kv_pool_bytes_per_device(cfg, pages, sc.page_size, cfg.dtype, tensor)
     for p in programs:
         if "KV pool (sampler, resident)" in p.resident:
@@ -1061,9 +1079,10 @@ def _abstract_screens(learner: Any, shape: Any, grid: Any) -> tuple[Any, int, in
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=repl)
 
     pixels = jax.ShapeDtypeStruct(
-        (s, b, per_group * unit, patch_dim), learner.layout.pixel_dtype(),
+        (s, b, per_group * unit, patch_dim),
+        learner.layout.pixel_dtype(),
         sharding=learner.layout.pixel_sharding(4),
-    )  # fmt: skip
+    )
     return ImageGroups(pixels, jax.tree.map(spec, meta)), per_group, unit
 
 
@@ -1322,9 +1341,13 @@ def plan_decode_step(
     # The engine's own jitted decode chunk (cua_jax.sampler.steps), sharded as the engine
     # shards it: params in place with the learner's shardings, pools over kv heads.
     step_cfg = steps.StepConfig(
-        page_size=L, decode_chunk=sc.decode_chunk, head_dim=t.head_dim, attn_backend=backend,
-        attn_options=GpuKernelOptions(), mesh=mesh,
-    )  # fmt: skip
+        page_size=L,
+        decode_chunk=sc.decode_chunk,
+        head_dim=t.head_dim,
+        attn_backend=backend,
+        attn_options=GpuKernelOptions(),
+        mesh=mesh,
+    )
     shardings = steps.StepShardings(
         params=jax.tree.map(lambda x: x.sharding, params), cache=kv_sh, small=repl
     )
@@ -1375,9 +1398,13 @@ def plan_prefill_turn(
     platform = mesh.devices.flat[0].platform
     backend = select_backend(backend, head_dim=t.head_dim, page_size=L, platform=platform)
     step_cfg = steps.StepConfig(
-        page_size=L, decode_chunk=sc.decode_chunk, head_dim=t.head_dim, attn_backend=backend,
-        attn_options=GpuKernelOptions(), mesh=mesh,
-    )  # fmt: skip
+        page_size=L,
+        decode_chunk=sc.decode_chunk,
+        head_dim=t.head_dim,
+        attn_backend=backend,
+        attn_options=GpuKernelOptions(),
+        mesh=mesh,
+    )
     shardings = steps.StepShardings(
         params=jax.tree.map(lambda x: x.sharding, params), cache=kv_sh, small=repl
     )
@@ -1394,9 +1421,10 @@ def plan_prefill_turn(
 
 def _text_only(state: Any) -> list[Any]:
     return [
-        x for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
+        x
+        for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
         if "visual" not in jax.tree_util.keystr(p)
-    ]  # fmt: skip
+    ]
 
 
 # ------------------------------------------------------------------------------- the plan
@@ -1446,8 +1474,9 @@ def make_plan(
     frac = float(config.sampler.get("kv_memory_fraction", 0.0) or 0.0)
     # kv_memory_fraction > 0: the pool takes what the learner's programs leave of that share
     # of HBM (`size_kv_pool`, after they are planned with no pool); else sampler.num_pages
-    kv_bytes = 0 if frac > 0 else kv_pool_bytes_per_device(cfg, num_pages, sc.page_size,
-                                                           cfg.dtype, tensor)  # fmt: skip
+    kv_bytes = (
+        0 if frac > 0 else kv_pool_bytes_per_device(cfg, num_pages, sc.page_size, cfg.dtype, tensor)
+    )
     rows = rows or config.rl.rows_per_step
     mult = ab.learner.row_multiple
     rows = -(-rows // mult) * mult
@@ -1614,8 +1643,12 @@ def format_plan(plan: Plan) -> str:
     ]
     for p in plan.programs:
         took = f"; compiled in {p.compile_s:.0f} s" if p.compile_error is None else ""
-        lines += ["", f"## {p.name}  ({'; '.join(p.notes)}{took})", "| per device | bytes |",
-                  "| --- | --- |"]  # fmt: skip
+        lines += [
+            "",
+            f"## {p.name}  ({'; '.join(p.notes)}{took})",
+            "| per device | bytes |",
+            "| --- | --- |",
+        ]
         for k, v in p.arguments.items():
             lines.append(f"| argument: {k} | {fmt_bytes(v)} |")
         for k, v in p.resident.items():

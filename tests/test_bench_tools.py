@@ -14,11 +14,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_bench_paged_decode_small_on_cpu():
     args = [
-        sys.executable, "tools/bench_paged_decode.py", "--size=small", "--batch=4",
-        "--prompt-len=64", "--new-tokens=16", "--copy-mib=64", "--iters=2",
-        "--kernel-shape=2,4,2,128,16,48", "--backends=auto,interpret",
+        sys.executable,
+        "tools/bench_paged_decode.py",
+        "--size=small",
+        "--batch=4",
+        "--prompt-len=64",
+        "--new-tokens=16",
+        "--copy-mib=64",
+        "--iters=2",
+        "--kernel-shape=2,4,2,128,16,48",
+        "--backends=auto,interpret",
         "--gpu-options=pages_per_block=1;pages_per_block=2,f32_dots=false",
-    ]  # fmt: skip
+    ]
     r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout

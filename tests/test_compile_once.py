@@ -338,8 +338,13 @@ def test_sdpo_teacher_batches_get_the_rl_rows_and_a_feedback_screen_each():
     # and one row length more: 1024 + the feedback (192 tokens of text, a 108-token screen and
     # its 2 markers, 3 peer calls of 48 + 8 tokens) = 1494, rounded up to a multiple of 128
     assert [(s.rows, s.length) for s in teacher] == [
-        (16, 512), (16, 1024), (16, 1536), (48, 512), (48, 1024), (48, 1536)
-    ]  # fmt: skip
+        (16, 512),
+        (16, 1024),
+        (16, 1536),
+        (48, 512),
+        (48, 1024),
+        (48, 1536),
+    ]
     # 4 screens a row (3 turns x 1 screen + the final one); 16 episodes x 3 turns x 2 screens
     assert teacher[0].patches == 16 * 4 * 432 and teacher[3].patches == 16 * 3 * 2 * 432
     assert max(s.length for s in shapes.rl) == 1024

@@ -12,11 +12,21 @@ ROWS = [
     {"step": 0, "eval/success": 0.0, "phase_sft": 0.0},
     {"step": 0, "eval/success": 0.4375, "phase_sft": 1.0, "sft/steps": 150.0},
     {"step": 1, "rollout/reward": 0.25, "rollout/groups_sampled": 4.0, "train/loss": 0.1},
-    {"step": 4, "eval/success": 0.5, "rollout/reward": 0.5, "rollout/groups_sampled": 4.0,
-     "train/skipped_no_signal": 1.0},
-    {"step": 8, "eval/success": 0.625, "rollout/reward": 0.5, "rollout/groups_sampled": 4.0,
-     "train/loss": 0.2},
-]  # fmt: skip
+    {
+        "step": 4,
+        "eval/success": 0.5,
+        "rollout/reward": 0.5,
+        "rollout/groups_sampled": 4.0,
+        "train/skipped_no_signal": 1.0,
+    },
+    {
+        "step": 8,
+        "eval/success": 0.625,
+        "rollout/reward": 0.5,
+        "rollout/groups_sampled": 4.0,
+        "train/loss": 0.2,
+    },
+]
 
 
 def test_summary_has_after_sft_final_and_the_rl_gain():
@@ -70,11 +80,21 @@ def test_curves_mark_entropulse_phases_and_their_entropy(tmp_path):
     rows = [
         *ROWS,
         {"step": 9, "train/entropy": 0.2},
-        {"step": 10, "train/entropy": 0.1, "entropulse/phase": 1.0, "entropulse/sft_steps": 5.0,
-         "entropulse/entropy_before": 0.1, "entropulse/entropy_after": 0.3},
-        {"step": 12, "train/entropy": 0.25, "entropulse/phase": 1.0,
-         "entropulse/skipped_no_success": 1.0},
-    ]  # fmt: skip
+        {
+            "step": 10,
+            "train/entropy": 0.1,
+            "entropulse/phase": 1.0,
+            "entropulse/sft_steps": 5.0,
+            "entropulse/entropy_before": 0.1,
+            "entropulse/entropy_after": 0.3,
+        },
+        {
+            "step": 12,
+            "train/entropy": 0.25,
+            "entropulse/phase": 1.0,
+            "entropulse/skipped_no_success": 1.0,
+        },
+    ]
     assert entropulse_phases(rows) == [
         {"step": 10, "sft_steps": 5.0, "entropy_before": 0.1, "entropy_after": 0.3}
     ]

@@ -99,9 +99,11 @@ def actions_from_repr(text: Any) -> list[Any]:
         return []
     out = []
     for call in tree.elts:
-        cls = getattr(A, call.func.id, None) if isinstance(call, ast.Call) and isinstance(
-            call.func, ast.Name
-        ) else None  # fmt: skip
+        cls = (
+            getattr(A, call.func.id, None)
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+            else None
+        )
         if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)) or call.args:
             return []
         try:

@@ -310,7 +310,7 @@ def unpacked(samples: Sequence[Sample], **kwargs) -> PackedBatch:
                 np.asarray([_episode_key(s, i) for i, s in enumerate(samples)])[:, None],
                 mask.shape,
             ),
-        ),  # fmt: skip
+        ),
         pixel_values=np.concatenate(pvs) if pvs else None,
         image_grid_thw=np.concatenate(grids) if grids else None,
         num_samples=len(samples),

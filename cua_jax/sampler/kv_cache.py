@@ -151,9 +151,14 @@ def kv_pool_bytes_per_device(
     x dtype size / tensor."""
     t = cfg.text
     return (
-        num_pages * page_size * (t.num_key_value_heads // tensor) * t.head_dim * 2
-        * len(kv_layers(cfg)) * jnp.dtype(dtype).itemsize
-    )  # fmt: skip
+        num_pages
+        * page_size
+        * (t.num_key_value_heads // tensor)
+        * t.head_dim
+        * 2
+        * len(kv_layers(cfg))
+        * jnp.dtype(dtype).itemsize
+    )
 
 
 def kv_pages_for_budget(

@@ -271,9 +271,13 @@ def prefill(
             for st in linear
         ]
         hidden, states = m.decode(
-            embeds, pos_3BT, attn_fn, linear_states=states, return_linear_states=True,
+            embeds,
+            pos_3BT,
+            attn_fn,
+            linear_states=states,
+            return_linear_states=True,
             lengths=n_B,
-        )  # fmt: skip
+        )
         linear = tuple(
             jax.tree.map(lambda x, y: x.at[dst_B].set(y.astype(x.dtype), mode="drop"), old, new)
             for old, new in zip(linear, states, strict=True)

@@ -91,8 +91,9 @@ def test_init_params_from_another_runs_checkpoint(tmp_path):
     resumed = Learner(again, seq_len_buckets=(64,), freeze_vision=True)
     state, _ = ck2.restore(resumed.abstract_state())
     resumed.load_state_dict(state)
-    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(nnx.state(again, nnx.Param)),
-                    strict=True):  # fmt: skip
+    for a, b in zip(
+        jax.tree.leaves(want), jax.tree.leaves(nnx.state(again, nnx.Param)), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert train.init_model_weights(again, ml_collections.ConfigDict({"ckpt": {}})) == 0
     other = qwen_vl.init_random(qwen_vl.tiny("qwen3_vl", vocab_size=512), seed=0)
@@ -198,8 +199,9 @@ def test_learner_checkpoint_with_truncated_meta_is_damage(tmp_path):
     from cua_jax.models import qwen_vl
     from cua_jax.rl.learner import Learner
 
-    learner = Learner(qwen_vl.init_random(qwen_vl.tiny("qwen3_vl", vocab_size=256), seed=1),
-                      seq_len_buckets=(64,))  # fmt: skip
+    learner = Learner(
+        qwen_vl.init_random(qwen_vl.tiny("qwen3_vl", vocab_size=256), seed=1), seq_len_buckets=(64,)
+    )
     ck = Checkpointer(str(tmp_path / "c"), keep=3)
     for s in (1, 2):
         ck.save(s, learner.state_dict(), {}, force=True)

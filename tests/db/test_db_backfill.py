@@ -85,8 +85,10 @@ def _rows(url: str) -> dict[str, list]:
         out = {k: [tuple(r) for r in c.execute(sa.text(v)).all()] for k, v in q.items()}
     e.dispose()
     for k in ("steps", "turns"):  # JSON columns come back as text on SQLite
-        out[k] = [tuple(json.loads(x) if isinstance(x, str) and x[:1] in "[{" else x for x in r)
-                  for r in out[k]]  # fmt: skip
+        out[k] = [
+            tuple(json.loads(x) if isinstance(x, str) and x[:1] in "[{" else x for x in r)
+            for r in out[k]
+        ]
     return out
 
 

@@ -131,7 +131,7 @@ def test_smoke_job_on_a_ray_fleet_survives_a_killed_node(tmp_path):
                 *ARGS,
                 f"--config.env.ray_address={c.address}",
                 f"--workdir={wd}",
-            ],  # fmt: skip
+            ],
             cwd=ROOT,
             env=env,
             stdout=log,

@@ -23,10 +23,18 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
     # one CPU device (the tests' conftest forces 8; the smoke preset's mesh is 1 x 1 x 1)
     env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
     return subprocess.run(
-        [sys.executable, os.path.join(ROOT, "launch", "tpu.py"),
-         "--config=configs/qwen3vl_grpo.py:smoke", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            os.path.join(ROOT, "launch", "tpu.py"),
+            "--config=configs/qwen3vl_grpo.py:smoke",
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 def test_dry_run_prints_the_plan_for_the_devices_present_and_exits_0(tmp_path):

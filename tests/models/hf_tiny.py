@@ -64,40 +64,74 @@ def hf_config(
         from transformers import Qwen2_5_VLConfig
 
         text = dict(
-            vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-            max_position_embeddings=4096, bos_token_id=None, eos_token_id=vocab_size - 8,
+            vocab_size=vocab_size,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=4096,
+            bos_token_id=None,
+            eos_token_id=vocab_size - 8,
             rope_parameters={
-                "rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6],
+                "rope_type": "default",
+                "rope_theta": 1000000.0,
+                "mrope_section": [4, 6, 6],
             },
             tie_word_embeddings=tie_word_embeddings,
-        )  # fmt: skip
+        )
         text.update(text_kw)
         vision = dict(
-            depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=128,
-            hidden_act="silu", patch_size=14, temporal_patch_size=2, spatial_merge_size=2,
-            window_size=56, fullatt_block_indexes=[1], tokens_per_second=2,
-        )  # fmt: skip
+            depth=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=4,
+            out_hidden_size=128,
+            hidden_act="silu",
+            patch_size=14,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            window_size=56,
+            fullatt_block_indexes=[1],
+            tokens_per_second=2,
+        )
         return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
     if family == "qwen3_vl":
         from transformers import Qwen3VLConfig
 
         text = dict(
-            vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+            vocab_size=vocab_size,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            rms_norm_eps=1e-6,
             max_position_embeddings=4096,
             rope_parameters={
-                "rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [6, 5, 5],
+                "rope_type": "default",
+                "rope_theta": 5000000.0,
+                "mrope_section": [6, 5, 5],
                 "mrope_interleaved": True,
             },
             tie_word_embeddings=tie_word_embeddings,
-        )  # fmt: skip
+        )
         text.update(text_kw)
         vision = dict(
-            depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=128,
-            hidden_act="gelu_pytorch_tanh", patch_size=16, temporal_patch_size=2,
-            spatial_merge_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0, 1],
-        )  # fmt: skip
+            depth=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_heads=4,
+            out_hidden_size=128,
+            hidden_act="gelu_pytorch_tanh",
+            patch_size=16,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0, 1],
+        )
         return Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
     if family == "qwen3_vl_moe":
         from transformers import Qwen3VLMoeConfig
@@ -172,9 +206,12 @@ def image_inputs(family: str, sizes: list[tuple[int, int]], seed: int = 0):
     rng = np.random.default_rng(seed)
     patch = 14 if family == "qwen2_5_vl" else 16  # qwen3_vl and qwen3_vl_moe: 16
     proc = Qwen2VLImageProcessor(
-        patch_size=patch, temporal_patch_size=2, merge_size=2,
-        min_pixels=(patch * 2) ** 2, max_pixels=(patch * 2) ** 2 * 64,
-    )  # fmt: skip
+        patch_size=patch,
+        temporal_patch_size=2,
+        merge_size=2,
+        min_pixels=(patch * 2) ** 2,
+        max_pixels=(patch * 2) ** 2 * 64,
+    )
     images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
     out = proc(images=images, return_tensors="np")
     return np.asarray(out["pixel_values"], np.float32), np.asarray(out["image_grid_thw"])

@@ -95,7 +95,7 @@ def test_kernel_compiles_for_a_tpu_ahead_of_time():
             sds((1, T, N_), jnp.float32),
             sds((1, N_, H_, H_), jnp.float32),
             sds((1, T), jnp.int32),
-        )  # fmt: skip
+        )
         .compile()
     )
     assert "tpu_custom_call" in compiled.as_text()  # the Mosaic kernel, not an XLA fallback

@@ -43,8 +43,15 @@ def _inputs(T: int, gates: str, seed: int = 0):
 
 def _torch(fn, q, k, v, g, beta, s0, **kw):
     t = [torch.from_numpy(np.asarray(x)) for x in (q, k, v, g, beta, s0)]
-    o, s = fn(*t[:3], g=t[3], beta=t[4], initial_state=t[5], output_final_state=True,
-              use_qk_l2norm_in_kernel=True, **kw)  # fmt: skip
+    o, s = fn(
+        *t[:3],
+        g=t[3],
+        beta=t[4],
+        initial_state=t[5],
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        **kw,
+    )
     return o.numpy(), s.numpy()
 
 
@@ -78,8 +85,9 @@ def test_without_initial_state_and_without_l2norm():
     q, k, v, g, beta, _ = _inputs(40, "random", seed=1)
     k = k / np.linalg.norm(k, axis=-1, keepdims=True)  # the un-normalised rule needs |k| <= 1
     t = [torch.from_numpy(x) for x in (q, k, v, g, beta)]
-    o_t, s_t = hf.torch_chunk_gated_delta_rule(*t[:3], g=t[3], beta=t[4], output_final_state=True,
-                                               chunk_size=16)  # fmt: skip
+    o_t, s_t = hf.torch_chunk_gated_delta_rule(
+        *t[:3], g=t[3], beta=t[4], output_final_state=True, chunk_size=16
+    )
     o_c, s_c = chunked(q, k, v, g, beta, chunk_size=16, use_qk_l2norm=False)
     o_r, s_r = recurrent(q, k, v, g, beta, use_qk_l2norm=False)
     _close(o_c, o_t.numpy(), 1e-4), _close(s_c, s_t.numpy(), 1e-4)

@@ -40,9 +40,15 @@ HF_FIELDS = dict(
 
 def _hf_config(**kw):
     return transformers.Qwen3_5TextConfig(
-        vocab_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=16, intermediate_size=64, **HF_FIELDS, **kw,
-    )  # fmt: skip
+        vocab_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        **HF_FIELDS,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +157,7 @@ def test_state_zeros_matches_the_layer_and_loading_checks_names(pair):
 
 @pytest.mark.parametrize("n_layers,interval", [(8, 4), (6, 3), (5, 2)])
 def test_layer_types_follow_transformers(n_layers, interval):
-    cfg = transformers.Qwen3_5TextConfig(num_hidden_layers=n_layers,
-                                         full_attention_interval=interval)  # fmt: skip
+    cfg = transformers.Qwen3_5TextConfig(
+        num_hidden_layers=n_layers, full_attention_interval=interval
+    )
     assert layer_types(n_layers, interval) == tuple(cfg.layer_types)

@@ -102,8 +102,11 @@ def test_reference_is_the_policy_rl_starts_from_and_survives_a_resume(use_lora, 
     the same reference back from the checkpoint."""
     from cua_jax.checkpoint.orbax_io import Checkpointer
 
-    kw = dict(lora=LoraConfig(rank=4, alpha=8.0) if use_lora else None, seq_len_buckets=(32,),
-              optimizer=OptimizerConfig(learning_rate=1e-2))  # fmt: skip
+    kw = dict(
+        lora=LoraConfig(rank=4, alpha=8.0) if use_lora else None,
+        seq_len_buckets=(32,),
+        optimizer=OptimizerConfig(learning_rate=1e-2),
+    )
     model = qwen_vl.QwenVL(CFG, rngs=nnx.Rngs(0))
     sft = Learner(model, **kw)
     batch, _ = sft.prepare_batch(_groups())
@@ -131,9 +134,11 @@ def test_reference_is_the_policy_rl_starts_from_and_survives_a_resume(use_lora, 
     again = resumed.token_logprobs(batch, reference=True)[:, 1:]
     np.testing.assert_allclose(again[mask], sft_lp[mask], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(
-        resumed.token_logprobs(batch)[:, 1:][mask], rl.token_logprobs(batch)[:, 1:][mask],
-        rtol=1e-5, atol=1e-5,
-    )  # fmt: skip
+        resumed.token_logprobs(batch)[:, 1:][mask],
+        rl.token_logprobs(batch)[:, 1:][mask],
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_config_lora_targets_leave_the_vision_tower_alone():

@@ -42,9 +42,14 @@ def samples(cfg, n=8, seed=0):
             grid = np.array([[1, 4, 6]], np.int32)
             k = int(grid.prod()) // v.spatial_merge_size**2
             ids = np.concatenate(
-                [text[:5], [cfg.vision_start_token_id], [cfg.image_token_id] * k,
-                 [cfg.vision_end_token_id], text[5:]]
-            ).astype(np.int32)  # fmt: skip
+                [
+                    text[:5],
+                    [cfg.vision_start_token_id],
+                    [cfg.image_token_id] * k,
+                    [cfg.vision_end_token_id],
+                    text[5:],
+                ]
+            ).astype(np.int32)
             pv = rng.standard_normal((int(grid.prod()), dim)).astype(np.float32)
         else:
             ids = text
@@ -83,15 +88,22 @@ def sdpo_groups(processor, size, n_groups=4, hit_every=1):
             prompt = tr.prompt("", screen)
             gen = np.asarray(tok.encode(text) + [tok.im_end_id], np.int32)
             turn = Turn(
-                prompt.ids, gen, np.full(gen.size, -1.0, np.float32),
-                pixel_values=prompt.new_pixel_values, image_grid_thw=prompt.new_grid,
+                prompt.ids,
+                gen,
+                np.full(gen.size, -1.0, np.float32),
+                pixel_values=prompt.new_pixel_values,
+                image_grid_thw=prompt.new_grid,
                 extends_previous=prompt.extends,
-            )  # fmt: skip
+            )
             success = success and g % hit_every == 0
             traj = Trajectory(
-                f"t{g}", f"g{g}", [turn], reward=float(success), success=success,
+                f"t{g}",
+                f"g{g}",
+                [turn],
+                reward=float(success),
+                success=success,
                 failure_reason=None if success else "max_turns",
-            )  # fmt: skip
+            )
             if not success:
                 traj.checker_message = f'Clicked at (10, 20); the target was "B{g}" at (500, 300).'
             group.append(traj)

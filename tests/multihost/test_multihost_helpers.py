@@ -18,13 +18,28 @@ def test_task_shares_partition_the_tasks_deterministically():
 
 def test_reduce_metrics_adds_counts_takes_the_slowest_time_and_averages_means():
     rows = [
-        {"rollout/reward": 0.5, "rollout/env_failures": 1.0, "time/step": 3.0,
-         "rollout/staleness_max": 0.0, "store/put": 4.0, "train/loss": 0.25,
-         "eval/success": 0.5, "train/rows": 2.0},
-        {"rollout/reward": 1.0, "rollout/env_failures": 2.0, "time/step": 5.0,
-         "rollout/staleness_max": 1.0, "store/put": 4.0, "train/loss": 0.25,
-         "eval/success": 0.5, "train/rows": 2.0, "only/here": 7.0},
-    ]  # fmt: skip
+        {
+            "rollout/reward": 0.5,
+            "rollout/env_failures": 1.0,
+            "time/step": 3.0,
+            "rollout/staleness_max": 0.0,
+            "store/put": 4.0,
+            "train/loss": 0.25,
+            "eval/success": 0.5,
+            "train/rows": 2.0,
+        },
+        {
+            "rollout/reward": 1.0,
+            "rollout/env_failures": 2.0,
+            "time/step": 5.0,
+            "rollout/staleness_max": 1.0,
+            "store/put": 4.0,
+            "train/loss": 0.25,
+            "eval/success": 0.5,
+            "train/rows": 2.0,
+            "only/here": 7.0,
+        },
+    ]
     out = multihost.reduce_metrics(rows)
     assert out == {
         "rollout/reward": 0.75,

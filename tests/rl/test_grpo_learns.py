@@ -35,8 +35,7 @@ def _p_good(model) -> float:
 
 def test_grpo_raises_the_probability_of_rewarded_actions():
     model = qwen_vl.QwenVL(CFG, rngs=nnx.Rngs(0))
-    engine = Engine(model, max_slots=16, page_size=8, num_pages=64, max_seq_len=32,
-                    decode_chunk=4)  # fmt: skip
+    engine = Engine(model, max_slots=16, page_size=8, num_pages=64, max_seq_len=32, decode_chunk=4)
     learner = Learner(
         model,
         optimizer=OptimizerConfig(learning_rate=1e-2),
@@ -48,18 +47,25 @@ def test_grpo_raises_the_probability_of_rewarded_actions():
     rewards = []
     for step in range(12):
         reqs = [
-            dict(prompt_ids=PROMPT, params=SamplingParams(
-                temperature=1.0, seed=1000 * step + i, max_new_tokens=2,
-                banned_token_ids=CFG.vision_placeholder_ids))
+            dict(
+                prompt_ids=PROMPT,
+                params=SamplingParams(
+                    temperature=1.0,
+                    seed=1000 * step + i,
+                    max_new_tokens=2,
+                    banned_token_ids=CFG.vision_placeholder_ids,
+                ),
+            )
             for i in range(16)
-        ]  # fmt: skip
+        ]
         outs = engine.generate_batch(reqs)
         groups = [[], []]
         for i, o in enumerate(outs):
             r = float(o.tokens[0] < GOOD)
             turn = Turn(PROMPT, np.asarray(o.tokens, np.int32), np.asarray(o.logprobs))
-            groups[i // 8].append(Trajectory("bandit", f"{step}/{i // 8}", [turn], reward=r,
-                                             policy_version=o.version))  # fmt: skip
+            groups[i // 8].append(
+                Trajectory("bandit", f"{step}/{i // 8}", [turn], reward=r, policy_version=o.version)
+            )
             rewards.append(r)
         batch, info = learner.prepare_batch(groups)
         if batch is not None:

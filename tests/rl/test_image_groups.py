@@ -163,9 +163,16 @@ def _fake_batch(screens_R):
     pv = np.concatenate([np.full((n, 2), r, np.float32) for r, n in enumerate(screens_R)])
     z = np.zeros((R, 8), np.float32)
     return PackedBatch(
-        ids, seg, np.zeros((3, R, 8), np.int32), z > 0, z, z, z, pixel_values=pv,
+        ids,
+        seg,
+        np.zeros((3, R, 8), np.int32),
+        z > 0,
+        z,
+        z,
+        z,
+        pixel_values=pv,
         image_grid_thw=np.ones((int(screens_R.sum()), 3), np.int32),
-    )  # fmt: skip
+    )
 
 
 def test_group_pixels_refuses_an_overfull_group():

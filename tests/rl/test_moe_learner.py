@@ -31,9 +31,12 @@ def episode():
     tok = proc.tokenizer
     cfg = qwen_vl.tiny("qwen3_vl", vocab_size=tok.vocab_size, moe=True, **tok.vision_token_ids())
     engine = Engine(
-        qwen_vl.init_random(cfg, seed=0), max_slots=2, page_size=16, num_pages=256,
+        qwen_vl.init_random(cfg, seed=0),
+        max_slots=2,
+        page_size=16,
+        num_pages=256,
         max_seq_len=512,
-    )  # fmt: skip
+    )
     settings = RolloutSettings(max_turns=2, max_new_tokens=8, system_prompt="compact")
     loop = AgentLoop(engine, proc, settings)
     trajs = asyncio.run(loop.run_group(Pool(2), TASK, 2, seed=3, group_id="g"))
@@ -245,8 +248,14 @@ def test_config_keys_build_the_tiny_moe_and_are_checked():
     from cua_jax import builders
     from cua_jax.config_checks import ConfigError, validate_config
 
-    c = _smoke_config(**{"model.preset": "tiny_moe", "rl.routing_replay": True,
-                         "rl.router_aux_coef": 0.01, "mesh.expert": 1})  # fmt: skip
+    c = _smoke_config(
+        **{
+            "model.preset": "tiny_moe",
+            "rl.routing_replay": True,
+            "rl.router_aux_coef": 0.01,
+            "mesh.expert": 1,
+        }
+    )
     validate_config(c)
     mesh, rules = builders.mesh_and_rules(c, devices=jax.devices()[:1])
     assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}

@@ -572,10 +572,17 @@ def test_failed_attempts_give_feedback_demos_as_the_sdpo_teacher_reads_them(engi
     learner = Learner(model, seq_len_buckets=(4096,), donate=False)
     batches, info = asyncio.run(
         oracle_sft_batches(
-            learner, loop, ReportingPool(2), [TASK], rows=8, episodes_per_task=4,
-            recovery_share=0.0, seed=0, feedback_share=0.5,
+            learner,
+            loop,
+            ReportingPool(2),
+            [TASK],
+            rows=8,
+            episodes_per_task=4,
+            recovery_share=0.0,
+            seed=0,
+            feedback_share=0.5,
         )
-    )  # fmt: skip
+    )
     assert info["sft/demos"] == 4 and info["sft/feedback_attempts"] == 2
     assert info["sft/feedback_samples"] == info["sft/feedback_attempts_failed"] > 0
     batch = next(batches)

@@ -50,9 +50,14 @@ def _close(a, b, rtol=2e-4, atol=2e-6):
 def test_budget_shapes_follow_the_token_and_screen_budget():
     c = ml_collections.ConfigDict()
     c.rl = ml_collections.ConfigDict(
-        dict(tokens_per_chip=8192, screens_per_chip=0, row_lengths=(1024, 4096, 16384),
-             strict_shapes=False, algorithm="grpo")
-    )  # fmt: skip
+        dict(
+            tokens_per_chip=8192,
+            screens_per_chip=0,
+            row_lengths=(1024, 4096, 16384),
+            strict_shapes=False,
+            algorithm="grpo",
+        )
+    )
     grid = (1, 44, 80)  # 1280 x 704 at 16-pixel patches: 880 merged tokens a screen
     shapes = ShapeSet._budget(c, grid, 880, row_multiple=8)
     assert shapes.budgeted and shapes.rl == shapes.sft
@@ -214,9 +219,12 @@ def test_sdpo_step_and_teacher_pass_over_chunks_equal_one_call(mesh4):
     batch, _ = budget.prepare_batch(make_groups(seed=21, n_groups=3))
     assert batch.chunks >= 2
     flat = Learner(
-        _model(), mesh=mesh4, optimizer=OPT, loss=LossConfig(kl_coef=0.05),
+        _model(),
+        mesh=mesh4,
+        optimizer=OPT,
+        loss=LossConfig(kl_coef=0.05),
         seq_len_buckets=(64,),
-    )  # fmt: skip
+    )
     whole = dataclasses.replace(batch, chunks=1, patch_budget=0, group_screens=0)
     ids_b, lp_b = sdpo.teacher_topk(budget, budget._trainable, batch, 8)
     ids_f, lp_f = sdpo.teacher_topk(flat, flat._trainable, whole, 8)

@@ -115,10 +115,15 @@ def test_seq_mean_modes_average_over_rollouts_not_chains():
     GRPO divides by the 2 rollouts and the constant C, whatever the row length."""
     pos = lambda ids, g: np.zeros((3, len(ids)))  # noqa: E731
     a = Trajectory("task", "g0", [_turn([1, 2, 3], [10, 11, 12, 13])])
-    b = Trajectory("task", "g0", [
-        _turn([1, 2], [10], images=1), _turn([1, 2, 10, 3], [11], extends=True, images=1),
-        _turn([7, 3], [12, 13], images=1),
-    ])  # fmt: skip
+    b = Trajectory(
+        "task",
+        "g0",
+        [
+            _turn([1, 2], [10], images=1),
+            _turn([1, 2, 10, 3], [11], extends=True, images=1),
+            _turn([7, 3], [12, 13], images=1),
+        ],
+    )
     samples = trajectory_to_samples(a, 1.0, pos) + trajectory_to_samples(b, -1.0, pos)
     assert len(samples) == 3 and samples[1].episode == samples[2].episode != samples[0].episode
 

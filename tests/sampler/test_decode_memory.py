@@ -60,8 +60,14 @@ def test_a_model_with_remat_samples_as_without():
     outs = {}
     for r in ("none", remat):
         model = qwen_vl.QwenVL(_cfg(r), rngs=nnx.Rngs(0))
-        engine = Engine(model, max_slots=2, num_pages=32, max_seq_len=64, decode_chunk=4,
-                        attn_backend="reference")  # fmt: skip
+        engine = Engine(
+            model,
+            max_slots=2,
+            num_pages=32,
+            max_seq_len=64,
+            decode_chunk=4,
+            attn_backend="reference",
+        )
         outs[r] = engine.generate_batch(reqs)
         assert model.config.remat == r and model.model.language_model.cfg.remat == r
     for a, b in zip(outs["none"], outs[remat], strict=True):
@@ -85,10 +91,12 @@ def test_decode_chunk_for_tpu_keeps_the_pools_in_place():
     params = plan_lib.with_shardings(params, param_sh)
     t, S, pages, L, P = cfg.text, 4, 1024, 16, 16
     kv_sh = placement.kv_sharding(mesh)
-    cache = steps.abstract_cache(t.num_hidden_layers, t.num_key_value_heads, pages, L,
-                                 t.head_dim, jnp.bfloat16, kv_sh)  # fmt: skip
-    step_cfg = steps.StepConfig(page_size=L, decode_chunk=4, head_dim=t.head_dim,
-                                attn_backend="tpu", mesh=mesh)  # fmt: skip
+    cache = steps.abstract_cache(
+        t.num_hidden_layers, t.num_key_value_heads, pages, L, t.head_dim, jnp.bfloat16, kv_sh
+    )
+    step_cfg = steps.StepConfig(
+        page_size=L, decode_chunk=4, head_dim=t.head_dim, attn_backend="tpu", mesh=mesh
+    )
     sh = steps.StepShardings(param_sh, kv_sh, placement.replicated(mesh))
     fns = steps.build_step_fns(model_def, step_cfg, sh, t.num_hidden_layers)
     # Mosaic cannot compile the kernel's dot of bf16 K/V at "highest" (the tests' default)
@@ -97,8 +105,11 @@ def test_decode_chunk_for_tpu_keeps_the_pools_in_place():
     text = compiled.as_text()
     assert "tpu_custom_call" in text  # the Pallas TPU kernel is in the loop
     pool = f"bf16[{t.num_key_value_heads},{pages},{L},{t.head_dim}]"
-    copies = [ln for ln in text.splitlines()
-              if re.search(re.escape(pool) + r"\{[^}]*\} copy(-start)?\(", ln)]  # fmt: skip
+    copies = [
+        ln
+        for ln in text.splitlines()
+        if re.search(re.escape(pool) + r"\{[^}]*\} copy(-start)?\(", ln)
+    ]
     assert not copies, copies[:2]
     pool_bytes = plan_lib.tree_shard_bytes(cache)
     m = compiled.memory_analysis()

@@ -38,8 +38,9 @@ def setup(tmp_path_factory):
 
 def forward(model, seq, pv=None, grid=None):
     """Our full forward over `seq`: (log-softmax f32[T, V], experts i32[L, T, K])."""
-    logits, info = model(np.asarray(seq)[None], pixel_values=pv, image_grid_thw=grid,
-                         return_routing=True)  # fmt: skip
+    logits, info = model(
+        np.asarray(seq)[None], pixel_values=pv, image_grid_thw=grid, return_routing=True
+    )
     return np.asarray(jax.nn.log_softmax(logits[0], axis=-1)), np.asarray(info.experts[:, 0])
 
 

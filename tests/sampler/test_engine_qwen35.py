@@ -195,9 +195,13 @@ def test_lengths_leave_state_after_last_real_token():
     @nnx.jit
     def states(model, ids, pos, st, lengths):
         _, out = model.decode(
-            model.embed(ids)[0], pos, dense, linear_states=st, return_linear_states=True,
+            model.embed(ids)[0],
+            pos,
+            dense,
+            linear_states=st,
+            return_linear_states=True,
             lengths=lengths,
-        )  # fmt: skip
+        )
         return out
 
     pos7 = jnp.broadcast_to(jnp.arange(7)[None, None], (3, 3, 7))

@@ -41,22 +41,31 @@ def test_table_counts_a_tree_with_and_without_the_extra(tmp_path):
         "id": "a",
         "instruction": "make a dir",
         "config": [{"type": "execute", "parameters": {"command": ["mkdir", "-p", "~/d"]}}],
-        "evaluator": {"func": "exact_match", "result": {"type": "vm_command_line",
-                      "command": "ls ~"}, "expected": {"type": "rule", "rules": {"expected": "d"}}},
-    }  # fmt: skip
+        "evaluator": {
+            "func": "exact_match",
+            "result": {"type": "vm_command_line", "command": "ls ~"},
+            "expected": {"type": "rule", "rules": {"expected": "d"}},
+        },
+    }
     needs_extra = {
         **ok,
         "id": "b",
         "related_apps": ["chrome"],
-        "evaluator": {"func": "is_expected_tabs", "result": {"type": "open_tabs_info"},
-                      "expected": {"type": "rule", "rules": {"urls": ["https://x.org"]}}},
-    }  # fmt: skip
+        "evaluator": {
+            "func": "is_expected_tabs",
+            "result": {"type": "open_tabs_info"},
+            "expected": {"type": "rule", "rules": {"urls": ["https://x.org"]}},
+        },
+    }
     (tmp_path / "os" / "a.json").write_text(json.dumps(ok))
     (tmp_path / "chrome" / "b.json").write_text(json.dumps(needs_extra))
     (tmp_path / "chrome" / "bad.json").write_text("{not json")
     tool = [sys.executable, olc.__file__, str(tmp_path)]
-    hidden = json.loads(subprocess.run([*tool, "--json", "--hide-extra"], capture_output=True,
-                                       text=True, check=True).stdout)  # fmt: skip
+    hidden = json.loads(
+        subprocess.run(
+            [*tool, "--json", "--hide-extra"], capture_output=True, text=True, check=True
+        ).stdout
+    )
     assert hidden["loaded_ids"] == ["os/a"] and hidden["total"] == 3
     table = olc.domain_table(tmp_path)
     rows = {r.split("|")[1].strip(): r for r in table.splitlines() if r.startswith("| ")}

@@ -222,8 +222,11 @@ def test_bad_input_raises_a_plan_input_error(hf_dir, tmp_path):
 def _tool(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "tools/plan.py", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _last_line(stderr: str) -> str:
@@ -231,8 +234,7 @@ def _last_line(stderr: str) -> str:
 
 
 def test_a_preset_far_too_big_exits_1_with_one_line():
-    r = _tool("--config=configs/qwen25vl_grpo.py:72b", "--topology=v5e-4",
-              "--config.mesh.tensor=4")  # fmt: skip
+    r = _tool("--config=configs/qwen25vl_grpo.py:72b", "--topology=v5e-4", "--config.mesh.tensor=4")
     assert r.returncode == 1, r.stderr[-2000:]
     line = _last_line(r.stderr)
     # the real presets plan their token-budget chunks: the first misfit is the shortest rows'
@@ -245,13 +247,17 @@ def test_a_preset_far_too_big_exits_1_with_one_line():
     "args,expected",
     [
         (["--topology=v9-8"], "unknown topology 'v9-8'; known: v4-8, "),
-        (["--topology=v5p-8", "--config.model.hf_path=/nope/ckpt"],
-         "--config.model.hf_path=/nope/ckpt is not a directory"),
-        (["--topology=v5p-16", "--config.mesh.fsdp=3"],
-         "mesh does not fit v5p-16 (8 chips): mesh data=1 x fsdp=3 x expert=1 x tensor=2 needs 6 "
-         "devices, have 8"),
+        (
+            ["--topology=v5p-8", "--config.model.hf_path=/nope/ckpt"],
+            "--config.model.hf_path=/nope/ckpt is not a directory",
+        ),
+        (
+            ["--topology=v5p-16", "--config.mesh.fsdp=3"],
+            "mesh does not fit v5p-16 (8 chips): mesh data=1 x fsdp=3 x expert=1 x tensor=2 "
+            "needs 6 devices, have 8",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_input_exits_2_with_one_line(args, expected):
     r = _tool("--config=configs/qwen3vl_grpo.py:8b", *args)
     assert r.returncode == 2, r.stderr[-2000:]
@@ -283,14 +289,23 @@ def test_token_budget_plan_writes_json_with_every_chunk_program(hf_dir, tmp_path
     group holds 256 (tokens_per_chip // 4 too)."""
     out = tmp_path / "plan.json"
     r = _tool(
-        "--config=configs/qwen3vl_grpo.py:smoke", f"--config.model.hf_path={hf_dir}",
-        "--config.model.dtype=bfloat16", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
-        f"--config.sampler.num_pages={PAGES}", f"--config.sampler.page_size={PAGE}",
-        f"--config.sampler.max_slots={SLOTS}", f"--config.sampler.max_seq_len={SEQ}",
-        "--config.rl.tokens_per_chip=1024", "--config.rl.row_lengths=(1024,)",
-        "--config.env.viewport_width=64", "--config.env.viewport_height=64",
-        "--config.sampler.kv_memory_fraction=0.5", "--topology=v5e-4", f"--json={out}",
-    )  # fmt: skip
+        "--config=configs/qwen3vl_grpo.py:smoke",
+        f"--config.model.hf_path={hf_dir}",
+        "--config.model.dtype=bfloat16",
+        "--config.mesh.fsdp=2",
+        "--config.mesh.tensor=2",
+        f"--config.sampler.num_pages={PAGES}",
+        f"--config.sampler.page_size={PAGE}",
+        f"--config.sampler.max_slots={SLOTS}",
+        f"--config.sampler.max_seq_len={SEQ}",
+        "--config.rl.tokens_per_chip=1024",
+        "--config.rl.row_lengths=(1024,)",
+        "--config.env.viewport_width=64",
+        "--config.env.viewport_height=64",
+        "--config.sampler.kv_memory_fraction=0.5",
+        "--topology=v5e-4",
+        f"--json={out}",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     record = json.loads(out.read_text())
     assert record["preset"] == "smoke" and record["topology"] == "v5e-4" and record["fits"]

@@ -153,13 +153,26 @@ def test_an_osworld_meta_eval_through_the_server_writes_what_show_results_reads(
                 assert time.monotonic() - t0 < 120, "tools/serve.py did not come up"
                 time.sleep(0.5)
         r = subprocess.run(
-            [sys.executable, "tools/eval.py", CONFIG, "--config.env.kind=vm",
-             "--config.env.concurrency=1", "--config.log.db=False", "--agent=openai",
-             f"--base_url=http://127.0.0.1:{port}/v1", "--model=smoke",
-             f"--out={tmp_path / 'out'}", f"--result_dir={results}",
-             f"--osworld_meta={ev / 'meta.json'}"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "tools/eval.py",
+                CONFIG,
+                "--config.env.kind=vm",
+                "--config.env.concurrency=1",
+                "--config.log.db=False",
+                "--agent=openai",
+                f"--base_url=http://127.0.0.1:{port}/v1",
+                "--model=smoke",
+                f"--out={tmp_path / 'out'}",
+                f"--result_dir={results}",
+                f"--osworld_meta={ev / 'meta.json'}",
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         server.terminate()
         server.wait(30)
@@ -170,6 +183,9 @@ def test_an_osworld_meta_eval_through_the_server_writes_what_show_results_reads(
     assert steps and all(s["token_ids"] for s in steps)  # replies came from the served engine
     show = subprocess.run(
         [sys.executable, "tools/show_results.py", str(results), "--model=smoke"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert show.returncode == 0 and "Score: 1 / 1" in show.stdout, show.stdout + show.stderr

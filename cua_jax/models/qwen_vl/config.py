@@ -202,9 +202,11 @@ class QwenVLConfig:
         """image pad, video pad, vision start, vision end: prompt-only tokens that a policy must
         never generate (a generated one would start an image run with no pixels behind it)."""
         return (
-            self.image_token_id, self.video_token_id,
-            self.vision_start_token_id, self.vision_end_token_id,
-        )  # fmt: skip
+            self.image_token_id,
+            self.video_token_id,
+            self.vision_start_token_id,
+            self.vision_end_token_id,
+        )
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -689,8 +691,11 @@ def tiny(
         image_token_id=vocab_size - 4,
         video_token_id=vocab_size - 3,
     )
-    text_ids = {k: overrides.pop(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-                if k in overrides}  # fmt: skip
+    text_ids = {
+        k: overrides.pop(k)
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+        if k in overrides
+    }
     text = dataclasses.replace(text, **text_ids)
     if moe:
         base = {**TINY_MOE, **(TINY_SHARED_EXPERT if q35 else {})}
@@ -715,18 +720,38 @@ def tiny_qwen35_moe(vocab_size: int = 512, **overrides: Any) -> QwenVLConfig:
 # The dimensions of the published Hugging Face `config.json` files (Qwen/Qwen2.5-VL-*-Instruct,
 # Qwen/Qwen3-VL-*-Instruct): enough to build a real-size model abstractly (no download) for
 # sharding checks and ahead-of-time memory plans (cua_jax.plan).
-_PUBLISHED_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
-                      vision_end_token_id=151653)  # fmt: skip
+_PUBLISHED_IDS = dict(
+    image_token_id=151655,
+    video_token_id=151656,
+    vision_start_token_id=151652,
+    vision_end_token_id=151653,
+)
 # Qwen2.5-VL: one 675M vision tower for every size (out_hidden_size = the text width).
-_Q25_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
-                   fullatt_block_indexes=[7, 15, 23, 31], window_size=112)  # fmt: skip
+_Q25_VISION = dict(
+    depth=32,
+    hidden_size=1280,
+    intermediate_size=3420,
+    num_heads=16,
+    fullatt_block_indexes=[7, 15, 23, 31],
+    window_size=112,
+)
 # Qwen3-VL: a smaller tower for 2B / 4B than for 8B / 32B.
-_Q3_VISION_SMALL = dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
-                        num_position_embeddings=2304,
-                        deepstack_visual_indexes=[5, 11, 17])  # fmt: skip
-_Q3_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
-                  num_position_embeddings=2304,
-                  deepstack_visual_indexes=[8, 16, 24])  # fmt: skip
+_Q3_VISION_SMALL = dict(
+    depth=24,
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_heads=16,
+    num_position_embeddings=2304,
+    deepstack_visual_indexes=[5, 11, 17],
+)
+_Q3_VISION = dict(
+    depth=27,
+    hidden_size=1152,
+    intermediate_size=4304,
+    num_heads=16,
+    num_position_embeddings=2304,
+    deepstack_visual_indexes=[8, 16, 24],
+)
 # (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings, vision)
 PUBLISHED: dict[tuple[str, str], tuple[int, int, int, int, int, int, bool, dict[str, Any]]] = {
     ("qwen2_5_vl", "3b"): (2048, 11008, 36, 16, 2, 151936, True, _Q25_VISION),
@@ -744,11 +769,16 @@ PUBLISHED: dict[tuple[str, str], tuple[int, int, int, int, int, int, bool, dict[
 # experts of width 1536, top-8) is not listed: 2.4e11 parameters, beyond what the abstract
 # sharding checks (tests/configs) build.
 PUBLISHED_MOE: dict[tuple[str, str], dict[str, Any]] = {
-    ("qwen3_vl", "30b-a3b"): dict(num_experts=128, num_experts_per_tok=8,
-                                  moe_intermediate_size=768, decoder_sparse_step=1,
-                                  mlp_only_layers=[], norm_topk_prob=True,
-                                  rope_theta=5000000.0),
-}  # fmt: skip
+    ("qwen3_vl", "30b-a3b"): dict(
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        rope_theta=5000000.0,
+    ),
+}
 
 
 # Qwen3.5 (HF model_type "qwen3_5" / "qwen3_5_moe"): the text_config fields cua_jax reads. Not
@@ -835,18 +865,28 @@ def published_hf_dict(family: str, size: str) -> dict[str, Any]:
         )
         raise ValueError(f"no published config for {family}:{size}; known: {known}")
     hidden, inter, layers, heads, kv, vocab, tied, vision = PUBLISHED[family, size]
-    text: dict[str, Any] = dict(hidden_size=hidden, intermediate_size=inter,
-                                num_hidden_layers=layers, num_attention_heads=heads,
-                                num_key_value_heads=kv, vocab_size=vocab,
-                                tie_word_embeddings=tied)  # fmt: skip
+    text: dict[str, Any] = dict(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+    )
     if family == "qwen3_vl":
         text["head_dim"] = 128
     moe = PUBLISHED_MOE.get((family, size))
     if moe is not None:
         text.update(moe)
         family = "qwen3_vl_moe"
-    return {"model_type": family, "text_config": text, "tie_word_embeddings": tied,
-            "vision_config": dict(vision, out_hidden_size=hidden), **_PUBLISHED_IDS}  # fmt: skip
+    return {
+        "model_type": family,
+        "text_config": text,
+        "tie_word_embeddings": tied,
+        "vision_config": dict(vision, out_hidden_size=hidden),
+        **_PUBLISHED_IDS,
+    }
 
 
 def published_config(family: str, size: str, **options: Any) -> QwenVLConfig:

@@ -140,9 +140,16 @@ def make_chunk_rule(
 
         def local(q, k, v, g, beta, s0, seg):
             return kernel.chunk_gated_delta_rule_trainable(
-                q, k, v, g, beta, initial_state=s0, segment_ids=seg, chunk_size=chunk_size,
+                q,
+                k,
+                v,
+                g,
+                beta,
+                initial_state=s0,
+                segment_ids=seg,
+                chunk_size=chunk_size,
                 interpret=platform != "tpu",
-            )  # fmt: skip
+            )
 
         if mesh is None or mesh.size == 1:
             return local(q, k, v, g, beta, s0, seg)
@@ -180,11 +187,15 @@ class LinearAttnState(NamedTuple):
         return cls(
             jnp.zeros((batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), jdtype(cfg.dtype)),
             jnp.zeros(
-                (batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                 cfg.linear_value_head_dim),
+                (
+                    batch,
+                    cfg.linear_num_value_heads,
+                    cfg.linear_key_head_dim,
+                    cfg.linear_value_head_dim,
+                ),
                 jnp.float32,
             ),
-        )  # fmt: skip
+        )
 
 
 class DepthwiseConv1d(nnx.Module):
@@ -269,9 +280,11 @@ class GatedDeltaNet(nnx.Module):
         a_BTN = self.in_proj_a(x_BTD)
 
         conv_BTC, conv_state = gdr.causal_conv1d(
-            mixed_BTC, self.conv1d.weight[...][:, 0, :], conv_state=state.conv,
+            mixed_BTC,
+            self.conv1d.weight[...][:, 0, :],
+            conv_state=state.conv,
             segment_ids=segment_ids,
-        )  # fmt: skip
+        )
         conv_in_BTC = mixed_BTC
         mixed_BTC = jax.nn.silu(conv_BTC).astype(dt)
         q, k, v = jnp.split(mixed_BTC, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
@@ -321,8 +334,10 @@ def load_hf_tensors(layer: GatedDeltaNet, tensors: dict[str, np.ndarray]) -> Non
         for name in tensors
     }
     if got != want:
-        raise ValueError(f"HF tensors do not match the layer: missing {sorted(want - got)}, "
-                         f"unexpected {sorted(got - want)}")  # fmt: skip
+        raise ValueError(
+            f"HF tensors do not match the layer: missing {sorted(want - got)}, "
+            f"unexpected {sorted(got - want)}"
+        )
     for name, value in tensors.items():
         base = name.removesuffix(".weight")
         ours = (base, "kernel") if base in HF_LINEAR else tuple(name.split("."))

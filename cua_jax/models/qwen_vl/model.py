@@ -101,9 +101,14 @@ class QwenVL(nnx.Module):
         t = config.text
         if not config.tie_word_embeddings:
             self.lm_head = Linear(
-                t.hidden_size, t.vocab_size, ("embed", "vocab"), bias=False, rngs=rngs,
-                param_dtype=jdtype(config.param_dtype), dtype=jdtype(config.dtype),
-            )  # fmt: skip
+                t.hidden_size,
+                t.vocab_size,
+                ("embed", "vocab"),
+                bias=False,
+                rngs=rngs,
+                param_dtype=jdtype(config.param_dtype),
+                dtype=jdtype(config.dtype),
+            )
 
     def use_mesh(self, mesh: Mesh | None, rules: tuple | None = None) -> None:
         """The mesh and rules the model's parameters live on (set by `sharding.shard_model`):
@@ -121,9 +126,13 @@ class QwenVL(nnx.Module):
         the mask and segment ids (`qwen35.RowAttnFn`) for Qwen3.5's linear layers."""
         cfg = self.config
         fn = make_dense_attn_fn(
-            attention_mask, segment_ids, cfg.attn_block, cfg.attn_impl,
-            self.attn_mesh, self.attn_rules,
-        )  # fmt: skip
+            attention_mask,
+            segment_ids,
+            cfg.attn_block,
+            cfg.attn_impl,
+            self.attn_mesh,
+            self.attn_rules,
+        )
         return qwen35.RowAttnFn(fn, attention_mask, segment_ids)
 
     # ------------------------------------------------------------------------------ embed
@@ -252,9 +261,12 @@ class QwenVL(nnx.Module):
                 "sparse layers"
             )
         cos, sin = mrope_cos_sin(
-            jnp.asarray(position_ids_3BT), t.head_dim, t.rope_theta, t.mrope_section,
+            jnp.asarray(position_ids_3BT),
+            t.head_dim,
+            t.rope_theta,
+            t.mrope_section,
             t.mrope_interleaved,
-        )  # fmt: skip
+        )
         h = inputs_embeds_BTD.astype(jdtype(self.config.dtype))
         # rows over the batch axes between layers, in a learner's `shd.training_layout`
         h = shd.constrain(h, _ROWS_BTD)

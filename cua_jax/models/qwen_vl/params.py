@@ -52,11 +52,30 @@ from cua_jax.models.qwen_vl.moe import set_expert_mesh
 
 # Modules that are torch nn.Linear in transformers (their `weight` is transposed to `kernel`).
 _LINEAR = "|".join(
-    ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv", "proj",
-     "linear_fc1", "linear_fc2", r"mlp\.0", r"mlp\.2", r"mlp\.gate",
-     # Qwen3.5: Gated DeltaNet projections and the MoE shared expert's gate
-     "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "shared_expert_gate")
-)  # fmt: skip
+    (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "qkv",
+        "proj",
+        "linear_fc1",
+        "linear_fc2",
+        r"mlp\.0",
+        r"mlp\.2",
+        r"mlp\.gate",
+        # Qwen3.5: Gated DeltaNet projections and the MoE shared expert's gate
+        "in_proj_qkv",
+        "in_proj_z",
+        "in_proj_b",
+        "in_proj_a",
+        "out_proj",
+        "shared_expert_gate",
+    )
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,21 +89,30 @@ class Rule:
 
 TABLE: tuple[Rule, ...] = (
     Rule(
-        r"^(model\.visual\.patch_embed\.proj)\.weight$", r"\1.kernel",
-        r"^(model\.visual\.patch_embed\.proj)\.kernel$", r"\1.weight", "conv",
+        r"^(model\.visual\.patch_embed\.proj)\.weight$",
+        r"\1.kernel",
+        r"^(model\.visual\.patch_embed\.proj)\.kernel$",
+        r"\1.weight",
+        "conv",
     ),
     Rule(rf"^(.*\.(?:{_LINEAR}))\.weight$", r"\1.kernel", r"^(.*)\.kernel$", r"\1.weight", "T"),
     Rule(r"^lm_head\.weight$", "lm_head.kernel", r"^lm_head\.kernel$", "lm_head.weight", "T"),
     Rule(
-        r"^(.*\.mlp\.experts\.gate_up_proj)$", r"\1",
-        r"^(.*\.mlp\.experts\.gate_up_proj)$", r"\1", "experts_gate_up",
+        r"^(.*\.mlp\.experts\.gate_up_proj)$",
+        r"\1",
+        r"^(.*\.mlp\.experts\.gate_up_proj)$",
+        r"\1",
+        "experts_gate_up",
     ),
     Rule(
-        r"^(.*\.mlp\.experts\.down_proj)$", r"\1",
-        r"^(.*\.mlp\.experts\.down_proj)$", r"\1", "experts_down",
+        r"^(.*\.mlp\.experts\.down_proj)$",
+        r"\1",
+        r"^(.*\.mlp\.experts\.down_proj)$",
+        r"\1",
+        "experts_down",
     ),
     Rule(r"^(.*)$", r"\1", r"^(.*)$", r"\1", None),
-)  # fmt: skip
+)
 
 # Original Qwen2.5-VL checkpoint layout -> transformers-5 layout.
 LEGACY_RENAMES: tuple[tuple[str, str], ...] = (

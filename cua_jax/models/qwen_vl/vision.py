@@ -204,9 +204,14 @@ class PatchEmbed(nnx.Module):
         pd = jdtype(cfg.param_dtype)
         C = v.in_channels * v.temporal_patch_size * v.patch_size**2
         self.proj = Linear(
-            C, v.hidden_size, ("vision_patch", "vision_embed"), bias=bias, rngs=rngs,
-            param_dtype=pd, dtype=jdtype(cfg.dtype),
-        )  # fmt: skip
+            C,
+            v.hidden_size,
+            ("vision_patch", "vision_embed"),
+            bias=bias,
+            rngs=rngs,
+            param_dtype=pd,
+            dtype=jdtype(cfg.dtype),
+        )
 
     def __call__(self, pixel_values_PC: jax.Array) -> jax.Array:
         return self.proj(pixel_values_PC)

@@ -433,6 +433,10 @@ def test_config_browser_endpoints_build_a_fleet(host, run):
 
     n, hosts, logged = run(go())
     assert (n, hosts) == (4, 2)  # 1 local + the host's 3
-    assert logged == {"rollout/env_hosts": 2.0, "rollout/env_hosts_down": 0.0,
-                      "rollout/env_capacity": 4.0, "rollout/env_faults": 0.0,
-                      "rollout/env_retries": 0.0}  # fmt: skip
+    assert logged == {
+        "rollout/env_hosts": 2.0,
+        "rollout/env_hosts_down": 0.0,
+        "rollout/env_capacity": 4.0,
+        "rollout/env_faults": 0.0,
+        "rollout/env_retries": 0.0,
+    }

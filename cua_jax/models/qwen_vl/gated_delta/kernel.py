@@ -52,9 +52,20 @@ def _dot(x, y, dims=None):
 
 
 def _chunk_kernel(
-    q_ref, k_ref, v_ref, beta_ref, c_col_ref, c_row_ref, r_col_ref, r_row_ref, r_in_ref, s0_ref,
-    o_ref, s_out_ref, s_scr,
-):  # fmt: skip
+    q_ref,
+    k_ref,
+    v_ref,
+    beta_ref,
+    c_col_ref,
+    c_row_ref,
+    r_col_ref,
+    r_row_ref,
+    r_in_ref,
+    s0_ref,
+    o_ref,
+    s_out_ref,
+    s_scr,
+):
     s = pl.program_id(2)
     L = q_ref.shape[0]
 
@@ -137,14 +148,17 @@ def chunk_gated_delta_rule(
         return pl.BlockSpec((None, None, L, d), lambda b, n, s: (b, n, s, 0))
 
     in_specs = [
-        tok(H), tok(H), tok(V), tok(1),
+        tok(H),  # q
+        tok(H),  # k
+        tok(V),  # v
+        tok(1),  # beta
         tok(1),  # c column [B, N, S*L, 1]
         pl.BlockSpec((None, None, None, 1, L), lambda b, n, s: (b, n, s, 0, 0)),  # c row
         pl.BlockSpec((None, L, 1), lambda b, n, s: (b, s, 0)),  # r column [B, S*L, 1]
         pl.BlockSpec((None, None, 1, L), lambda b, n, s: (b, s, 0, 0)),  # r row [B, S, 1, L]
         pl.BlockSpec((None, None, 1, 1), lambda b, n, s: (b, s, 0, 0)),  # r_in [B, S, 1, 1]
         pl.BlockSpec((None, None, H, V), lambda b, n, s: (b, n, 0, 0)),  # initial state
-    ]  # fmt: skip
+    ]
     out_specs = [
         tok(V),
         pl.BlockSpec((None, None, H, V), lambda b, n, s: (b, n, 0, 0)),
@@ -164,11 +178,17 @@ def chunk_gated_delta_rule(
         ),
         interpret=interpret,
     )(
-        q, k, v, beta[..., None],
-        c.reshape(B, N, S_ * L, 1), c[..., None, :],
-        r_f.reshape(B, S_ * L, 1), r_f[:, :, None, :], r_in[:, :, None, None],
+        q,
+        k,
+        v,
+        beta[..., None],
+        c.reshape(B, N, S_ * L, 1),
+        c[..., None, :],
+        r_f.reshape(B, S_ * L, 1),
+        r_f[:, :, None, :],
+        r_in[:, :, None, None],
         s0,
-    )  # fmt: skip
+    )
     return jnp.swapaxes(o[:, :, :T], 1, 2).astype(v_BTNV.dtype), S
 
 
@@ -195,17 +215,33 @@ def chunk_gated_delta_rule_trainable(
     s0 = _initial_state(initial_state, B, N, H, V)
     seg = jnp.zeros((B, T), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids)
     return _trainable(
-        q_BTMH, k_BTMH, v_BTNV, g_BTN, beta_BTN, s0, seg.astype(jnp.int32),
-        chunk_size, use_qk_l2norm, interpret,
-    )  # fmt: skip
+        q_BTMH,
+        k_BTMH,
+        v_BTNV,
+        g_BTN,
+        beta_BTN,
+        s0,
+        seg.astype(jnp.int32),
+        chunk_size,
+        use_qk_l2norm,
+        interpret,
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
 def _trainable(q, k, v, g, beta, s0, seg, chunk_size, use_qk_l2norm, interpret):
     return chunk_gated_delta_rule(
-        q, k, v, g, beta, initial_state=s0, segment_ids=seg, chunk_size=chunk_size,
-        use_qk_l2norm=use_qk_l2norm, interpret=interpret,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=s0,
+        segment_ids=seg,
+        chunk_size=chunk_size,
+        use_qk_l2norm=use_qk_l2norm,
+        interpret=interpret,
+    )
 
 
 def _trainable_fwd(q, k, v, g, beta, s0, seg, chunk_size, use_qk_l2norm, interpret):
@@ -219,9 +255,16 @@ def _trainable_bwd(chunk_size, use_qk_l2norm, interpret, res, cts):
 
     def reference(q, k, v, g, beta, s0):
         return ref.chunk_gated_delta_rule(
-            q, k, v, g, beta, initial_state=s0, segment_ids=seg, chunk_size=chunk_size,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=s0,
+            segment_ids=seg,
+            chunk_size=chunk_size,
             use_qk_l2norm=use_qk_l2norm,
-        )  # fmt: skip
+        )
 
     _, vjp = jax.vjp(reference, q, k, v, g, beta, s0)
     return (*vjp(cts), np.zeros(seg.shape, jax.dtypes.float0))
