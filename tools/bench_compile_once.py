@@ -14,7 +14,6 @@ step's cost depends on shapes, not on values). One process: "before" first, then
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -113,7 +112,7 @@ def run(label, config, steps, seed, fixed):
 
 def main() -> None:
     """The command line: runs what the module docstring describes."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_setup.arg_parser(__doc__)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--groups", type=int, default=4)

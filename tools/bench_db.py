@@ -13,10 +13,8 @@ r"""Trajectory database and monitor timings on a synthetic run (no model, no env
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
-import statistics
 import tempfile
 import time
 
@@ -27,7 +25,7 @@ print = functools.partial(print, flush=True)  # noqa: A001 -- progress shows at 
 
 def main(argv: list[str] | None = None) -> None:
     """The command line: runs what the module docstring describes."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = bench_setup.arg_parser(__doc__, paragraph=True)
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--group-size", type=int, default=8)
@@ -101,41 +99,25 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {what:32s} {ms:8.1f} ms  {len(r.content) / 1e3:8.1f} kB  {url}")
 
     if args.browser:
-        import socket
-        import threading
-
-        import uvicorn
         from playwright.sync_api import sync_playwright
 
         from envs.browser.host import find_chromium
 
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(make_app(engine), port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        while not server.started:
-            if not thread.is_alive():
-                raise SystemExit(f"the monitor did not start on port {port}")
-            time.sleep(0.05)
-        with sync_playwright() as pw:
+        server = bench_setup.uvicorn_thread(make_app(engine), "the monitor")
+        with server as port, sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=find_chromium())
             page = browser.new_page()
-            times = []
-            for _ in range(5):
-                t0 = time.perf_counter()
+
+            def load() -> None:
                 page.goto(f"http://127.0.0.1:{port}/runs/1")
                 page.wait_for_function(
                     f"document.body.dataset.loadedSteps === '{args.steps}' && "
                     "document.querySelectorAll('.chart canvas').length >= 7"
                 )
-                times.append((time.perf_counter() - t0) * 1e3)
-            print(
-                f"  Chromium: run page until every curve is drawn {statistics.median(times):.0f} ms"
-            )
+
+            ms = bench_setup.median_s(load, 5) * 1e3
+            print(f"  Chromium: run page until every curve is drawn {ms:.0f} ms")
             browser.close()
-        server.should_exit = True
 
 
 if __name__ == "__main__":

@@ -10,15 +10,14 @@ checks they give the same pixels, and prints the median CPU ms per decode and th
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
-import statistics
 import time
 
 import numpy as np
 
 from envs.screenshots import decode_screenshot, decode_with_pillow
+from tools import bench_setup
 
 TEMPLATES = ("click-button", "nav-tabs", "radio-pick")
 
@@ -37,17 +36,20 @@ async def browser_screens(viewports: list[tuple[int, int]]) -> dict[str, bytes]:
     return out
 
 
-def cpu_ms(fn, data: bytes, n: int) -> float:
-    """Mean CPU milliseconds (process time) of `fn(data)` over `n` calls."""
-    t0 = time.process_time()
-    for _ in range(n):
-        fn(data)
-    return (time.process_time() - t0) / n * 1e3
+def repeated(fn, data: bytes, n: int):
+    """A no-argument callable that runs `fn(data)` `n` times (the results dropped): one side's
+    share of a round."""
+
+    def run() -> None:
+        for _ in range(n):
+            fn(data)
+
+    return run
 
 
 def main() -> None:
     """The command line: runs what the module docstring describes."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = bench_setup.arg_parser(__doc__)
     ap.add_argument("--viewports", default="640x480,1280x720")
     ap.add_argument("--files", nargs="*", default=[])
     ap.add_argument("--rounds", type=int, default=5)
@@ -66,11 +68,10 @@ def main() -> None:
         ref, ours = decode_with_pillow(data), decode_screenshot(data)
         if ref.shape != ours.shape or not np.array_equal(ref, ours):
             raise SystemExit(f"{name}: the two decoders disagree")
-        a, b = [], []
-        for _ in range(args.rounds):
-            a.append(cpu_ms(decode_with_pillow, data, args.decodes))
-            b.append(cpu_ms(decode_screenshot, data, args.decodes))
-        ma, mb = statistics.median(a), statistics.median(b)
+        sides = (decode_with_pillow, decode_screenshot)
+        fns = {fn: repeated(fn, data, args.decodes) for fn in sides}
+        med = bench_setup.timed_rounds(fns, args.rounds, clock=time.process_time)
+        ma, mb = (med[fn] / args.decodes * 1e3 for fn in sides)
         print(f"| {name} | {len(data)} | {ma:.2f} | {mb:.2f} | {ma / mb:.1f}x |")
 
 

@@ -26,7 +26,6 @@ Chromium.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import random
@@ -40,6 +39,7 @@ from cua_jax.env_api import INFO_ERROR, EnvError
 from envs.browser import BrowserEnv, BrowserHost, BrowserPool, suite
 from envs.browser.bench import close_pages, loop_rate, open_pages, screenshot_loop
 from envs.browser.pages import ORIGIN, handle_route
+from tools import bench_setup
 
 
 async def _rate(seconds: float, fns) -> float:
@@ -78,7 +78,7 @@ async def bench(host: BrowserHost, n: int, seconds: float, rounds: int, viewport
     for _ in range(rounds):
         raws.append(await _rate(seconds, [p.screenshot for p in pages]))
         envr.append(await _rate(seconds, steps))
-    ratio = statistics.median(e / r for e, r in zip(envr, raws, strict=True))
+    ratio = bench_setup.median_ratio(envr, raws)
     print(
         f"{n:>5} {statistics.median(raws):>12.1f} {statistics.median(envr):>12.1f} {ratio:>7.2f}",
         flush=True,
@@ -246,7 +246,7 @@ async def bench_fleet(args, viewport) -> None:
                         f"  round: raw {raws[-1]:.1f} shots/s, env {envr[-1]:.1f} steps/s",
                         flush=True,
                     )
-            ratio = statistics.median(e / r for e, r in zip(envr, raws, strict=True))
+            ratio = bench_setup.median_ratio(envr, raws)
             print(f"{'envs':>5} {'raw shots/s':>12} {'env steps/s':>12} {'ratio':>7}")
             print(
                 f"{n:>5} {statistics.median(raws):>12.1f} {statistics.median(envr):>12.1f} "
@@ -319,7 +319,7 @@ async def _kill_run(fleet, victim, args, signal) -> None:
 
 async def main() -> None:
     """The command line: runs what the module docstring describes."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = bench_setup.arg_parser(__doc__)
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--rounds", type=int, default=3)

@@ -31,7 +31,6 @@ Per concurrency it prints:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import gc
@@ -45,15 +44,14 @@ import sys
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from cua_jax.data.processor import QwenVLProcessor  # noqa: E402
-from cua_jax.rl.rollout import AgentLoop, RolloutSettings  # noqa: E402
-from envs.fleet import BrowserFleet  # noqa: E402
-from envs.sim import LatencyProfile, ScriptedEngine, sim_task  # noqa: E402
+from cua_jax.data.processor import QwenVLProcessor
+from cua_jax.rl.rollout import AgentLoop, RolloutSettings
+from envs.fleet import BrowserFleet
+from envs.sim import LatencyProfile, ScriptedEngine, sim_task
+from tools import bench_setup
+from tools.bench_setup import ROOT
 
 
 def group_ideal_s(profile: LatencyProfile, steps: int, think_s: float, size: int) -> float:
@@ -188,10 +186,11 @@ async def run_level(args, n: int, proc_: QwenVLProcessor, profile: LatencyProfil
         g = 0
         while True:
             task = sim_task(k * 100000 + g, steps=args.steps)
-            t0 = time.perf_counter()
-            group = await loop.run_group(fleet, task, args.group_size, seed=g, group_id=f"{k}/{g}")
+            group, took = await bench_setup.timed_await(
+                loop.run_group(fleet, task, args.group_size, seed=g, group_id=f"{k}/{g}")
+            )
             if counting:
-                group_s.append(time.perf_counter() - t0)
+                group_s.append(took)
                 done["episodes"] += len(group)
                 done["turns"] += sum(len(t.turns) for t in group)
                 done["faulted"] += sum(t.infra_fault for t in group)
@@ -277,7 +276,8 @@ async def run_level(args, n: int, proc_: QwenVLProcessor, profile: LatencyProfil
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    """The command line: runs what the module docstring describes."""
+    p = bench_setup.arg_parser(__doc__)
     p.add_argument("--concurrency", default="64,256,1000")
     p.add_argument("--think-s", type=float, default=2.0, help="the policy's seconds per turn")
     p.add_argument("--steps", type=int, default=3, help="steps per episode")

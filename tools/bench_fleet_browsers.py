@@ -14,23 +14,18 @@ median raw shots/s, env steps/s and their ratio.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import os
 import random
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import aiohttp
 
-import aiohttp  # noqa: E402
-
-from cua_jax import actions as A  # noqa: E402
-from envs.browser import suite  # noqa: E402
-from envs.browser.bench import loop_rate  # noqa: E402
+from cua_jax import actions as A
+from envs.browser import suite
+from envs.browser.bench import loop_rate
+from tools import bench_setup
 
 TOKEN = "bench-fleet-browsers-token-0123456789"
 VIEWPORT = (640, 480)
@@ -86,7 +81,7 @@ async def measure(fleet, n: int, seconds: float, rounds: int) -> dict:
             count, took = await loop_rate(seconds, steps)
             envr.append(count / took)
             print(f"  round: raw {raws[-1]:.1f} shots/s, env {envr[-1]:.1f} steps/s", flush=True)
-    ratio = statistics.median(e / r for e, r in zip(envr, raws, strict=True))
+    ratio = bench_setup.median_ratio(envr, raws)
     return {
         "per_host": per_host,
         "raw": statistics.median(raws),
@@ -137,7 +132,8 @@ async def on_ray(args) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    """The command line: runs what the module docstring describes."""
+    p = bench_setup.arg_parser(__doc__)
     p.add_argument("--envs", type=int, default=64)
     p.add_argument("--hosts", type=int, default=3)
     p.add_argument("--seconds", type=float, default=5.0)

@@ -21,7 +21,6 @@ CPU); cua_jax its jnp reference (`model.gated_delta_impl="reference"`).
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 
@@ -197,7 +196,7 @@ def bench(family: str, iters: int) -> dict:
 
 def main() -> None:
     """The command line: runs what the module docstring describes."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = bench_setup.arg_parser(__doc__)
     ap.add_argument("--family", default="both", choices=[*FAMILIES, *GROUPS])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument(

@@ -13,8 +13,6 @@ Loss and gradient norm are printed: they must agree across chunk sizes.
 
 from __future__ import annotations
 
-import argparse
-
 from tools import bench_setup
 
 bench_setup.cpu_unless_set()
@@ -29,7 +27,7 @@ from tools.bench_train import make_config, make_groups  # noqa: E402
 
 def main() -> None:
     """The command line: runs what the module docstring describes."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_setup.arg_parser(__doc__)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=2)

@@ -29,7 +29,6 @@ rounds and the ratios are printed, with the outputs' max |diff| (the two compute
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import time
@@ -347,7 +346,7 @@ def _print_ep(rows, label):
 
 def main() -> None:
     """The command line: runs what the module docstring describes."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = bench_setup.arg_parser(__doc__)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="threads for both (0 = all cores)")
     ap.add_argument("--skip-hf", action="store_true", help="only the dispatch comparison")
@@ -362,9 +361,7 @@ def main() -> None:
     ap.add_argument("--ep-tpu", default="", help="--ep: also compile for this TPU topology")
     args = ap.parse_args()
     if args.ep and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-        )
+        bench_setup.add_xla_flags(bench_setup.host_devices_flag(8))
     threads = bench_setup.pin_cpu_threads(args.threads)
     import jax
 

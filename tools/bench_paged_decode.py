@@ -26,16 +26,16 @@ the image's version); no torch.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import os
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from tools import bench_setup
 
 
 def _device() -> str:
@@ -43,21 +43,12 @@ def _device() -> str:
     return f"{d.platform}:{d.device_kind}"
 
 
-def _time(fn, *args, iters: int) -> list[float]:
-    out = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def copy_bandwidth(nbytes: int, iters: int = 10) -> float:
     """Bytes read + written per second by a jitted elementwise copy (x + 1) of `nbytes`."""
     x = jnp.zeros((nbytes // 2,), jnp.bfloat16)
     f = jax.jit(lambda a: a + jnp.ones((), a.dtype))
     jax.block_until_ready(f(x))
-    return 2 * nbytes / statistics.median(_time(f, x, iters=iters))
+    return 2 * nbytes / bench_setup.median_s(lambda: jax.block_until_ready(f(x)), iters)
 
 
 # ------------------------------------------------------------------------------------ kernel
@@ -114,11 +105,10 @@ def bench_kernel(args) -> str | None:
             continue
         compile_s[name] = time.perf_counter() - t0
     fns = {n: f for n, f in fns.items() if n not in failed}
-    times = {name: [] for name in fns}
-    for _ in range(args.iters):  # alternate, so load hits all alike
-        for name, f in fns.items():
-            times[name] += _time(f, q, k, v, table, lengths, iters=1)
-    med = {name: statistics.median(t) for name, t in times.items()}
+    calls = {
+        n: lambda f=f: jax.block_until_ready(f(q, k, v, table, lengths)) for n, f in fns.items()
+    }
+    med = bench_setup.timed_rounds(calls, args.iters)  # alternate, so load hits all alike
     live = int(np.sum(np.asarray(lengths))) * K * H * 2 * dtype.itemsize
     print(
         f"\n== kernel: {_device()}, B={B} q_heads={N} kv_heads={K} head_dim={H} page={L} "
@@ -234,9 +224,8 @@ def _decode_run(model, backend: str, args, gpu_options: str = "") -> dict:
     decode = engine._decode_fn
 
     def timed(*a):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(decode(*a))
-        calls.append((time.perf_counter() - t0, np.asarray(a[3]), np.asarray(a[6])))
+        out, dt = bench_setup.timed(lambda: jax.block_until_ready(decode(*a)))
+        calls.append((dt, np.asarray(a[3]), np.asarray(a[6])))
         return out
 
     engine._decode_fn = timed
@@ -348,7 +337,7 @@ def bench_bandwidth(args, best_spec: str | None = None) -> None:
 
 def main() -> None:
     """The command line: runs what the module docstring describes."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_setup.arg_parser(__doc__, paragraph=True)
     ap.add_argument("--parts", default="kernel,bandwidth")
     ap.add_argument("--size", choices=("2b", "small"), default="2b")
     ap.add_argument("--batch", type=int, default=64)

@@ -14,21 +14,17 @@ ratio two-step / lookup. `--path` times one path alone (for whole-process compar
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from cua_jax.data.image import ImageConfig, normalize, patch_values, patchify  # noqa: E402
-from tools.bench_setup import timed_rounds  # noqa: E402
+from cua_jax.data.image import ImageConfig, normalize, patch_values, patchify
+from tools import bench_setup
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """The command line: runs what the module docstring describes; 1 if the paths differ."""
+    p = bench_setup.arg_parser(__doc__, paragraph=True)
     p.add_argument("--sizes", default="384x288,640x480,1280x720", help="WxH,WxH,...")
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--family", default="qwen3_vl", choices=("qwen3_vl", "qwen2_5_vl"))
@@ -45,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         h, w = h // f * f, w // f * f  # the viewport the processor keeps unresized
         rgb = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
         fns = {
-            "two_step": lambda: patchify(normalize(rgb, cfg), cfg)[0],
-            "lookup": lambda: patch_values(rgb, cfg)[0],
+            "two_step": lambda rgb=rgb, cfg=cfg: patchify(normalize(rgb, cfg), cfg)[0],
+            "lookup": lambda rgb=rgb, cfg=cfg: patch_values(rgb, cfg)[0],
         }
         if args.path != "both":
             fns = {args.path: fns[args.path]}
@@ -56,10 +52,12 @@ def main(argv: list[str] | None = None) -> int:
         ):
             print(f"{w}x{h}: the two paths differ", file=sys.stderr)
             return 1
-        med = timed_rounds(fns, args.rounds)
+        med = bench_setup.timed_rounds(fns, args.rounds)
         mb = next(iter(outs.values())).nbytes / 2**20
         line = "  ".join(f"{k} {v * 1e3:.2f} ms" for k, v in med.items())
-        ratio = f"  two_step / lookup {med['two_step'] / med['lookup']:.2f}x" if len(med) == 2 else ""
+        ratio = (
+            f"  two_step / lookup {med['two_step'] / med['lookup']:.2f}x" if len(med) == 2 else ""
+        )
         print(f"{w}x{h} ({mb:.1f} MB of f32 patches): {line}{ratio}")
     return 0
 

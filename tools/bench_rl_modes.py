@@ -12,7 +12,6 @@ Step 1 of each run includes compiles; the table reports steps 2.. (the steady st
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -23,7 +22,8 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tools import bench_setup
+from tools.bench_setup import ROOT
 
 
 def run(mode: str, src: str, steps: int, extra: list[str]) -> list[dict]:
@@ -53,7 +53,7 @@ def run(mode: str, src: str, steps: int, extra: list[str]) -> list[dict]:
 
 def main() -> None:
     """The command line: runs what the module docstring describes."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_setup.arg_parser(__doc__)
     ap.add_argument("--from_workdir", required=True, help="a workdir holding a checkpoint")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--extra", nargs="*", default=[], help="more --config.* overrides")

@@ -18,14 +18,16 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
+import functools
 import os
 import tempfile
 import time
 
 import numpy as np
+
+from tools import bench_setup
 
 
 def _loadavg() -> str:
@@ -101,16 +103,14 @@ def bench_decode(model, hf_dir, batches, prompt_len, new_tokens, threads, family
         )
         with torch.no_grad():
             hf.generate(ids, **kw)  # warm-up
-        # Best of `repeats`, alternating ours and theirs so both see the same machine load.
-        ours_t, theirs_t = [], []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            outs = engine.generate_batch(reqs)
-            ours_t.append(time.perf_counter() - t0)
-            with torch.no_grad():
-                t0 = time.perf_counter()
-                hf_out = hf.generate(ids, **kw)
-                theirs_t.append(time.perf_counter() - t0)
+            # Best of `repeats`, alternating ours and theirs so both see the same machine load.
+            fns = {
+                "ours": functools.partial(engine.generate_batch, reqs),
+                "theirs": functools.partial(hf.generate, ids, **kw),
+            }
+            times, last = bench_setup.round_times(fns, repeats)
+        ours_t, theirs_t = times["ours"], times["theirs"]
+        outs, hf_out = last["ours"], last["theirs"]
         ours, theirs = min(ours_t), min(theirs_t)
         median_ratio = float(np.median(theirs_t) / np.median(ours_t))
         same = np.mean([o.tokens == hf_out[i, prompt_len:].tolist() for i, o in enumerate(outs)])
@@ -286,7 +286,7 @@ def bench_prefix(model, family, group=8):
 
 def main():
     """The command line: runs what the module docstring describes."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = bench_setup.arg_parser(__doc__)
     ap.add_argument("--parts", default="decode,batching,prefix")
     ap.add_argument("--family", default="qwen2_5_vl")
     ap.add_argument(
@@ -314,10 +314,7 @@ def main():
         # torch.set_num_threads(threads) in bench_decode.
         cores = sorted(os.sched_getaffinity(0))[: args.threads]
         os.sched_setaffinity(0, cores)
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "")
-            + f" --xla_cpu_multi_thread_eigen={'true' if args.threads > 1 else 'false'}"
-        )
+        bench_setup.add_xla_flags(bench_setup.eigen_flag(args.threads))
     args.threads = args.threads or len(os.sched_getaffinity(0))
 
     import jax

@@ -25,17 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tools import bench_setup
+from tools.bench_setup import ROOT
 
 
 def _worker(args: argparse.Namespace) -> None:
     """One process of one configuration: prints a JSON line of its timings."""
-    sys.path.insert(0, ROOT)
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
         from launch.tpu import maybe_initialize_distributed
 
@@ -65,11 +63,7 @@ def _worker(args: argparse.Namespace) -> None:
         dict(prompt_ids=rng.integers(16, vocab - 16, 64), params=params) for _ in range(args.batch)
     ]
     engine.generate_batch(reqs)  # compiles
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        outs = engine.generate_batch(reqs)
-        best = min(best, time.perf_counter() - t0)
+    decode_times, outs = bench_setup.timed_calls(lambda: engine.generate_batch(reqs), 3)
     tokens = sum(len(o.tokens) for o in outs)
 
     n = jax.process_count()
@@ -91,16 +85,12 @@ def _worker(args: argparse.Namespace) -> None:
 
     batch = learner.pack([sample(i) for i in range(args.rows // n)], num_rows=args.rows)
     learner.train_step(batch)  # compiles
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        learner.train_step(batch)
-        times.append(time.perf_counter() - t0)
+    times, _ = bench_setup.timed_calls(lambda: learner.train_step(batch), args.steps)
     out = {
         "process": jax.process_index(),
         "devices": jax.device_count(),
         "decode_tokens": tokens,
-        "decode_s": best,
+        "decode_s": min(decode_times),  # best of 3
         "train_step_s": float(np.median(times)),
     }
     print("RESULT " + json.dumps(out), flush=True)
@@ -108,19 +98,13 @@ def _worker(args: argparse.Namespace) -> None:
         jax.distributed.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(name: str, devices: int, processes: int, fsdp: int, tensor: int, args) -> dict:
     """Starts `processes` workers with `devices` forced devices each; returns the job's row."""
-    port = _free_port()
+    port = bench_setup.free_port()
     procs = []
     for i in range(processes):
         env = dict(os.environ)
-        env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+        env.update(XLA_FLAGS=bench_setup.host_devices_flag(devices))
         env["JAX_PLATFORMS"] = "cpu"
         if processes > 1:
             env.update(
@@ -167,7 +151,7 @@ CONFIGS = {
 
 def main() -> None:
     """The command line: runs what the module docstring describes."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_setup.arg_parser(__doc__)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--fsdp", type=int, default=1)
     ap.add_argument("--tensor", type=int, default=1)

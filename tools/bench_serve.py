@@ -72,12 +72,9 @@ def _client_worker(conn, url: str, bodies: list[bytes]) -> None:
     """The load generator's process: on each "go" POSTs every body at once and sends back
     (completion tokens, seconds); None ends it."""
     import asyncio
-    import time
 
     while conn.recv() is not None:
-        t0 = time.perf_counter()
-        toks = asyncio.run(_post_all(url, bodies))
-        conn.send((toks, time.perf_counter() - t0))
+        conn.send(bench_setup.timed(lambda: asyncio.run(_post_all(url, bodies))))
 
 
 async def _post_all(url: str, bodies: list[bytes]) -> int:
@@ -103,12 +100,8 @@ def main(argv: list[str]) -> None:
     import asyncio
     import contextlib
     import json
-    import socket
-    import threading
-    import time
 
     import jax
-    import uvicorn
 
     from cua_jax import builders
     from cua_jax.evaluation.loading import load_policy
@@ -171,31 +164,9 @@ def main(argv: list[str]) -> None:
     app_ = create_app(engine, processor, token=None, model_name="bench", max_tokens=n_tok)
     app_.state.chat.stop_ids = ()  # as the direct pass: no stop tokens
 
-    @contextlib.contextmanager
-    def serving():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        server = uvicorn.Server(
-            uvicorn.Config(app_, host="127.0.0.1", port=port, log_level="warning")
-        )
-        th = threading.Thread(target=server.run, daemon=True)
-        th.start()
-        while not server.started:
-            time.sleep(0.05)
-        try:
-            yield f"http://127.0.0.1:{port}/v1/chat/completions"
-        finally:
-            server.should_exit = True
-            th.join(30)
-
-    def timed(fn):
-        t0 = time.perf_counter()
-        toks = fn()
-        return toks, time.perf_counter() - t0
-
     expect = len(shots) * n_tok
-    with serving() as url, contextlib.ExitStack() as stack:
+    with bench_setup.uvicorn_thread(app_) as port, contextlib.ExitStack() as stack:
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
         if _CLIENT.value == "process":
             import multiprocessing
 
@@ -213,13 +184,13 @@ def main(argv: list[str]) -> None:
         else:
 
             def server_timed():
-                return timed(lambda: asyncio.run(_post_all(url, bodies)))
+                return bench_setup.timed(lambda: asyncio.run(_post_all(url, bodies)))
 
         asyncio.run(direct_pass())  # warm-up: compiles every shape
         server_timed()
         direct, server = [], []
         for _ in range(_REPEATS.value):  # interleaved, so load changes hit both alike
-            direct.append(timed(lambda: asyncio.run(direct_pass())))
+            direct.append(bench_setup.timed(lambda: asyncio.run(direct_pass())))
             server.append(server_timed())
     assert all(t == expect for t, _ in direct + server), (direct, server, expect)
     best_direct = min(t for _, t in direct)

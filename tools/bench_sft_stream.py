@@ -12,7 +12,6 @@ stay flat however many demonstrations the set holds.
 
 from __future__ import annotations
 
-import argparse
 import resource
 import time
 
@@ -34,7 +33,7 @@ def _rss_mb() -> float:
 
 def main() -> None:
     """The command line: runs what the module docstring describes."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_setup.arg_parser(__doc__)
     ap.add_argument("--shards", required=True)
     ap.add_argument("--train_steps", type=int, default=50)
     ap.add_argument("--batch", type=int, default=8, help="demonstrations a batch (rows_per_step)")

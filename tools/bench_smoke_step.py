@@ -11,7 +11,6 @@ process (median of `--steps` after the compiling call; the loss and gradient nor
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 
@@ -29,7 +28,7 @@ from cua_jax.rl.trajectory import trajectory_to_samples  # noqa: E402
 
 def main() -> None:
     """The command line: runs what the module docstring describes."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_setup.arg_parser(__doc__)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--episodes", type=int, default=32)
     ap.add_argument("--steps", type=int, default=3)

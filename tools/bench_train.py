@@ -11,7 +11,6 @@ non-padding tokens) and the padding share after packing vs one sample per row.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import time
@@ -103,7 +102,7 @@ def torch_step_fn(cfg: qwen_vl.QwenVLConfig, batch: packing.PackedBatch, lr: flo
 
 def main() -> None:
     """The command line: runs what the module docstring describes."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_setup.arg_parser(__doc__)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=4096)
@@ -145,16 +144,15 @@ def main() -> None:
     torch_step, torch_params = torch_step_fn(cfg, batch, 1e-5)
     assert torch_params == n_params, (torch_params, n_params)
     torch_step()  # warm-up
-    ours, theirs = [], []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        learner.train_step(batch)  # returns host floats: the step has finished
-        ours.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        torch_step()
-        theirs.append(time.perf_counter() - t0)
-        print(f"  step: ours {ours[-1] * 1e3:.0f} ms, torch {theirs[-1] * 1e3:.0f} ms", flush=True)
-    o, t = statistics.median(ours), statistics.median(theirs)
+
+    def progress(times: dict) -> None:
+        ours, theirs = times["ours"][-1], times["torch"][-1]
+        print(f"  step: ours {ours * 1e3:.0f} ms, torch {theirs * 1e3:.0f} ms", flush=True)
+
+    # interleaved: ours, torch, ours, ...; train_step returns host floats: the step has finished
+    fns = {"ours": lambda: learner.train_step(batch), "torch": torch_step}
+    times, _ = bench_setup.round_times(fns, args.steps, after_round=progress)
+    o, t = statistics.median(times["ours"]), statistics.median(times["torch"])
     print(f"ours (jax.jit, donated state): {o * 1e3:.1f} ms/step, {real_tokens / o:.0f} tokens/s")
     print(f"torch (transformers + AdamW):  {t * 1e3:.1f} ms/step, {real_tokens / t:.0f} tokens/s")
     print(f"speed-up ours vs torch: {t / o:.2f}x (median of {args.steps} interleaved steps)")

@@ -34,6 +34,7 @@ from cua_jax.actions import Move
 from envs.vm import osworld
 from envs.vm.env import VMEnv, task_from_osworld
 from envs.vm.providers import LocalDesktop, missing_programs
+from tools import bench_setup
 
 TASK = dataclasses.replace(
     next(
@@ -58,9 +59,9 @@ async def env_steps(
         await ready.wait()
     times = []
     for _ in range(n):
-        t0 = time.perf_counter()
-        res = await env.step(Move(rng.randrange(desk.width), rng.randrange(desk.height)))
-        times.append(time.perf_counter() - t0)
+        move = Move(rng.randrange(desk.width), rng.randrange(desk.height))
+        res, took = await bench_setup.timed_await(env.step(move))
+        times.append(took)
         assert not res.done, res.info
     return times
 
@@ -179,7 +180,7 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_setup.arg_parser(__doc__)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--width", type=int, default=1280)
     p.add_argument("--height", type=int, default=720)

@@ -99,3 +99,44 @@ def test_every_bench_script_imports(name):
         assert r.returncode == 0, r.stderr[-2000:]
     else:
         importlib.import_module(f"tools.{name}")
+
+
+def test_round_times_keeps_every_round_and_the_last_results(monkeypatch):
+    monkeypatch.setattr(bench_setup.time, "perf_counter", FakeClock([1, 5, 3, 4]))
+    n = iter(range(10))
+    seen = []
+    times, last = bench_setup.round_times(
+        {"a": lambda: next(n), "b": lambda: next(n)},
+        2,
+        after_round=lambda t: seen.append({k: list(v) for k, v in t.items()}),
+    )
+    assert times == {"a": [1, 3], "b": [5, 4]}
+    assert last == {"a": 2, "b": 3}
+    assert seen == [{"a": [1], "b": [5]}, {"a": [1, 3], "b": [5, 4]}]
+    # another clock: only it is read
+    med = bench_setup.timed_rounds({"a": lambda: None}, 3, clock=FakeClock([2, 9, 4]))
+    assert med == {"a": 4}
+
+
+def test_timed_and_timed_calls(monkeypatch):
+    monkeypatch.setattr(bench_setup.time, "perf_counter", FakeClock([0.25, 1, 2, 3]))
+    assert bench_setup.timed(lambda: "x") == ("x", 0.25)
+    n = iter(range(10))
+    assert bench_setup.timed_calls(lambda: next(n), 3) == ([1, 2, 3], 2)
+
+
+def test_median_ratio_and_flags(monkeypatch):
+    assert bench_setup.median_ratio([2, 9, 3], [1, 3, 2]) == 2.0
+    monkeypatch.setenv("XLA_FLAGS", "--a")
+    bench_setup.add_xla_flags(bench_setup.host_devices_flag(8), bench_setup.eigen_flag(1))
+    assert os.environ["XLA_FLAGS"].split() == [
+        "--a",
+        "--xla_force_host_platform_device_count=8",
+        "--xla_cpu_multi_thread_eigen=false",
+    ]
+
+
+def test_arg_parser_describes_by_the_first_line_or_paragraph():
+    doc = "One line\nand its rest.\n\nMore."
+    assert bench_setup.arg_parser(doc).description == "One line"
+    assert bench_setup.arg_parser(doc, paragraph=True).description == "One line\nand its rest."
