@@ -107,8 +107,8 @@ def make_env_pool(
 
     if concurrency < 1:
         raise ValueError(f"make_env_pool: concurrency must be >= 1, got {concurrency}")
-    given = [n for n, v in (("endpoints", endpoints), ("docker_image", docker_image),
-                            ("qemu_image", qemu_image)) if v]  # fmt: skip
+    named = {"endpoints": endpoints, "docker_image": docker_image, "qemu_image": qemu_image}
+    given = [n for n, v in named.items() if v]
     if len(given) > 1:
         raise ValueError(
             f"make_env_pool: give one of endpoints, docker_image, qemu_image, not {given}"

@@ -159,31 +159,32 @@ class QemuDesktop:
     def command(self, overlay: Path, port: int, monitor: str) -> list[str]:
         """QEMU's command line for one guest."""
         kvm = self.accel == "kvm"
-        return [
-            *self.qemu,
-            "-machine", f"q35,accel={self.accel}",
-            "-cpu", "host" if kvm else "max",
-            "-m", str(self.memory_mb),
-            "-smp", str(self.cpus),
-            "-drive", f"file={overlay},if=virtio,format=qcow2",
-            "-netdev", f"user,id=net0,hostfwd=tcp:127.0.0.1:{port}-:{GUEST_PORT}",
-            "-device", "virtio-net-pci,netdev=net0",
-            "-monitor", f"unix:{monitor},server,nowait",
-            "-display", "none",
-            *self.extra_args,
-        ]  # fmt: skip
+        options = {  # QEMU's flag -> its value, in this order
+            "-machine": f"q35,accel={self.accel}",
+            "-cpu": "host" if kvm else "max",
+            "-m": str(self.memory_mb),
+            "-smp": str(self.cpus),
+            "-drive": f"file={overlay},if=virtio,format=qcow2",
+            "-netdev": f"user,id=net0,hostfwd=tcp:127.0.0.1:{port}-:{GUEST_PORT}",
+            "-device": "virtio-net-pci,netdev=net0",
+            "-monitor": f"unix:{monitor},server,nowait",
+            "-display": "none",
+        }
+        return [*self.qemu, *(w for pair in options.items() for w in pair), *self.extra_args]
 
     async def start(self) -> None:
         """Overlay, boot, wait for the guest's server, save the ready state."""
         self._dir = Path(tempfile.mkdtemp(prefix="cua-qemu-"))
         overlay = self._dir / "overlay.qcow2"
         fmt = "raw" if self.image.suffix in (".img", ".raw") else "qcow2"
+        backing = (str(self.image), str(overlay))  # the overlay of the image
         made = await asyncio.to_thread(
             subprocess.run,
-            [*self.qemu_img, "create", "-q", "-f", "qcow2", "-F", fmt, "-b", str(self.image),
-             str(overlay)],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [*self.qemu_img, "create", "-q", "-f", "qcow2", "-F", fmt, "-b", *backing],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if made.returncode != 0:
             await self.stop()
             raise VMError(f"qemu-img could not make an overlay of {self.image}: {made.stderr}")
