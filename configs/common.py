@@ -550,16 +550,13 @@ def apply_learn(c: ConfigDict) -> None:
     # held the invalid-action rate down over 100 steps (0.07 -> 0.02) where it rose without
     c.rl.invalid_action_penalty = 0.1
     c.rl.max_sampling_rounds = 3
-    # the random-init vision tower trains in SFT and RL, as in the three-seed sweeps of sessions
-    # 11-12 (frozen, the step is 2-3x faster; held-out after SFT was no different)
+    # the random-init vision tower trains in SFT and RL, as in the three-seed sweeps in
+    # BENCHMARKS (frozen, the step is 2-3x faster; held-out after SFT was no different)
     c.model.freeze_vision = False
     t = LEARN_TEMPLATES
     # RL on 12000 distinct tasks (each group a task not yet trained on): the best held-out
     # curve of the sweep; the first 120 are the SFT tasks (the list is round-robin, seeded)
-    c.tasks = (
-        {"source_type": "builtin", "split": "train", "templates": t, "seed": 0,
-         "per_template": 2000},
-    )  # fmt: skip
+    c.tasks = (dict(source_type="builtin", split="train", templates=t, seed=0, per_template=2000),)
     c.eval_tasks = (
         {"source_type": "builtin", "split": "eval", "templates": t, "seed": 1000, "limit": 64},
     )
