@@ -90,7 +90,7 @@ def base_config(family: str) -> ConfigDict:
     c.sampler.page_size = 16
     c.sampler.num_pages = 512
     # > 0: the KV pool takes what the learner leaves of this share of each device's memory
-    # (its params, optimizer state and largest program; cua_jax.builders.kv_pages, planned by
+    # (its params, optimizer state and largest program; cua_jax.job.builders.kv_pages, planned by
     # cua_jax.plan.size_kv_pool) instead of num_pages, which stays for devices that report no
     # memory (the CPU)
     c.sampler.kv_memory_fraction = 0.0

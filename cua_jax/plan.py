@@ -62,8 +62,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cua_jax import sharding as shd
-from cua_jax.builders import build_learner
 from cua_jax.data.processor import QwenVLProcessor
+from cua_jax.job.builders import build_learner
 from cua_jax.models import qwen_vl
 from cua_jax.models.qwen_vl.text import splash_tile
 from cua_jax.rl import batching, sdpo

@@ -26,7 +26,7 @@ def enable_compile_cache(path: str | None) -> None:
 
 
 def build_env_factory(config):
-    """Returns `(env_factory, load_tasks)` for `config.env.kind`; see `cua_jax.train.main`.
+    """Returns `(env_factory, load_tasks)` for `config.env.kind`; see `cua_jax.job.train.main`.
 
     `env_factory()` gives an env pool: an async context manager with `acquire()` lending one
     env at a time, `config.env.concurrency` envs in all. `envs` is imported here, not at the

@@ -7,7 +7,7 @@ r"""Entry point of every training run (TPU, GPU or CPU: "tpu" names the target, 
 This file is the composition root: it parses flags (`--config.a.b=value` overrides are
 type-checked; an unknown key or a value of the wrong type fails before any work starts, naming
 the key), joins a multi-host job when there is one, builds the environments from `envs/`, and
-hands everything to `cua_jax.train.main`. `cua_jax` itself never imports `envs`. A bad flag or
+hands everything to `cua_jax.job.train.main`. `cua_jax` itself never imports `envs`. A bad flag or
 config value exits with status 2; a run stopped by a systematic rollout failure or a non-finite
 loss exits with status 1, naming the error on stderr.
 """
@@ -211,9 +211,9 @@ def main(argv: list[str]) -> None:
         logging.set_verbosity(logging.WARNING)
     # JAX and the trainer load only now: a bad flag above fails in a fraction of a second
     cpu_unless_accelerated()
-    from cua_jax import train
     from cua_jax.checkpoint.orbax_io import CheckpointError
-    from cua_jax.config_checks import ConfigError, validate_config
+    from cua_jax.config.checks import ConfigError, validate_config
+    from cua_jax.job import train
     from cua_jax.rl.learner import NonFiniteError
     from cua_jax.rl.sources import RolloutError
     from cua_jax.sharding import MeshError

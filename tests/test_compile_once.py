@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cua_jax import compile_stats
+from cua_jax.job import compile_stats
 
 
 def _named(name):
@@ -89,7 +89,7 @@ def test_busy_seconds_count_overlapping_compiles_once():
 def test_a_cancelled_warm_up_stops_before_its_next_program():
     """A run that fails during its warm-up (every rollout an env fault) does not wait for the
     rest of it: `Warmup.cancel` lets the program compiling finish and starts no other."""
-    from cua_jax import warmup
+    from cua_jax.job import warmup
 
     compiling, release, compiled = threading.Event(), threading.Event(), []
 
@@ -117,7 +117,7 @@ def test_a_second_wait_returns_the_same_programs_and_keeps_the_unplanned_compile
     """`Warmup.wait` twice (the SFT warm-up waits before its first step and after it): the
     second returns the first's times and does not re-arm `stats`, which would drop the
     unplanned compiles counted in between."""
-    from cua_jax import warmup
+    from cua_jax.job import warmup
 
     class _Stats:
         def __init__(self):

@@ -1,4 +1,4 @@
-"""cua_jax.config_limits: one row per numeric config key; NaN, infinite, negative and zero values
+"""cua_jax.config.limits: one row per numeric config key; NaN, infinite, negative and zero values
 the issue found accepted are rejected naming the key, value and range; every preset passes."""
 
 import glob
@@ -9,7 +9,7 @@ import os
 import pytest
 
 from configs import common
-from cua_jax.config_limits import LIMITS, LimitError, check_limits
+from cua_jax.config.limits import LIMITS, LimitError, check_limits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(

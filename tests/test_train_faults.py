@@ -17,8 +17,8 @@ import sys
 import pytest
 
 from configs.qwen3vl_grpo import get_config
-from cua_jax import train
 from cua_jax.env_api import EnvError, Task
+from cua_jax.job import train
 from cua_jax.rl.learner import NonFiniteError, check_finite
 from cua_jax.rl.sources import (
     AsyncRollouts,

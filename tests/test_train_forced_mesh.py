@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from configs.qwen3vl_grpo import get_config
-from cua_jax import train
 from cua_jax.env_api import Observation, StepResult, Task
+from cua_jax.job import train
 from cua_jax.rl.learner import NonFiniteError
 
 

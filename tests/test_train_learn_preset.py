@@ -4,7 +4,7 @@ checkpoint from step 0 (after SFT) to the last kept, so tools/eval.py can score 
 import pytest
 
 from configs import common, qwen3vl_grpo, qwen25vl_grpo
-from cua_jax.config_checks import validate_config
+from cua_jax.config.checks import validate_config
 from cua_jax.rl.levers import check_levers
 
 

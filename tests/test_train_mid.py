@@ -4,10 +4,10 @@ the key and the command that writes one."""
 import pytest
 
 from configs import qwen3vl_grpo
-from cua_jax.config_checks import ConfigError
+from cua_jax.config.checks import ConfigError
 from cua_jax.data.grounding import render_sample
 from cua_jax.data.shards import write_shards
-from cua_jax.train import check_mid
+from cua_jax.job.train import check_mid
 
 
 def test_mid_needs_shard_directories(tmp_path):

@@ -18,8 +18,8 @@ import pytest
 from etils.epath.backend import _FileSystemSpecBackend
 from fsspec.implementations.memory import MemoryFileSystem
 
-from cua_jax import builders, train
 from cua_jax.checkpoint.orbax_io import checkpoint_dir
+from cua_jax.job import builders, train
 from cua_jax.metrics import MetricsWriter, read_metrics
 from tests.test_train_forced_mesh import _config, _load_tasks, _Pool
 

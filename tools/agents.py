@@ -647,7 +647,7 @@ def agent_predictor(agent, processor, config):
     """An `Agent` on a screenshot step: the step's screen and instruction (its history as a
     text line), parsed with the run's action format in the agent's coordinate space."""
     from cua_jax import actions as A
-    from cua_jax import builders
+    from cua_jax.job import builders
 
     no_model = type("M", (), {"config": type("C", (), {"vision_placeholder_ids": ()})})
     settings = builders.build_rollout_settings(config, no_model)

@@ -24,8 +24,8 @@ bench_setup.cpu_unless_set()
 import numpy as np  # noqa: E402
 
 from configs.qwen3vl_grpo import get_config  # noqa: E402
-from cua_jax import builders, compile_stats  # noqa: E402
 from cua_jax import sharding as shd  # noqa: E402
+from cua_jax.job import builders, compile_stats  # noqa: E402
 from cua_jax.rl.shapes import ShapeSet, screen_grid  # noqa: E402
 from cua_jax.rl.trajectory import Trajectory, Turn  # noqa: E402
 

@@ -6,7 +6,7 @@ in one process vs 2 processes x 1 device joined over gloo, as two hosts would be
 
 Each configuration runs in its own subprocesses (XLA_FLAGS fixes the device count before JAX
 starts); each process builds the smoke preset's tiny Qwen3-VL on the run's mesh exactly as the
-trainer does (`cua_jax.builders`: learner on the mesh, sampler on the learner's params, or on
+trainer does (`cua_jax.job.builders`: learner on the mesh, sampler on the learner's params, or on
 each process's own devices with several processes), then times
 
 - decode: `--batch` greedy text requests of a 64-token prompt, `--new-tokens` each, EOS off
@@ -42,7 +42,7 @@ def _worker(args: argparse.Namespace) -> None:
     import numpy as np
 
     from configs.qwen3vl_grpo import get_config
-    from cua_jax import builders
+    from cua_jax.job import builders
     from cua_jax.rl.trajectory import Sample
     from cua_jax.sampler import SamplingParams
 

@@ -19,8 +19,8 @@ from tools import bench_setup
 bench_setup.cpu_unless_set()
 
 from configs.common import load_run_config  # noqa: E402
-from cua_jax import builders  # noqa: E402
 from cua_jax import sharding as shd  # noqa: E402
+from cua_jax.job import builders  # noqa: E402
 from cua_jax.models.qwen_vl import vision  # noqa: E402
 from cua_jax.rl.store import TrajectoryReader  # noqa: E402
 from cua_jax.rl.trajectory import trajectory_to_samples  # noqa: E402

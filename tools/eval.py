@@ -239,7 +239,7 @@ def _check_flags() -> None:
 
 def _load_tasks(config, task_sources):
     """The validated config's env factory and the tasks of `task_sources`."""
-    from cua_jax.config_checks import ConfigError, validate_config  # loads JAX
+    from cua_jax.config.checks import ConfigError, validate_config  # loads JAX
 
     try:
         validate_config(config)
@@ -284,7 +284,7 @@ class Player:
 def _player(config) -> Player:
     """--agent's player: the endpoint (only the processor is loaded: coordinates, recorded ids)
     or the checkpoint's policy on the project's sampler."""
-    from cua_jax import builders
+    from cua_jax.job import builders
 
     if _AGENT.value != "checkpoint":
         from cua_jax.evaluation.loading import build_processor

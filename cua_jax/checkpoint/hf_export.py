@@ -25,7 +25,7 @@ def export_checkpoint(workdir: str, out_dir: str, step: int | None = None, *, co
     config: the run's config, as `configs.common.load_run_config(workdir)` reads it (which fills
     fields added since the run)."""
     from cua_jax import sharding as shd
-    from cua_jax.builders import restore_run_model
+    from cua_jax.job.builders import restore_run_model
     from cua_jax.models import lora
     from cua_jax.models.qwen_vl import save_pretrained
 

@@ -1,6 +1,6 @@
 """Greedy evaluation episodes of a policy: played by the `AgentLoop` (multi-host: each process
 its share of the tasks), counted per task category with infrastructure faults apart, and shown on
-the episode viewer page (`cua_jax.viz`). The trainer's in-run eval (`cua_jax.train`) and
+the episode viewer page (`cua_jax.viz`). The trainer's in-run eval (`cua_jax.job.train`) and
 `tools/eval.py` count with the same functions.
 """
 

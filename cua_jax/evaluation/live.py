@@ -13,7 +13,7 @@ import jax
 from absl import logging
 from etils import epath
 
-from cua_jax.config_checks import ConfigError
+from cua_jax.config.checks import ConfigError
 from cua_jax.evaluation.server import EmbeddedServer, resolve_token
 
 

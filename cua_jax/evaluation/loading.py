@@ -1,5 +1,5 @@
 """The policy of a run's checkpoint, a local Hugging Face checkpoint or a preset at random init:
-what tools/eval.py, tools/serve.py and tools/offline_eval.py load (`cua_jax.builders`)."""
+what tools/eval.py, tools/serve.py and tools/offline_eval.py load (`cua_jax.job.builders`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import os
 from typing import Any
 
-from cua_jax import builders
 from cua_jax.data.processor import QwenVLProcessor
+from cua_jax.job import builders
 
 
 def checkpoint_step(value: str | None, workdir: str | None) -> int | None:

@@ -15,7 +15,7 @@ from absl import logging
 
 from cua_jax import multihost
 from cua_jax.checkpoint.orbax_io import Checkpointer
-from cua_jax.config_checks import ConfigError
+from cua_jax.config.checks import ConfigError
 
 
 def resume_source(ckpt: Checkpointer, load_path: str, *, keep: int) -> Checkpointer | None:

@@ -121,7 +121,7 @@ class Learner:
     The model: the learner takes ownership of `model` and changes it in place: LoRA adapters
     are added (when `lora` is given and it has none), its parameters are sharded on `mesh`, and
     its config gets the `remat` policy. `learner.model` is that object; a sampler that decodes
-    this policy must be built from `learner.model` (`cua_jax.builders.build_engine`), and every
+    this policy must be built from `learner.model` (`cua_jax.job.builders.build_engine`), and every
     train step writes the new parameters back into it.
     """
 

@@ -2,7 +2,7 @@
 sampling, success replay, persisted rollouts): the rules they must satisfy together, and the
 settings they hand to the learner and the rollout source. These functions read `config.rl`
 (and the workdir), which makes this module one of the places the run's config reaches below
-`cua_jax.train` (see its docstring).
+`cua_jax.job.train` (see its docstring).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from cua_jax import metrics as metrics_lib
-from cua_jax.config_checks import ConfigError
+from cua_jax.config.checks import ConfigError
 from cua_jax.rl.advantages import ESTIMATORS, estimator_options
 
 

@@ -66,7 +66,7 @@ class BatchPacker:
         With a shape set (`self.shapes`) and no `num_rows`, the batch takes the smallest shape of
         `mode` that holds it (its images padded to the shape's patch budget in the step); a
         batch no shape holds is an error with `shapes.strict`, else it is packed into buckets as
-        without a shape set (a new compile, logged and counted by `cua_jax.compile_stats`).
+        without a shape set (a new compile, logged and counted by `cua_jax.job.compile_stats`).
 
         With a token-budget shape set (`shapes.budgeted`, `rl.tokens_per_chip`) the batch is as
         many chunks of one shape as the samples need (`_pack_chunks`); `train_step` runs one

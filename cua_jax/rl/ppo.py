@@ -1,5 +1,5 @@
 """The PPO update on one batch of GRPO groups: `epochs` passes over mini-batches of whole
-groups, one optimizer update each, the learner's version moved by one (`cua_jax.train` calls it
+groups, one optimizer update each, the learner's version moved by one (`cua_jax.job.train` calls it
 once a GRPO step).
 """
 

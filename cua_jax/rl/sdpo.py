@@ -63,7 +63,7 @@ import numpy as np
 
 from cua_jax import multihost
 from cua_jax import sharding as shd
-from cua_jax.config_checks import FEEDBACK_KINDS, feedback_kinds
+from cua_jax.config.checks import FEEDBACK_KINDS, feedback_kinds
 from cua_jax.data.chat import RenderedChat
 from cua_jax.rl import step
 from cua_jax.rl.distill import (  # noqa: F401  (the loss's names, re-exported)

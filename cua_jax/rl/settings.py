@@ -1,6 +1,6 @@
 """The learner's typed settings: the optimizer, the policy loss, the advantages and LoRA.
 
-`cua_jax.builders.build_learner` makes them from a run's config; `cua_jax.rl.learner.Learner`
+`cua_jax.job.builders.build_learner` makes them from a run's config; `cua_jax.rl.learner.Learner`
 takes them (and re-exports them: `from cua_jax.rl.learner import LossConfig` works too).
 """
 

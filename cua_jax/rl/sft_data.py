@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from cua_jax.config_checks import ConfigError, check_sft_source
+from cua_jax.config.checks import ConfigError, check_sft_source
 from cua_jax.env_api import Task
 from cua_jax.rl import sdpo
 from cua_jax.rl.policies import recovery_detours

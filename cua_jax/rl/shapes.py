@@ -26,7 +26,7 @@ turns and screens has to fit one program.
 
 A batch that fits no shape of its mode (`pick` returns None) is packed as before (row count and
 patches rounded to powers of two): that is a new compile, logged and counted by
-`cua_jax.compile_stats`, and with `rl.strict_shapes` an error. A sample that can never fit (it
+`cua_jax.job.compile_stats`, and with `rl.strict_shapes` an error. A sample that can never fit (it
 is longer than the longest row, or carries more patches than the largest budget) is an error
 naming it (`check_sample`).
 """
@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from cua_jax.config_checks import feedback_kinds
+from cua_jax.config.checks import feedback_kinds
 from cua_jax.data.image import smart_resize
 from cua_jax.rl.trajectory import Sample
 

@@ -66,7 +66,7 @@ class RolloutError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class SourceSettings:
-    """What a rollout source needs from the run's config (`cua_jax.builders` builds it)."""
+    """What a rollout source needs from the run's config (`cua_jax.job.builders` builds it)."""
 
     group_size: int
     groups_per_batch: int

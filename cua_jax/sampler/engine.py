@@ -554,7 +554,7 @@ class Engine:
             return
         # First tokens, one sampling call per prefill call, on that call's logits f32[X, V]
         # (X a prefill row bucket, n <= X sampled rows): no eager stacking of rows from several
-        # calls, so every (X, n) is in the warm-up's bucket set (cua_jax.warmup)
+        # calls, so every (X, n) is in the warm-up's bucket set (cua_jax.job.warmup)
         calls: dict[int, tuple[jax.Array, list[tuple[Admitted, int]]]] = {}
         for a in fresh:
             logits, i = logits_of[a.slot]

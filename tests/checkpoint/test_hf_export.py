@@ -12,9 +12,9 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from configs import qwen3vl_grpo  # noqa: E402
-from cua_jax import builders  # noqa: E402
 from cua_jax import sharding as shd  # noqa: E402
 from cua_jax.checkpoint.orbax_io import Checkpointer  # noqa: E402
+from cua_jax.job import builders  # noqa: E402
 from tests.models.hf_tiny import hf_logits  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -81,7 +81,7 @@ def test_init_params_from_another_runs_checkpoint(tmp_path):
     ck2.wait()
     import ml_collections
 
-    from cua_jax import train
+    from cua_jax.job import train
 
     config = ml_collections.ConfigDict(
         {"ckpt": {"init_params_from": str(tmp_path / "c"), "init_params_step": -1}}
@@ -292,7 +292,7 @@ def test_the_hinted_step_of_the_runs_own_checkpoints_resumes_the_run(tmp_path):
     the run saves its next steps into the same directory."""
     import ml_collections
 
-    from cua_jax.train import _resume_source
+    from cua_jax.job.train import _resume_source
 
     d = _saved(tmp_path)
     for p in _array_files(d / "3"):

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from configs import qwen35_grpo
-from cua_jax import config_checks
+from cua_jax.config import checks as config_checks
 from cua_jax.models import lora, qwen_vl
 
 

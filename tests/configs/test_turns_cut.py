@@ -7,7 +7,7 @@ import importlib
 import pytest
 
 from cua_jax import actions as A
-from cua_jax import config_checks
+from cua_jax.config import checks as config_checks
 from cua_jax.env_api import Task
 from envs.tasks import load_tasks
 

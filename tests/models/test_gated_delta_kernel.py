@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cua_jax import config_checks
 from cua_jax import sharding as shd
+from cua_jax.config import checks as config_checks
 from cua_jax.models import qwen_vl
 from cua_jax.models.qwen_vl.gated_delta import kernel as ker
 from cua_jax.models.qwen_vl.gated_delta import reference as ref

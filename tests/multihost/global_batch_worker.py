@@ -117,7 +117,8 @@ def run_variant(agg, variant):
     import jax
 
     from configs.qwen3vl_grpo import get_config
-    from cua_jax import builders, multihost
+    from cua_jax import multihost
+    from cua_jax.job import builders
 
     c = get_config("smoke")
     c.mesh.fsdp = -1
@@ -179,7 +180,7 @@ def run_variant(agg, variant):
         return out
     with_shapes = variant == "shapes"
     if with_shapes:
-        from cua_jax import compile_stats
+        from cua_jax.job import compile_stats
         from cua_jax.rl.shapes import Shape, ShapeSet
 
         learner.shapes = ShapeSet(

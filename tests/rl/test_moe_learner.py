@@ -245,8 +245,8 @@ def _smoke_config(**overrides):
 
 
 def test_config_keys_build_the_tiny_moe_and_are_checked():
-    from cua_jax import builders
-    from cua_jax.config_checks import ConfigError, validate_config
+    from cua_jax.config.checks import ConfigError, validate_config
+    from cua_jax.job import builders
 
     c = _smoke_config(
         **{
@@ -284,8 +284,8 @@ def test_model_moe_dispatch_reaches_every_moe_block_of_a_tiny_or_loaded_model(tm
     """config.model.moe_dispatch is the dispatch of every MoE block the builder makes: the tiny
     MoE's, and a local checkpoint's (whose blocks are built "auto", then set); a bad value is
     one line at the config check."""
-    from cua_jax import builders
-    from cua_jax.config_checks import ENUMS, ConfigError, validate_config
+    from cua_jax.config.checks import ENUMS, ConfigError, validate_config
+    from cua_jax.job import builders
     from cua_jax.models.qwen_vl.moe import MOE_DISPATCHES, SparseMoeBlock
     from tests.data.hf_local import save_hf_processor_dir
 
@@ -309,8 +309,8 @@ def test_model_moe_dispatch_reaches_every_moe_block_of_a_tiny_or_loaded_model(tm
 
 
 def test_small_preset_is_tiny_at_twice_the_depth_and_width():
-    from cua_jax import builders
-    from cua_jax.config_checks import validate_config
+    from cua_jax.config.checks import validate_config
+    from cua_jax.job import builders
 
     for family in ("qwen3_vl", "qwen2_5_vl"):
         c = _smoke_config(**{"model.preset": "small", "model.family": family})

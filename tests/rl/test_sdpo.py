@@ -477,7 +477,7 @@ def test_sdpo_steps_compile_nothing_after_the_warm_up(proc):
     teacher pass for the shapes teacher batches take (the shape set's teacher shapes; the SFT
     shape here holds one screen, which no teacher sample fits); SDPO steps on groups of
     different lengths and screenshot counts then compile neither (strict: a compile raises)."""
-    from cua_jax import compile_stats
+    from cua_jax.job import compile_stats
     from cua_jax.rl.shapes import Shape, ShapeSet
 
     learner = _sdpo_learner(proc)

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from configs.qwen3vl_grpo import get_config
-from cua_jax.config_checks import ConfigError
+from cua_jax.config.checks import ConfigError
 from cua_jax.models import qwen_vl
 from cua_jax.rl.learner import Learner, OptimizerConfig
 from cua_jax.rl.policies import recovery_detours
@@ -109,7 +109,7 @@ def test_recovery_detours_land_on_the_episodes_screen():
 
 def test_feedback_demos_need_oracle_demonstrations(files):
     """sft.feedback_share plays failed attempts on the tasks' pages: a file source has none."""
-    from cua_jax.config_checks import validate_config
+    from cua_jax.config.checks import validate_config
 
     c = get_config("smoke")
     c.sft.source, c.sft.feedback_share = files[0], 0.5

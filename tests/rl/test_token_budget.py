@@ -9,8 +9,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from cua_jax import compile_stats
 from cua_jax import sharding as shd
+from cua_jax.job import compile_stats
 from cua_jax.rl import batching, image_groups, packing
 from cua_jax.rl.learner import APPLY_PROGRAM, Learner, LossConfig, OptimizerConfig
 from cua_jax.rl.shapes import Shape, ShapeSet
@@ -180,7 +180,7 @@ def test_kv_pages_from_memory_are_what_the_learner_leaves(mesh4):
     below sampler.kv_min_fraction is an error naming what to change; no memory report (the CPU)
     or fraction 0 keep num_pages."""
     from configs import qwen3vl_grpo
-    from cua_jax import builders
+    from cua_jax.job import builders
 
     learner = _budget_learner(mesh4)
     c = qwen3vl_grpo.get_config("smoke")

@@ -1,6 +1,6 @@
 """Compile once, sampler side (#23): a multi-turn workload with varied prompt lengths and
 screenshots calls the engine's programs only at shapes of its bucket set, and after the
-warm-up (`cua_jax.warmup`) compiles nothing."""
+warm-up (`cua_jax.job.warmup`) compiles nothing."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cua_jax import compile_stats, warmup
+from cua_jax.job import compile_stats, warmup
 from cua_jax.models import qwen_vl
 from cua_jax.sampler import Engine, SamplingParams
 from cua_jax.sampler.scheduler import BucketSet, batch_bucket, pages_bucket, token_bucket

@@ -14,7 +14,7 @@ def test_file_stats_counts_long_functions_local_project_imports_and_skip_markers
 class Small:
     def short(self):
         import json  # the standard library: not a project import
-        from cua_jax import builders
+        from cua_jax.job import builders
         return json, builders
 
 

@@ -522,7 +522,7 @@ def test_live_serving_refuses_what_it_cannot_do_by_name(engine, proc, model, tmp
 
     import jax
 
-    from cua_jax.config_checks import ConfigError
+    from cua_jax.config.checks import ConfigError
     from cua_jax.evaluation.live import serve_live_policy
 
     monkeypatch.delenv("CUA_SERVE_TOKEN", raising=False)

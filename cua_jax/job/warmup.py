@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from cua_jax import compile_stats
+from cua_jax.job import compile_stats
 from cua_jax.rl import sdpo
 from cua_jax.rl.shapes import ShapeSet
 from cua_jax.sampler import engine as engine_mod

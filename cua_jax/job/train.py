@@ -11,7 +11,7 @@ never imports `envs`. `run` reads top to bottom, one function a phase, the run's
     agent, warm-up) -> [env pool] _warm_start (eval@0, mid-training, SFT) -> _grpo (steps:
     rollouts -> update -> sampler weights, eval / checkpoints / metrics) -> _close -> _finish
 
-Where the ConfigDict goes: this module, `cua_jax.builders` (mesh, model, checkpointer, learner,
+Where the ConfigDict goes: this module, `cua_jax.job.builders` (mesh, model, checkpointer, learner,
 engine, rollout settings and source, the SFT phases' settings, the SDPO distiller, Entropulse),
 the start-up checks (`config_checks`, `rl.levers.check_levers`, `check_mid`) and
 `redact.write_run_config`. Below them it reaches only the edges that read their own sections:
@@ -39,17 +39,18 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from cua_jax import builders, compile_stats, multihost, redact, warmup
 from cua_jax import db as db_lib
 from cua_jax import metrics as metrics_lib
-from cua_jax.builders import init_model_weights
+from cua_jax import multihost, redact
 from cua_jax.checkpoint.orbax_io import Checkpointer
-from cua_jax.config_checks import ConfigError, validate_config, warn_if_turns_cut
+from cua_jax.config.checks import ConfigError, validate_config, warn_if_turns_cut
 from cua_jax.data import shards
 from cua_jax.env_api import Task
 from cua_jax.evaluation.episodes import evaluate_policy, write_episodes
 from cua_jax.evaluation.live import serve_live_policy
 from cua_jax.evaluation.summary import run_summary
+from cua_jax.job import builders, compile_stats, warmup
+from cua_jax.job.builders import init_model_weights
 from cua_jax.job.resume import last_checkpoint, process_meta, resume_source, save_checkpoint
 from cua_jax.job.sft import mid_training, sft_warmup
 from cua_jax.job.steps import env_pool_metrics, job_metrics, next_groups

@@ -7,7 +7,7 @@ type-check and would train NaN weights or nothing at all. `LIMITS` holds one row
 of `configs/common.py` (a test fails when a numeric key is added there without a row here): an
 integer or a finite number, its bounds, values with a meaning of their own (`mesh.fsdp=-1`), and
 why. Relations between keys (KV pages for `max_seq_len`, `top_p` with `old_logprobs`) stay in
-`cua_jax.config_checks.validate_config`, which calls `check_limits` first.
+`cua_jax.config.checks.validate_config`, which calls `check_limits` first.
 """
 
 from __future__ import annotations

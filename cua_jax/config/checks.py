@@ -17,7 +17,7 @@ from typing import Any
 
 from absl import logging
 
-from cua_jax.config_limits import LimitError, check_limits
+from cua_jax.config.limits import LimitError, check_limits
 from cua_jax.env_api import Task
 from cua_jax.models.qwen_vl.config import TINY_MOE
 from cua_jax.models.qwen_vl.text import SPLASH_BLOCK, splash_tile

@@ -10,7 +10,7 @@ Model hand-off: `Learner` takes ownership of the model it is given (it applies L
 the mesh, sets its remat policy) and exposes it as `learner.model`. The sampler must decode
 exactly that object, so `build_engine` is handed `learner.model`, never the model as it was
 before the learner saw it. `restore_run_model` returns the learner's model for the same reason.
-Used by `cua_jax.train`, `tools/eval.py`, `tools/bench_smoke_step.py` and the HF export.
+Used by `cua_jax.job.train`, `tools/eval.py`, `tools/bench_smoke_step.py` and the HF export.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from absl import logging
 from etils import epath
 from flax import nnx
 
-from cua_jax import multihost, warmup
+from cua_jax import multihost
 from cua_jax import sharding as shd
 from cua_jax.checkpoint.orbax_io import Checkpointer, CheckpointError, init_params
-from cua_jax.config_checks import ConfigError, feedback_kinds
+from cua_jax.config.checks import ConfigError, feedback_kinds
 from cua_jax.data.processor import QwenVLProcessor
+from cua_jax.job import warmup
 from cua_jax.job.sft import MidSettings, SftSettings
 from cua_jax.metrics import MetricsWriter
 from cua_jax.models import qwen_vl
