@@ -82,12 +82,13 @@ def embed(spec: StepSpec, trainable, frozen, rest, ids_RL, images):
 
 
 def token_stats(
-    spec: StepSpec, trainable, frozen, rest, emb, ds, vmask, mb, temperature, entropy, distill=None
+    spec: StepSpec, trainable, frozen, rest, emb, ds, vmask, mb, temperature, entropy, variant=None
 ):
     """(log π(next token), entropy or None, MoE RoutingInfo or None), f32[mb, L-1], at
     `temperature`, with the banned ids masked; the logits are made `logits_chunk` positions
     at a time. MoE: the decoder replays `mb["routes"]` with `routing_replay`. With SDPO's
-    `distill` variant: ((log π, entropy, divergence from the teacher), RoutingInfo)."""
+    loss `variant` (`distill.LossVariant`): ((log π, entropy, divergence from the teacher),
+    RoutingInfo)."""
     model = merge(spec, trainable, frozen, rest)
     attn = model.attn_fn(None, mb["segment_ids"])
     info = None
@@ -109,7 +110,7 @@ def token_stats(
             logits = logits.at[..., banned].set(-1e30)
         return logits if temperature == 1.0 else logits / temperature
 
-    if distill is not None:  # SDPO: + the divergence from the teacher, from the same chunks
+    if variant is not None:  # SDPO: + the divergence from the teacher, from the same chunks
         return distill.chunked_stats_and_divergence(
             logits_fn,
             hidden,
@@ -118,8 +119,8 @@ def token_stats(
             mb["sdpo_logp"][:, 1:],
             chunk=spec.logits_chunk,
             entropy=entropy,
-            divergence=distill.divergence,
-            js_beta=distill.js_beta,
+            divergence=variant.divergence,
+            js_beta=variant.js_beta,
         ), info
     lp, ent = losses.chunked_token_stats(
         logits_fn, hidden, mb["input_ids"][:, 1:], chunk=spec.logits_chunk, entropy=entropy
@@ -233,7 +234,7 @@ def batch_grads(spec: StepSpec, mode, trainable, frozen, rest, ref, xs, images, 
     with shd.training_layout(spec.mesh, spec.rules):
         if n_total is None:
             n_total = jnp.sum(xs["loss_mask"]).astype(jnp.float32)
-        if mode == "sft" or spec.loss.kl_coef <= 0:
+        if mode == "sft" or not spec.loss.kl_coef > 0:
             ref = None
         elif ref is None:
             raise ValueError("no reference policy: build the learner with LossConfig(kl_coef > 0)")
