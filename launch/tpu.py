@@ -44,7 +44,7 @@ _DRY_RUN = flags.DEFINE_bool(
     "dry_run",
     False,
     "Compile the run's train step and decode chunk for the devices present, "
-    "print the memory / roofline plan (cua_jax/plan.py) and exit: 0 fits, 1 does not. No training.",
+    "print the memory / roofline plan (cua_jax/plan/) and exit: 0 fits, 1 does not. No training.",
 )
 flags.mark_flag_as_required("config")
 flags.register_multi_flags_validator(

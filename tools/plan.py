@@ -9,7 +9,7 @@ slice the preset is sized for, `config.topology`) with the
 preset's mesh and sharding rules, and AOT-compiles with the real TPU compiler the learner's RL
 train step and the sampler's decode step (Pallas TPU paged attention). Prints per program the
 per-device HBM (params, optimizer state, KL reference, KV pool, temp) against the chip's HBM,
-FLOPs and bytes per step, roofline time, MFU / MBU (see cua_jax/plan.py).
+FLOPs and bytes per step, roofline time, MFU / MBU (see cua_jax/plan/).
 
 Exit status: 0 everything fits with `--headroom` of HBM to spare; 1 something does not (one
 line naming the program, the biggest consumer and what to change; a program the TPU compiler

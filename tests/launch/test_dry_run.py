@@ -1,4 +1,4 @@
-"""`launch/tpu.py --dry_run`: the run's plan (cua_jax/plan.py) for the devices present, no training.
+"""`launch/tpu.py --dry_run`: the run's plan (cua_jax/plan/) for the devices present, no training.
 
 Here the devices are this machine's CPU device: the smoke preset's train step and decode chunk
 are compiled for it and checked against the host's memory. A pool far too big for the host

@@ -1,0 +1,237 @@
+"""The sampler's programs planned: one decode step of every slot over the KV pool and the prefill
+of a real turn; the KV pool sized from memory (`size_kv_pool`, `sampler_pool_cut`) or refused
+(`kv_pool_problem`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from cua_jax.models import qwen_vl
+from cua_jax.plan.abstract import (
+    SYSTEM_TOKENS,
+    _Abstract,
+    _compile,
+    _text_param_count,
+    trainer_rl_shapes,
+)
+from cua_jax.plan.hardware import Chip, GiB, PlanInputError
+from cua_jax.plan.report import ProgramPlan, tree_shard_bytes
+from cua_jax.sampler import kv_cache, steps
+from cua_jax.sampler.kernels.paged_attention import GpuKernelOptions, select_backend
+from cua_jax.sampler.kv_cache import kv_pages_for_budget, kv_pool_bytes_per_device
+from cua_jax.sampler.placement import kv_sharding
+from cua_jax.sampler.scheduler import token_bucket
+
+
+# ------------------------------------------------------------------------------- decode step
+def plan_decode_step(
+    config: Any, ab: _Abstract, mesh: Any, chip: Chip, num_pages: int, backend: str
+) -> ProgramPlan:
+
+    cfg = ab.learner.config
+    t = cfg.text
+    sc = config.sampler
+    S, L = sc.max_slots, sc.page_size
+    tensor = mesh.shape["tensor"]
+    if t.num_key_value_heads % tensor:
+        raise PlanInputError(
+            f"num_key_value_heads={t.num_key_value_heads} is not divisible by mesh.tensor="
+            f"{tensor}: the sampler shards K/V over kv heads; change --config.mesh.tensor"
+        )
+    pages_per_seq = -(-sc.max_seq_len // L)
+    # Every slot live, the pool shared evenly: each slot's context is what the pool can hold.
+    ctx = min(sc.max_seq_len, (num_pages - 1) * L // S)
+    cache_dtype = jnp.dtype(cfg.dtype)
+
+    kv_sh = kv_sharding(mesh)  # as the engine lays out its pools
+    pool = jax.ShapeDtypeStruct(
+        (t.num_key_value_heads, num_pages, L, t.head_dim), cache_dtype, sharding=kv_sh
+    )
+    cache = kv_cache.KVCache((pool,) * t.num_hidden_layers, (pool,) * t.num_hidden_layers)
+    repl = NamedSharding(mesh, P())
+    params = nnx.merge_state(ab.trainable, ab.frozen, ab.rest)
+    kv_bytes = tree_shard_bytes(cache)
+    arguments = {"params": tree_shard_bytes(params), f"KV pool ({num_pages} pages)": kv_bytes}
+    resident = {"optimizer state (learner, resident)": tree_shard_bytes(ab.opt_state)}
+    if ab.ref is not None:
+        resident["KL reference (learner, resident)"] = tree_shard_bytes(ab.ref)
+    prog = ProgramPlan("decode_step", chip, arguments, resident)
+    prog.kind = "sampler"
+    # As the engine decides: the TPU kernel, or the jnp reference where it cannot take the shapes.
+    platform = mesh.devices.flat[0].platform
+    backend = select_backend(backend, head_dim=t.head_dim, page_size=L, platform=platform)
+    # The kernel, by hand (XLA's cost analysis counts a Pallas call as almost nothing): per
+    # layer and slot, q.k and p.v over ctx tokens (4 N H ctx FLOPs) reading K and V of ctx
+    # tokens (2 K H ctx x dtype bytes); heads split over `tensor`.
+    per_layer = S * ctx * t.head_dim
+    attn_flops = 4 * t.num_attention_heads * per_layer * t.num_hidden_layers / tensor
+    kv_read = 2 * t.num_key_value_heads * per_layer * cache_dtype.itemsize * t.num_hidden_layers
+    kv_read /= tensor
+    if backend in ("tpu", "gpu"):  # Pallas calls (Mosaic / Triton)
+        prog.pallas_flops, prog.pallas_bytes = attn_flops, kv_read
+    n_text = _text_param_count(params)
+    prog.model_flops = (2 * n_text * S) / mesh.size + attn_flops
+    # A decode step must read every text weight once (each device its shard, FSDP gathers
+    # the rest: the shard is what HBM serves) and the live K/V.
+    prog.min_bytes = tree_shard_bytes(_text_only(params)) + kv_read
+    prog.notes.append(
+        f"{S} slots x context {ctx} (pool {num_pages} x {L} tokens, max_seq_len "
+        f"{sc.max_seq_len}, {pages_per_seq} pages a sequence); the engine's decode chunk "
+        f"(steps.decode_paged): XLA counts its loop body once, so FLOPs and bytes are one of "
+        f"its {sc.decode_chunk} steps; "
+        f"paged attention: {backend} kernel, K/V {cache_dtype.name} sharded over tensor={tensor}"
+    )
+
+    # The engine's own jitted decode chunk (cua_jax.sampler.steps), sharded as the engine
+    # shards it: params in place with the learner's shardings, pools over kv heads.
+    step_cfg = steps.StepConfig(
+        page_size=L,
+        decode_chunk=sc.decode_chunk,
+        head_dim=t.head_dim,
+        attn_backend=backend,
+        attn_options=GpuKernelOptions(),
+        mesh=mesh,
+    )
+    shardings = steps.StepShardings(
+        params=jax.tree.map(lambda x: x.sharding, params), cache=kv_sh, small=repl
+    )
+    fns = steps.build_step_fns(ab.decode_model, step_cfg, shardings, t.num_hidden_layers)
+    fn = fns.decode_paged
+    args = (params, cache, *steps.decode_arg_shapes(S, pages_per_seq))
+    _compile(fn, args, prog)
+    return prog
+
+
+def plan_prefill_turn(
+    config: Any, ab: _Abstract, mesh: Any, chip: Chip, num_pages: int, backend: str
+) -> ProgramPlan:
+    """The sampler's prefill of one real turn: one row of the preset's `env.max_history_images`
+    screens at its viewport with `SYSTEM_TOKENS` of prompt, in the engine's token bucket, its
+    whole page table, with the KV pool resident as the decode step has it (the engine's
+    `prefill(grid)` program, `cua_jax.sampler.steps`)."""
+
+    cfg = ab.learner.config
+    t, v = cfg.text, cfg.vision
+    sc, env = config.sampler, config.env
+    L = sc.page_size
+    shapes = trainer_rl_shapes(config, ab.learner)
+    grid = shapes.grid
+    unit = int(np.prod(grid))
+    screens = env.max_history_images
+    tokens = screens * (unit // v.spatial_merge_size**2 + 2) + SYSTEM_TOKENS
+    T = min(token_bucket(tokens), sc.max_seq_len)
+    cols = -(-sc.max_seq_len // L)
+    dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+    kv_sh = kv_sharding(mesh)
+    pool = jax.ShapeDtypeStruct(
+        (t.num_key_value_heads, num_pages, L, t.head_dim), jnp.dtype(cfg.dtype), sharding=kv_sh
+    )
+    cache = kv_cache.KVCache((pool,) * t.num_hidden_layers, (pool,) * t.num_hidden_layers)
+    params = nnx.merge_state(ab.trainable, ab.frozen, ab.rest)
+    repl = NamedSharding(mesh, P())
+    arguments = {
+        "params": tree_shard_bytes(params),
+        f"KV pool ({num_pages} pages)": tree_shard_bytes(cache),
+        "the turn's screens": screens * unit * dim * 4,
+    }
+    resident = {"optimizer state (learner, resident)": tree_shard_bytes(ab.opt_state)}
+    if ab.ref is not None:
+        resident["KL reference (learner, resident)"] = tree_shard_bytes(ab.ref)
+    prog = ProgramPlan("prefill_turn", chip, arguments, resident)
+    prog.kind, prog.rows, prog.row_length, prog.screens = "sampler", 1, T, screens
+    platform = mesh.devices.flat[0].platform
+    backend = select_backend(backend, head_dim=t.head_dim, page_size=L, platform=platform)
+    step_cfg = steps.StepConfig(
+        page_size=L,
+        decode_chunk=sc.decode_chunk,
+        head_dim=t.head_dim,
+        attn_backend=backend,
+        attn_options=GpuKernelOptions(),
+        mesh=mesh,
+    )
+    shardings = steps.StepShardings(
+        params=jax.tree.map(lambda x: x.sharding, params), cache=kv_sh, small=repl
+    )
+    fns = steps.build_step_fns(ab.decode_model, step_cfg, shardings, t.num_hidden_layers)
+    prog.notes.append(
+        f"one turn: {screens} screens of {unit} patches and about {tokens} tokens in a "
+        f"{T}-token prefill, a {cols}-column page table"
+        + (f" (a turn is longer than sampler.max_seq_len={sc.max_seq_len})" if tokens > T else "")
+    )
+    args = (params, cache, *steps.prefill_arg_shapes(1, T, cols, (screens * unit, dim)))
+    _compile(fns.prefill((tuple(grid),) * screens), args, prog)
+    return prog
+
+
+def _text_only(state: Any) -> list[Any]:
+    return [
+        x
+        for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
+        if "visual" not in jax.tree_util.keystr(p)
+    ]
+
+
+# ------------------------------------------------------------------------------- KV pool sizing
+def size_kv_pool(
+    cfg: qwen_vl.QwenVLConfig, sc: Any, tensor: int, hbm: int, frac: float, programs: list
+) -> tuple[int, int, str]:
+    """(pages, bytes a device, a note) of the KV pool sized from memory: `frac` of the chip's
+    HBM less the largest planned program's peak (planned with no pool), in whole pages of
+    `kv_pool_bytes_per_device`; each program's resident pool is set to it."""
+    peak = max((p.total_bytes for p in programs), default=0)
+    pages = kv_pages_for_budget(
+        cfg, max(0, int(hbm * frac) - peak), sc.page_size, cfg.dtype, tensor
+    )
+    kv = kv_pool_bytes_per_device(cfg, pages, sc.page_size, cfg.dtype, tensor)
+    for p in programs:
+        if "KV pool (sampler, resident)" in p.resident:
+            p.resident["KV pool (sampler, resident)"] = kv
+    note = (
+        f"{pages} pages: {frac:.0%} of {hbm / GiB:.0f} GiB less the largest learner program's "
+        f"{peak / GiB:.2f} GiB (sampler.kv_memory_fraction)"
+    )
+    return pages, kv, note
+
+
+def sampler_pool_cut(sampler: list[ProgramPlan], hbm: int, frac: float, per_page: int) -> int:
+    """KV pages the pool sized from the learner's programs (`size_kv_pool`) must give up so that
+    every sampler program (`decode_step`, `prefill_turn`, each with that pool among its
+    arguments) peaks within `frac` of `hbm`: its excess over that share in whole pages of
+    `per_page` bytes (0 when none is over; a program the compiler refused counts at the
+    temporaries it said it needed)."""
+    peaks = [p.total_bytes for p in sampler if p.compile_error is None or p.temp_bytes]
+    over = max(peaks, default=0) - int(hbm * frac)
+    return -(-over // per_page) if over > 0 else 0
+
+
+def kv_pool_problem(
+    cfg: qwen_vl.QwenVLConfig, sc: Any, pages: int, tensor: int, hbm: int, min_frac: float
+) -> str:
+    """Why a run stops at start with the pool of `pages` a device sized from memory, as
+    `builders.kv_pages` refuses it: less than `min_frac` (sampler.kv_min_fraction) of `hbm`, or
+    not one sequence of sampler.max_seq_len past the scratch page 0; "" when neither."""
+    pool = kv_pool_bytes_per_device(cfg, pages, sc.page_size, cfg.dtype, tensor)
+    fix = (
+        "lower --config.rl.tokens_per_chip or --config.sampler.kv_min_fraction, a larger "
+        "--config.mesh.tensor (K/V and activations split over it), or a larger topology"
+    )
+    if pool < min_frac * hbm:
+        return (
+            f"the KV pool gets {pool / GiB:.2f} GiB ({pages} pages) a device, less than "
+            f"sampler.kv_min_fraction={min_frac} of {hbm / GiB:.0f} GiB "
+            f"({min_frac * hbm / GiB:.2f} GiB): a run stops at start; {fix}"
+        )
+    if (pages - 1) * sc.page_size < sc.max_seq_len:
+        return (
+            f"the KV pool gets {pages} pages of {sc.page_size} tokens, not one sequence of "
+            f"sampler.max_seq_len={sc.max_seq_len} past the scratch page: a run stops at "
+            f"start; {fix}, or a shorter --config.sampler.max_seq_len"
+        )
+    return ""
