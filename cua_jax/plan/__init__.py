@@ -43,10 +43,10 @@ bytes a decode step must read (params once, the live K/V) / (roofline time x ban
 
 The package: `hardware` (the chips and slices, their abstract devices), `abstract` (the model and
 the learner built abstractly, the compile that records a program's figures, the run's shapes),
-`learner` (the learner's programs: RL step, token-budget chunks, SDPO, SFT), `sampler` (decode
-step, prefill turn, the KV pool sized from memory), `report` (byte counts, `ProgramPlan`, `Plan`
-and its verdict, the tables and JSON); here the programs a run compiles and the plan itself
-(`make_plan`, the launch-time `dry_run`).
+`learner_programs` (the learner's programs: RL step, token-budget chunks, SDPO, SFT),
+`sampler_programs` (decode step, prefill turn, the KV pool sized from memory), `report` (byte
+counts, `ProgramPlan`, `Plan` and its verdict, the tables and JSON); here the programs a run
+compiles and the plan itself (`make_plan`, the launch-time `dry_run`).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ from cua_jax.plan.hardware import (
     local_topology,
     table_of_topologies,
 )
-from cua_jax.plan.learner import (
+from cua_jax.plan.learner_programs import (
     _SCREENS_ARG,
     _fitted_budget,
     least_tokens_per_chip,
@@ -96,7 +96,7 @@ from cua_jax.plan.report import (
     tree_shard_bytes,
     with_shardings,
 )
-from cua_jax.plan.sampler import (
+from cua_jax.plan.sampler_programs import (
     kv_pool_problem,
     plan_decode_step,
     plan_prefill_turn,
