@@ -33,8 +33,10 @@ jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 # The modules that take the longest (minutes of CPU each in a full run, longest first) start
-# first: `pytest -n 2 --dist loadscope` hands whole modules to the workers in collection order,
-# and a long module collected last runs alone at the end while the other worker idles.
+# first: `pytest -n 2 --dist loadscope --no-loadscope-reorder` (make test) hands whole modules to
+# the workers in collection order, and a long module collected last runs alone at the end while
+# the other worker idles (xdist's own reorder, by test count, put the one-test end-to-end modules
+# last: a 20-minute tail).
 SLOW_FIRST = (
     "tests/envs/vm/test_vm_train_smoke.py",
     "tests/test_train_smoke.py",
