@@ -31,6 +31,26 @@ from cua_jax.sampler.scheduler import token_bucket
 
 
 # ------------------------------------------------------------------------------- decode step
+def _engine_step_fns(
+    ab: _Abstract, sc: Any, mesh: Any, backend: str, params: Any, kv_sh: Any, repl: Any
+) -> Any:
+    """The engine's own jitted step functions (cua_jax.sampler.steps), sharded as the engine
+    shards them: params in place with the learner's shardings, pools over kv heads."""
+    t = ab.learner.config.text
+    step_cfg = steps.StepConfig(
+        page_size=sc.page_size,
+        decode_chunk=sc.decode_chunk,
+        head_dim=t.head_dim,
+        attn_backend=backend,
+        attn_options=GpuKernelOptions(),
+        mesh=mesh,
+    )
+    shardings = steps.StepShardings(
+        params=jax.tree.map(lambda x: x.sharding, params), cache=kv_sh, small=repl
+    )
+    return steps.build_step_fns(ab.decode_model, step_cfg, shardings, t.num_hidden_layers)
+
+
 def plan_decode_step(
     config: Any, ab: _Abstract, mesh: Any, chip: Chip, num_pages: int, backend: str
 ) -> ProgramPlan:
@@ -91,18 +111,7 @@ def plan_decode_step(
 
     # The engine's own jitted decode chunk (cua_jax.sampler.steps), sharded as the engine
     # shards it: params in place with the learner's shardings, pools over kv heads.
-    step_cfg = steps.StepConfig(
-        page_size=L,
-        decode_chunk=sc.decode_chunk,
-        head_dim=t.head_dim,
-        attn_backend=backend,
-        attn_options=GpuKernelOptions(),
-        mesh=mesh,
-    )
-    shardings = steps.StepShardings(
-        params=jax.tree.map(lambda x: x.sharding, params), cache=kv_sh, small=repl
-    )
-    fns = steps.build_step_fns(ab.decode_model, step_cfg, shardings, t.num_hidden_layers)
+    fns = _engine_step_fns(ab, config.sampler, mesh, backend, params, kv_sh, repl)
     fn = fns.decode_paged
     args = (params, cache, *steps.decode_arg_shapes(S, pages_per_seq))
     _compile(fn, args, prog)
@@ -148,18 +157,7 @@ def plan_prefill_turn(
     prog.kind, prog.rows, prog.row_length, prog.screens = "sampler", 1, T, screens
     platform = mesh.devices.flat[0].platform
     backend = select_backend(backend, head_dim=t.head_dim, page_size=L, platform=platform)
-    step_cfg = steps.StepConfig(
-        page_size=L,
-        decode_chunk=sc.decode_chunk,
-        head_dim=t.head_dim,
-        attn_backend=backend,
-        attn_options=GpuKernelOptions(),
-        mesh=mesh,
-    )
-    shardings = steps.StepShardings(
-        params=jax.tree.map(lambda x: x.sharding, params), cache=kv_sh, small=repl
-    )
-    fns = steps.build_step_fns(ab.decode_model, step_cfg, shardings, t.num_hidden_layers)
+    fns = _engine_step_fns(ab, config.sampler, mesh, backend, params, kv_sh, repl)
     prog.notes.append(
         f"one turn: {screens} screens of {unit} patches and about {tokens} tokens in a "
         f"{T}-token prefill, a {cols}-column page table"
