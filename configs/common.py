@@ -216,7 +216,7 @@ def base_config(family: str) -> ConfigDict:
     c.sft.learning_rate = 1e-5
     # "oracle": the tasks' scripted solutions (kept in WORKDIR/sft_demos), or a trajectory
     # directory (e.g. an earlier run's sft_demos) or a .jsonl of token-level episodes
-    # (cua_jax.data.sft); file batches hold rl.rows_per_step episodes.
+    # (cua_jax.demos.pipeline); file batches hold rl.rows_per_step episodes.
     c.sft.source = "oracle"
     c.sft.episodes_per_task = 4
     # oracle demonstrations of the first this many training tasks only (0: all): RL may then
@@ -226,13 +226,14 @@ def base_config(family: str) -> ConfigDict:
     # no loss on it) and then recover: the model sees second turns, not only perfect first ones.
     c.sft.recovery_share = 0.0
     # Share of oracle demonstrations also trained with SDPO's feedback message before the task
-    # (rl.sdpo_feedback of a scripted failed attempt at the same page; cua_jax.rl.sft_data): the
-    # self-teacher then knows how to read feedback. For rl.algorithm="sdpo"; oracle source only.
+    # (rl.sdpo_feedback of a scripted failed attempt at the same page;
+    # cua_jax.demos.sft_batches): the self-teacher then knows how to read feedback. For
+    # rl.algorithm="sdpo"; oracle source only.
     c.sft.feedback_share = 0.0
 
     # ---- grounding mid-training (before the SFT warm-up, with the SFT learner and rate) -------
     # Synthetic screens streamed from shard directories (tools/make_grounding_data.py,
-    # cua_jax.data.shards): one-turn click demonstrations; the held-out grounding curve goes
+    # cua_jax.demos.shards): one-turn click demonstrations; the held-out grounding curve goes
     # to WORKDIR/mid_curve.jsonl. A shard directory also works as config.sft.source.
     c.mid = ConfigDict()
     c.mid.steps = 0  # 0 = none

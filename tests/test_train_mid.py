@@ -5,8 +5,8 @@ import pytest
 
 from configs import qwen3vl_grpo
 from cua_jax.config.checks import ConfigError
-from cua_jax.data.grounding import render_sample
-from cua_jax.data.shards import write_shards
+from cua_jax.demos.grounding import render_sample
+from cua_jax.demos.shards import write_shards
 from cua_jax.job.train import check_mid
 
 

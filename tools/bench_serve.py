@@ -103,9 +103,9 @@ def main(argv: list[str]) -> None:
 
     import jax
 
-    from cua_jax.evaluation.loading import load_policy
     from cua_jax.evaluation.openai_chat import MessageRenderer, encode_image
     from cua_jax.job import builders
+    from cua_jax.job.loading import load_policy
     from cua_jax.sampler import SamplingParams
     from tools.serve import create_app
 

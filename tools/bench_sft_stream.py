@@ -20,8 +20,8 @@ from tools import bench_setup
 bench_setup.cpu_unless_set()
 
 from configs import qwen3vl_grpo  # noqa: E402
-from cua_jax.data.sft import batch_iterator, sft_dataset  # noqa: E402
-from cua_jax.data.shards import GroundingDemos, GroundingShards  # noqa: E402
+from cua_jax.demos.pipeline import batch_iterator, sft_dataset  # noqa: E402
+from cua_jax.demos.shards import GroundingDemos, GroundingShards  # noqa: E402
 from cua_jax.job import builders  # noqa: E402
 from cua_jax.rl.rollout import AgentLoop  # noqa: E402
 

@@ -143,8 +143,8 @@ class EvalError(SystemExit):
 
 
 def checkpoint_step(value: str | None, workdir: str | None) -> int | None:
-    """--step as a checkpoint step (`cua_jax.evaluation.loading.checkpoint_step`)."""
-    from cua_jax.evaluation.loading import checkpoint_step as resolve
+    """--step as a checkpoint step (`cua_jax.job.loading.checkpoint_step`)."""
+    from cua_jax.job.loading import checkpoint_step as resolve
 
     try:
         return resolve(value, workdir)
@@ -287,7 +287,7 @@ def _player(config) -> Player:
     from cua_jax.job import builders
 
     if _AGENT.value != "checkpoint":
-        from cua_jax.evaluation.loading import build_processor
+        from cua_jax.job.loading import build_processor
         from tools.agents import AgentEvalLoop, AnthropicAgent, OpenAIAgent
 
         processor = build_processor(config)
@@ -304,7 +304,7 @@ def _player(config) -> Player:
         agent = AgentEvalLoop(processor, settings)
         return Player(agent, processor, settings, remote.name, tag, remote=remote)
     from cua_jax.checkpoint.orbax_io import CheckpointError
-    from cua_jax.evaluation.loading import load_policy
+    from cua_jax.job.loading import load_policy
 
     try:
         model, processor, step, mesh, rules = load_policy(

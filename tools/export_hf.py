@@ -127,8 +127,8 @@ def main(argv: list[str]) -> None:
     try:
         check_args(workdir, out, _STEP.value)
         from configs.common import load_run_config
-        from cua_jax.checkpoint.hf_export import export_checkpoint
         from cua_jax.checkpoint.orbax_io import CheckpointError
+        from cua_jax.job.export import export_checkpoint
 
         if not flags.FLAGS["verbosity"].present:  # orbax logs each step of a restore
             logging.set_verbosity(logging.ERROR)

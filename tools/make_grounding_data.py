@@ -1,4 +1,4 @@
-"""Writes synthetic grounding screens as grain-readable shards (cua_jax.data.grounding/shards).
+"""Writes synthetic grounding screens as grain-readable shards (cua_jax.demos.grounding/shards).
 
     python tools/make_grounding_data.py --out=/tmp/ground/train --num=20000
     python tools/make_grounding_data.py --out=/tmp/ground/heldout --num=512 --split=heldout
@@ -15,8 +15,8 @@ import argparse
 import sys
 import time
 
-from cua_jax.data.grounding import HELDOUT_SEED, KINDS, render_sample
-from cua_jax.data.shards import ShardWriter
+from cua_jax.demos.grounding import HELDOUT_SEED, KINDS, render_sample
+from cua_jax.demos.shards import ShardWriter
 
 
 def main(argv: list[str] | None = None) -> int:

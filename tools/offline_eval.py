@@ -89,8 +89,8 @@ def main(argv: list[str]) -> None:
     if (policy == "openai") != (_BASE_URL.value is not None):
         fail("--base_url goes with --policy=openai (and --policy=openai needs it)")
 
-    from cua_jax.evaluation.loading import build_processor, load_policy
     from cua_jax.job import builders  # loads JAX (so does loading)
+    from cua_jax.job.loading import build_processor, load_policy
 
     fmt_name = config.env.action_format
     processor = build_processor(config)

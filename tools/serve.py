@@ -112,8 +112,8 @@ def main(argv: list[str]) -> None:
     import uvicorn
 
     from cua_jax.checkpoint.orbax_io import CheckpointError
-    from cua_jax.evaluation.loading import load_policy
     from cua_jax.job import builders
+    from cua_jax.job.loading import load_policy
     from launch import compose
 
     compose.enable_compile_cache(config.get("compile_cache_dir"))

@@ -8,4 +8,5 @@ warmup.begin                                             # the shape set compile
 sft.mid_training / sft.sft_warmup                        # the SFT learner's phases before RL
 resume.resume_source / save_checkpoint / process_meta    # a run's checkpoints and resume
 steps.next_groups / job_metrics / env_pool_metrics       # pieces of one GRPO step
+loading.load_policy / export.export_checkpoint           # a run's policy for eval, serving, HF
 """

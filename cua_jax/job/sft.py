@@ -24,10 +24,9 @@ from absl import logging
 from etils import epath
 
 from cua_jax import metrics as metrics_lib
-from cua_jax.data import sft as sft_lib
-from cua_jax.data import shards
+from cua_jax.demos import pipeline as sft_lib
+from cua_jax.demos import sft_batches, shards
 from cua_jax.env_api import Task
-from cua_jax.rl import sft_data
 from cua_jax.rl.learner import check_finite
 from cua_jax.rl.store import TrajectoryWriter
 from cua_jax.rl.trajectory import Trajectory
@@ -77,13 +76,13 @@ async def sft_warmup(
 ) -> dict[str, float]:
     """Behaviour cloning before RL (ComputerRL's SFT-then-RL recipe) with the SFT learner, from
     the tasks' oracle demonstrations (kept under WORKDIR/sft_demos for reuse) or from
-    `settings.source` (`cua_jax.rl.sft_data`). `before_first_step` is awaited once the
+    `settings.source` (`cua_jax.demos.sft_batches`). `before_first_step` is awaited once the
     demonstrations are in hand, before the first step (the run waits there for the SFT step's
     compile, which runs while the demonstrations are played)."""
     s = settings
     t0 = time.perf_counter()
     if s.source == "oracle":
-        batches, info = await sft_data.oracle_sft_batches(
+        batches, info = await sft_batches.oracle_sft_batches(
             learner,
             agent,
             pool,
@@ -100,7 +99,9 @@ async def sft_warmup(
         batches, n = grounding_batches(s.source, learner, agent, batch_size=s.rows, seed=s.seed)
         info = {"sft/demos": float(n)}
     else:
-        batches, info = sft_data.sft_file_batches(s.source, learner, batch_size=s.rows, seed=s.seed)
+        batches, info = sft_batches.sft_file_batches(
+            s.source, learner, batch_size=s.rows, seed=s.seed
+        )
     if before_first_step is not None:
         await before_first_step()
     losses = []
@@ -129,7 +130,7 @@ async def mid_training(
     sync_sampler: Callable[[], None],
 ) -> dict[str, float]:
     """Grounding mid-training, the ladder's rung before SFT (`MidSettings`), synthetic screens
-    streamed from the shard directory by grain (`cua_jax.data.shards`: this process's share,
+    streamed from the shard directory by grain (`cua_jax.demos.shards`: this process's share,
     reshuffled each epoch). At each eval `sync_sampler()` hands the sampler the learner's
     weights, then the held-out clicks are scored (inside the target box): the held-out grounding
     curve against samples seen, one JSON line per eval in WORKDIR/mid_curve.jsonl, with the data

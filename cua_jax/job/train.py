@@ -44,7 +44,7 @@ from cua_jax import metrics as metrics_lib
 from cua_jax import multihost, redact
 from cua_jax.checkpoint.orbax_io import Checkpointer
 from cua_jax.config.checks import ConfigError, validate_config, warn_if_turns_cut
-from cua_jax.data import shards
+from cua_jax.demos import shards
 from cua_jax.env_api import Task
 from cua_jax.evaluation.episodes import evaluate_policy, write_episodes
 from cua_jax.evaluation.live import serve_live_policy

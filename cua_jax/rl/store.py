@@ -23,7 +23,7 @@ wait on slots held by other unfinished groups (puts then time out rather than ha
 
 `TrajectoryWriter` / `TrajectoryReader` persist finished trajectories (tensorstore zarr arrays
 for tokens, log-probs and pixels + a JSONL index) for replay, inspection, and SFT
-(`cua_jax.data.sft`).
+(`cua_jax.demos.pipeline`).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import pytest
 
 from cua_jax import actions as A
 from cua_jax.data.processor import QwenVLProcessor
+from cua_jax.demos.sft_batches import feedback_demo_samples, oracle_sft_batches
 from cua_jax.env_api import (
     INFO_DONE_REASON,
     INFO_INVALID_ACTION,
@@ -33,7 +34,6 @@ from cua_jax.rl.rollout import (
     count_infra_faults,
     default_reward,
 )
-from cua_jax.rl.sft_data import feedback_demo_samples, oracle_sft_batches
 from cua_jax.rl.trajectory import (
     Trajectory,
     rope_position_fn,

@@ -1,12 +1,12 @@
 """tools/eval.py --step: a step number, or "best" from the run's summary.json, each bad value a
-clear error. (The parsing lives in cua_jax.evaluation.loading: importing tools/eval.py here would
+clear error. (The parsing lives in cua_jax.job.loading: importing tools/eval.py here would
 define its absl flags a second time in a test process that has launch/tpu.py's.)"""
 
 import json
 
 import pytest
 
-from cua_jax.evaluation.loading import checkpoint_step
+from cua_jax.job.loading import checkpoint_step
 
 
 def test_step_numbers_and_best_from_the_summary(tmp_path):

@@ -7,7 +7,7 @@
 Two sources (ComputerRL's SFT-then-RL recipe): the tasks' oracle demonstrations, played in the
 model's own action format (`AgentLoop.demonstrations`; a share of them start with a scripted
 miss and recover from it), or files: a trajectory directory (`TrajectoryWriter` /
-`TrajectoryStore(persist_dir=)`) or a JSONL file of token-level episodes (`cua_jax.data.sft`).
+`TrajectoryStore(persist_dir=)`) or a JSONL file of token-level episodes (`cua_jax.demos.pipeline`).
 Only successful episodes are trained on. Both iterators are endless (reshuffled every epoch).
 
 Feedback demonstrations (`feedback_share`, for SDPO): a share of the oracle demos is also
@@ -28,9 +28,11 @@ from typing import Any
 import numpy as np
 
 from cua_jax.config.checks import ConfigError, check_sft_source
+from cua_jax.demos.pipeline import JsonlDemonstrations, batch_iterator, sft_dataset
 from cua_jax.env_api import Task
 from cua_jax.rl import sdpo
 from cua_jax.rl.policies import recovery_detours
+from cua_jax.rl.store import TrajectoryReader
 from cua_jax.rl.trajectory import PositionFn, Sample, Trajectory, trajectory_to_samples
 
 # Each oracle task is replayed with seeds `seed + SEED_STRIDE * r`: the built-in templates
@@ -153,9 +155,6 @@ def sft_file_batches(
 ) -> tuple[Iterator[Any], dict[str, float]]:
     """(endless iterator of packed SFT batches, info) from a trajectory directory or a JSONL
     file of demonstrations; only successful episodes are used, reshuffled every epoch."""
-    from cua_jax.data.sft import JsonlDemonstrations, batch_iterator, sft_dataset
-    from cua_jax.rl.store import TrajectoryReader
-
     if check_sft_source(path) == "dir":
         source = TrajectoryReader(path)
         n_good = sum(bool(source.metadata(i)["success"]) for i in range(len(source)))

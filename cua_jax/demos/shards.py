@@ -16,7 +16,7 @@ memory of one batch (BENCHMARKS.md, "the mid-training ladder").
 
 `GroundingDemos` turns a sample into the one-turn episode the agent would play on that screen
 (`AgentLoop`'s system prompt, coordinate space and action format; the oracle's click at the
-target's centre) and plugs into `cua_jax.data.sft.sft_dataset` like any trajectory source.
+target's centre) and plugs into `cua_jax.demos.pipeline.sft_dataset` like any trajectory source.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
 from cua_jax import actions as A
-from cua_jax.data.grounding import GroundingSample
+from cua_jax.demos.grounding import GroundingSample
 from cua_jax.rl.trajectory import Trajectory, Turn
 from cua_jax.sampler.sampling import SamplingParams
 

@@ -13,10 +13,17 @@ weights load in transformers all the same.
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import os
 import shutil
 from typing import Any
+
+from cua_jax import sharding as shd
+from cua_jax.data.tokenizer import DEFAULT_TOKENIZER_PATH
+from cua_jax.job.builders import restore_run_model
+from cua_jax.models import lora
+from cua_jax.models.qwen_vl import save_pretrained
 
 
 def export_checkpoint(workdir: str, out_dir: str, step: int | None = None, *, config: Any) -> int:
@@ -24,11 +31,6 @@ def export_checkpoint(workdir: str, out_dir: str, step: int | None = None, *, co
 
     config: the run's config, as `configs.common.load_run_config(workdir)` reads it (which fills
     fields added since the run)."""
-    from cua_jax import sharding as shd
-    from cua_jax.job.builders import restore_run_model
-    from cua_jax.models import lora
-    from cua_jax.models.qwen_vl import save_pretrained
-
     mesh = shd.make_mesh(1, -1, 1)
     rules = tuple(shd.DEFAULT_RULES) + tuple(tuple(r) for r in config.mesh.rules)
     model, _, step = restore_run_model(config, workdir, mesh, rules, step)
@@ -36,10 +38,6 @@ def export_checkpoint(workdir: str, out_dir: str, step: int | None = None, *, co
         model = lora.merge_lora(model)
     save_pretrained(model, out_dir, tokenizer_dir=config.model.hf_path)
     if config.model.hf_path is None:
-        import importlib.resources
-
-        from cua_jax.data.tokenizer import DEFAULT_TOKENIZER_PATH
-
         src = importlib.resources.files("cua_jax").joinpath(DEFAULT_TOKENIZER_PATH)
         with importlib.resources.as_file(src) as path:
             shutil.copy(path, os.path.join(out_dir, "cua_jax_tokenizer.model"))

@@ -10,10 +10,10 @@ from flax import nnx
 
 from configs.qwen3vl_grpo import get_config
 from cua_jax.config.checks import ConfigError
+from cua_jax.demos.sft_batches import sft_file_batches
 from cua_jax.models import qwen_vl
 from cua_jax.rl.learner import Learner, OptimizerConfig
 from cua_jax.rl.policies import recovery_detours
-from cua_jax.rl.sft_data import sft_file_batches
 from cua_jax.rl.store import TrajectoryWriter
 from cua_jax.rl.trajectory import Trajectory, Turn
 

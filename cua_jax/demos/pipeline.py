@@ -9,7 +9,7 @@ Sources:
     (token ids exactly as the model should see them; rendering chat text to ids is the job of
     `cua_jax.data.chat`).
 
-  * grounding shard directories (`cua_jax.data.shards.GroundingDemos`): synthetic screens
+  * grounding shard directories (`cua_jax.demos.shards.GroundingDemos`): synthetic screens
     stored as uint8 PNG with an instruction and a target box, rendered into the agent's
     one-turn click episode as they are read.
 
@@ -110,7 +110,7 @@ def sft_dataset(
         # The index holds the outcome, so unsuccessful episodes are skipped without reading them.
         indices = [i for i in range(len(source)) if source.metadata(i)["success"]]
     elif not successful_only or getattr(source, "all_successful", False):
-        # nothing to filter (e.g. `cua_jax.data.shards.GroundingDemos`): nothing is read here,
+        # nothing to filter (e.g. `cua_jax.demos.shards.GroundingDemos`): nothing is read here,
         # so a source of any size streams from disk one batch at a time
         indices = list(range(len(source)))
     else:

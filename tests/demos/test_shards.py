@@ -9,7 +9,8 @@ import pytest
 from PIL import Image, ImageDraw
 
 from cua_jax import actions as A
-from cua_jax.data.grounding import (
+from cua_jax.data.processor import QwenVLProcessor
+from cua_jax.demos.grounding import (
     COLORS,
     HELDOUT_SEED,
     KINDS,
@@ -18,9 +19,8 @@ from cua_jax.data.grounding import (
     _font,
     render_sample,
 )
-from cua_jax.data.processor import QwenVLProcessor
-from cua_jax.data.sft import batch_iterator, sft_dataset
-from cua_jax.data.shards import (
+from cua_jax.demos.pipeline import batch_iterator, sft_dataset
+from cua_jax.demos.shards import (
     GroundingDemos,
     GroundingShards,
     decode,

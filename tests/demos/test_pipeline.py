@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cua_jax.data.sft import JsonlDemonstrations, sft_dataset
+from cua_jax.demos.pipeline import JsonlDemonstrations, sft_dataset
 from cua_jax.models import qwen_vl
 from cua_jax.rl.learner import Learner, OptimizerConfig
 from cua_jax.rl.store import TrajectoryReader, TrajectoryWriter
