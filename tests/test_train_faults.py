@@ -18,7 +18,7 @@ import pytest
 
 from configs.qwen3vl_grpo import get_config
 from cua_jax.env_api import EnvError, Task
-from cua_jax.job import train
+from cua_jax.job import grpo, train
 from cua_jax.rl.learner import NonFiniteError, check_finite
 from cua_jax.rl.sources import (
     AsyncRollouts,
@@ -217,9 +217,9 @@ def test_fault_monitor_counts_faults_and_stops_a_run_that_trains_on_nothing():
 
 
 def test_a_run_whose_rl_never_updated_the_policy_fails_unless_something_else_trained(caplog):
-    """Every GRPO step had only equal-reward groups (train.py marks it `skipped_no_signal`):
+    """Every GRPO step had only equal-reward groups (job.grpo marks it `skipped_no_signal`):
     without an SFT phase the run trained on nothing and raises, naming why; after SFT it warns."""
-    failed = train._SignalCount()
+    failed = grpo.RLSignal()
     for _ in range(3):
         failed.add({"rollout/success": 0.0}, updated=False)
     with pytest.raises(
@@ -228,15 +228,15 @@ def test_a_run_whose_rl_never_updated_the_policy_fails_unless_something_else_tra
         failed.check_run(trained=None)
     failed.check_run(trained="the SFT warm-up")  # a warning only
     assert "the policy is what the SFT warm-up trained" in caplog.text
-    solved = train._SignalCount()
+    solved = grpo.RLSignal()
     solved.add({"rollout/success": 1.0}, updated=False)
     with pytest.raises(RolloutError, match="every episode succeeded: the tasks are too easy"):
         solved.check_run(trained=None)
-    trained = train._SignalCount()
+    trained = grpo.RLSignal()
     trained.add({"rollout/success": 0.0}, updated=False)
     trained.add({"rollout/success": 0.5}, updated=True)
     trained.check_run(trained=None)  # one update is training
-    train._SignalCount().check_run(trained=None)  # no GRPO step (total_steps=0): silent
+    grpo.RLSignal().check_run(trained=None)  # no GRPO step (total_steps=0): silent
 
 
 @pytest.mark.parametrize("key", ["loss", "grad_norm"])

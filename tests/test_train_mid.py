@@ -7,7 +7,7 @@ from configs import qwen3vl_grpo
 from cua_jax.config.checks import ConfigError
 from cua_jax.demos.grounding import render_sample
 from cua_jax.demos.shards import write_shards
-from cua_jax.job.train import check_mid
+from cua_jax.job.builders import check_mid
 
 
 def test_mid_needs_shard_directories(tmp_path):

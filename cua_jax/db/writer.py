@@ -240,7 +240,7 @@ class TrajectoryDB:
     def log_sft(
         self, metrics: dict[str, Any], *, source: str | None = None, steps: int | None = None
     ) -> None:
-        """The SFT warm-up's summary (`sft/...` metrics of `train._sft_warmup`)."""
+        """The SFT warm-up's summary (`sft/...` metrics of `cua_jax.job.sft.sft_warmup`)."""
         rec = {
             "op": "sft",
             "uid": self.uid,

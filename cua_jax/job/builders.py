@@ -29,8 +29,11 @@ from cua_jax import sharding as shd
 from cua_jax.checkpoint.orbax_io import Checkpointer, CheckpointError, init_params
 from cua_jax.config.checks import ConfigError, feedback_kinds
 from cua_jax.data.processor import QwenVLProcessor
+from cua_jax.demos import shards
 from cua_jax.job import warmup
+from cua_jax.job.grpo import GrpoSettings
 from cua_jax.job.sft import MidSettings, SftSettings
+from cua_jax.job.state import EvalSettings
 from cua_jax.metrics import MetricsWriter
 from cua_jax.models import qwen_vl
 from cua_jax.rl import learner as L
@@ -454,6 +457,36 @@ def build_distiller(config: Any, chat: Any) -> SelfDistiller | None:
     )
 
 
+def grpo_settings(config: Any) -> GrpoSettings:
+    """The GRPO phase's settings (`config.total_steps`, `log.eval_every`, `rl.ppo_*`)."""
+    return GrpoSettings(
+        total_steps=config.total_steps,
+        eval_every=config.log.eval_every,
+        ppo_epochs=config.rl.ppo_epochs,
+        ppo_minibatches=config.rl.ppo_minibatches,
+    )
+
+
+def eval_settings(config: Any) -> EvalSettings:
+    """The in-run eval's seed and logged episodes (`log.num_groups_to_log` groups' worth)."""
+    return EvalSettings(
+        seed=config.seed, num_logged=config.log.num_groups_to_log * config.rl.group_size
+    )
+
+
+def check_mid(config: Any) -> None:
+    """Mid-training's shard directories exist (a ConfigError naming the key, before any work)."""
+    mc = config.mid
+    keys = [("source", mc.source)] if mc.steps > 0 else []
+    keys += [("heldout", mc.heldout)] if mc.steps > 0 and mc.heldout else []
+    for key, path in keys:
+        if not shards.is_shard_dir(path):
+            raise ConfigError(
+                f"config.mid.{key}={path!r} is not a grounding shard directory; write one with "
+                "tools/make_grounding_data.py --out=DIR --num=N"
+            )
+
+
 def build_entropulse(config: Any) -> Entropulse | None:
     """The run's `Entropulse` (None when `rl.entropulse_every` is 0)."""
     rl = config.rl
@@ -509,6 +542,9 @@ __all__ = [
     "build_rollout_settings",
     "build_rollout_source",
     "build_rollout_source_share",
+    "check_mid",
+    "eval_settings",
+    "grpo_settings",
     "init_model_weights",
     "mesh_and_rules",
     "restore_run_model",

@@ -5,15 +5,17 @@
 `launch/tpu.py` builds `env_factory` (a function returning an async-context-managed env pool
 with `acquire()`) and `load_tasks` (task-source dicts -> list[Task]) from `envs/`, so this module
 never imports `envs`. `run` reads top to bottom, one function a phase, the run's parts in one
-`_Run`:
+`RunState`:
 
     _setup (mesh, model, checkpoints, metrics, learner) -> _resume -> _start_sampler (engine,
-    agent, warm-up) -> [env pool] _warm_start (eval@0, mid-training, SFT) -> _grpo (steps:
-    rollouts -> update -> sampler weights, eval / checkpoints / metrics) -> _close -> _finish
+    agent, warm-up) -> [env pool] _warm_start (eval@0, mid-training, SFT) -> grpo (steps:
+    rollouts -> update -> sampler weights, eval / checkpoints / metrics; `cua_jax.job.grpo`)
+    -> _close -> _finish
 
-Where the ConfigDict goes: this module, `cua_jax.job.builders` (mesh, model, checkpointer, learner,
-engine, rollout settings and source, the SFT phases' settings, the SDPO distiller, Entropulse),
-the start-up checks (`config_checks`, `rl.levers.check_levers`, `check_mid`) and
+Where the ConfigDict goes: this module, `cua_jax.job.builders` (mesh, model, checkpointer,
+learner, engine, rollout settings and source, the phases' settings, the SDPO distiller,
+Entropulse), the start-up checks (`config_checks`, `rl.levers.check_levers`,
+`builders.check_mid`) and
 `redact.write_run_config`. Below them it reaches only the edges that read their own sections:
 `warmup.begin` (through `rl.shapes.ShapeSet.from_config`, which `cua_jax.plan` calls too),
 `rl.levers` and `evaluation.live.serve_live_policy`. Past those edges every library object
@@ -27,7 +29,6 @@ either into one line on stderr and exit status 1.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import time
@@ -35,7 +36,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from absl import logging
 from etils import epath
 
@@ -43,22 +43,19 @@ from cua_jax import db as db_lib
 from cua_jax import metrics as metrics_lib
 from cua_jax import multihost, redact
 from cua_jax.checkpoint.orbax_io import Checkpointer
-from cua_jax.config.checks import ConfigError, validate_config, warn_if_turns_cut
-from cua_jax.demos import shards
+from cua_jax.config.checks import validate_config, warn_if_turns_cut
 from cua_jax.env_api import Task
-from cua_jax.evaluation.episodes import evaluate_policy, write_episodes
 from cua_jax.evaluation.live import serve_live_policy
 from cua_jax.evaluation.summary import run_summary
 from cua_jax.job import builders, compile_stats, warmup
 from cua_jax.job.builders import init_model_weights
-from cua_jax.job.resume import last_checkpoint, process_meta, resume_source, save_checkpoint
+from cua_jax.job.grpo import grpo
+from cua_jax.job.resume import process_meta, resume_source, save_checkpoint
 from cua_jax.job.sft import mid_training, sft_warmup
-from cua_jax.job.steps import env_pool_metrics, job_metrics, next_groups
-from cua_jax.rl.learner import check_finite
+from cua_jax.job.state import RunState
+from cua_jax.job.steps import job_metrics
 from cua_jax.rl.levers import check_levers, source_levers, use_advantage_estimator
-from cua_jax.rl.ppo import ppo_update
 from cua_jax.rl.rollout import AgentLoop
-from cua_jax.rl.sources import RolloutError
 from cua_jax.viz import plot_run_curves
 
 
@@ -72,7 +69,7 @@ def main(
     """Runs the job described by `config` in `workdir`; returns the last eval metrics."""
     validate_config(config)
     check_levers(config)
-    check_mid(config)
+    builders.check_mid(config)
     tasks = load_tasks([dict(t) for t in config.tasks])
     eval_tasks = load_tasks([dict(t) for t in config.eval_tasks])
     warn_if_turns_cut(tasks + eval_tasks, config.env.max_turns)
@@ -111,7 +108,12 @@ async def run(
                 r.learner.model.config.vision_placeholder_ids,
             )
             await _warm_start(r)
-            await _grpo(r)
+            await grpo(
+                r,
+                builders.grpo_settings(config),
+                builders.build_entropulse(config),
+                trained_before=_trained_before(r),
+            )
         except BaseException as e:
             status = f"failed: {type(e).__name__}: {e}"
             raise
@@ -123,70 +125,9 @@ async def run(
     return r.last_eval
 
 
-@dataclasses.dataclass
-class _Run:
-    """The run's parts, made by `_setup` and `_start_sampler` and handed from phase to phase.
-    `learner` (and `warm`) are replaced after the SFT warm-up; `step` and `last_eval` advance."""
-
-    config: Any
-    workdir: str
-    tasks: Sequence[Task]
-    eval_tasks: Sequence[Task]
-    compiles: compile_stats.CompileStats
-    job_mark: Any
-    t_job: float
-    mesh: Any
-    rules: Any
-    processor: Any
-    ckpt: Checkpointer
-    writer: metrics_lib.MetricsWriter
-    resume_from: Checkpointer | None
-    run_mid: bool  # the grounding mid-training (config.mid) and the SFT warm-up share
-    run_sft: bool  # the SFT learner
-    learner: Any
-    db: Any
-    step: int = 0
-    meta: dict | None = None
-    engine: Any = None
-    agent: AgentLoop | None = None
-    progress: metrics_lib.Progress | None = None
-    distiller: Any = None
-    warm: warmup.Warmup | None = None
-    pool: Any = None
-    source: Any = None
-    last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
-
-    @property
-    def is_main(self) -> bool:
-        return jax.process_index() == 0
-
-    @property
-    def episodes_dir(self) -> str | None:
-        return os.path.join(self.workdir, "episodes") if self.is_main else None
-
-    def sync_sampler(self) -> None:
-        """The sampler decodes the learner's current weights from here on."""
-        self.engine.update_params(builders.sampler_params(self.learner), self.learner.version)
-
-    async def evaluate(self, tag: str, at_step: int) -> dict[str, float]:
-        """Greedy success on the eval tasks (`evaluate_policy`), logged on the progress bar."""
-        out = await evaluate_policy(
-            self.agent,
-            self.pool,
-            self.eval_tasks,
-            tag,
-            seed=self.config.seed,
-            episodes_dir=self.episodes_dir,
-            num_logged=self.config.log.num_groups_to_log * self.config.rl.group_size,
-            decode=self.processor.tokenizer.decode,
-            db=self.db,
-            step=at_step,
-        )
-        self.progress.write(f"eval {tag}: success {out['eval/success']:.3f}")
-        return out
-
-
-def _setup(config: Any, workdir: str, tasks: Sequence[Task], eval_tasks: Sequence[Task]) -> _Run:
+def _setup(
+    config: Any, workdir: str, tasks: Sequence[Task], eval_tasks: Sequence[Task]
+) -> RunState:
     """Mesh, model, checkpoints, metrics, the first learner and the trajectory database."""
     is_main = jax.process_index() == 0
     t_job = time.perf_counter()
@@ -222,11 +163,12 @@ def _setup(config: Any, workdir: str, tasks: Sequence[Task], eval_tasks: Sequenc
         enabled=config.log.db,
         process_index=jax.process_index(),  # multi-host: each process records its own groups
     )
-    return _Run(
+    return RunState(
         config=config,
         workdir=workdir,
         tasks=tasks,
         eval_tasks=eval_tasks,
+        eval_settings=builders.eval_settings(config),
         compiles=compiles,
         job_mark=job_mark,
         t_job=t_job,
@@ -249,7 +191,7 @@ def _resume_source(config: Any, ckpt: Checkpointer) -> Checkpointer | None:
     return resume_source(ckpt, ck.load_checkpoint_path, keep=ck.keep)
 
 
-def _resume(r: _Run) -> None:
+def _resume(r: RunState) -> None:
     """The learner's state and step from `r.resume_from`; metrics and database rows after it
     are dropped (a resume redoes those steps)."""
     if r.resume_from is not None:
@@ -268,7 +210,7 @@ def _resume(r: _Run) -> None:
         multihost.sync("db_truncate")
 
 
-def _start_sampler(r: _Run) -> None:
+def _start_sampler(r: RunState) -> None:
     """The sampler on the learner's weights, the agent loop, the progress bar, and the learner's
     shape set compiled ahead in a thread while the environments start."""
     config, learner = r.config, r.learner
@@ -300,7 +242,7 @@ def _start_sampler(r: _Run) -> None:
         r.progress.write(learner.shapes.describe())
 
 
-async def _warm_start(r: _Run) -> None:
+async def _warm_start(r: RunState) -> None:
     """Eval at step 0 (before any training; `log.eval_before_sft=False` skips it when an SFT
     warm-up follows, whose eval is then the first), then grounding mid-training and the SFT
     warm-up with the SFT learner, after which the RL learner replaces it."""
@@ -349,7 +291,7 @@ async def _warm_start(r: _Run) -> None:
     save_checkpoint(r.ckpt, r.step, r.learner, r.source.state_dict(), force=True)
 
 
-def _start_rl_learner(r: _Run) -> None:
+def _start_rl_learner(r: RunState) -> None:
     """The RL learner replaces the SFT one (a fresh optimizer; the SFT policy is the KL
     reference), its programs' warm-up starts, and the sampler takes its weights."""
     config = r.config
@@ -369,120 +311,7 @@ def _start_rl_learner(r: _Run) -> None:
     r.sync_sampler()
 
 
-async def _grpo(r: _Run) -> None:
-    """The GRPO steps up to `config.total_steps` (with Entropulse: an SFT phase every
-    `rl.entropulse_every`), then the run-level checks of the rollouts and of the updates."""
-    config = r.config
-    pulse = builders.build_entropulse(config)
-    warm_pending = True  # the RL programs' warm-up: waited for before the first update
-    if not r.warm.overlap:
-        await asyncio.to_thread(r.warm.wait, r.compiles)
-        warm_pending = False
-    rl_signal = _SignalCount()  # did any step of this run update the policy?
-    while r.step < config.total_steps:
-        await _grpo_step(r, pulse, rl_signal, wait_warm=warm_pending)
-        warm_pending = False
-    r.source.faults.check_run()
-    rl_signal.check_run(
-        trained="the SFT warm-up"
-        if r.run_sft and config.sft.steps > 0
-        else "the run this one resumed"
-        if r.resume_from is not None
-        else None
-    )
-
-
-async def _grpo_step(r: _Run, pulse: Any, rl_signal: _SignalCount, *, wait_warm: bool) -> None:
-    """One step: rollouts -> PPO update -> sampler weights -> metrics row -> `_log_step`."""
-    t_step = time.perf_counter()
-    step_mark = r.compiles.snapshot()
-    rollouts = await next_groups(r.source, r.step)
-    if wait_warm:  # the first step's rollouts ran while the learner compiled
-        await asyncio.to_thread(r.warm.wait, r.compiles)
-    trained_on = r.learner.version  # these groups' staleness is counted from it
-    t0 = time.perf_counter()
-    train_metrics = await _update(r, rollouts.groups, rl_signal, rollouts.metrics)
-    t_train = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    r.sync_sampler()
-    r.source.trained(rollouts.groups, r.learner.version)
-    timers = {**rollouts.timings, "train": t_train, "sync": time.perf_counter() - t0}
-    r.step += 1
-    timers["step"] = time.perf_counter() - t_step
-    row = {
-        **rollouts.metrics,
-        **{f"train/{k}": v for k, v in train_metrics.items()},
-        **{f"time/{k}": v for k, v in timers.items()},
-        "time/learner_idle_share": timers["idle"] / max(timers["step"], 1e-9),
-        **{f"store/{k}": float(v) for k, v in r.source.store.stats().items()},
-        **r.compiles.step_metrics(step_mark, timers["step"]),
-        **env_pool_metrics(r.pool),
-    }
-    await _log_step(r, rollouts, row, pulse, rl_signal, trained_on)
-
-
-async def _update(
-    r: _Run, groups: Any, rl_signal: _SignalCount, rollout_metrics: dict[str, float]
-) -> dict[str, float]:
-    """The PPO update on this step's groups (SDPO's with a distiller); its metrics, or
-    `skipped_no_signal` when every group had equal rewards (nothing to learn from)."""
-    rl = r.config.rl
-    info, train_metrics = await asyncio.to_thread(
-        ppo_update,
-        r.learner,
-        groups,
-        epochs=rl.ppo_epochs,
-        minibatches=rl.ppo_minibatches,
-        distiller=r.distiller,
-    )
-    if train_metrics is not None:
-        check_finite(
-            train_metrics, step=r.step + 1, phase="GRPO", last_checkpoint=last_checkpoint(r.ckpt)
-        )
-    else:
-        train_metrics = {"skipped_no_signal": 1.0}
-    rl_signal.add(rollout_metrics, updated="skipped_no_signal" not in train_metrics)
-    r.compiles.check()  # rl.strict_shapes: a compile outside the warmed set fails
-    return {**info, **train_metrics}
-
-
-async def _log_step(
-    r: _Run, rollouts: Any, row: dict, pulse: Any, rl_signal: _SignalCount, trained_on: int
-) -> None:
-    """After an update: the step's episodes page, an Entropulse phase when due, the job's
-    metrics row (with an eval every `log.eval_every`), the database, the bar, a checkpoint."""
-    config, step = r.config, r.step
-    if r.episodes_dir is not None and rollouts.screens:
-        trajs = [t for g in rollouts.sampled for t in g]
-        write_episodes(
-            os.path.join(r.episodes_dir, f"train_step{step:05d}.html"),
-            list(zip(trajs, rollouts.screens, strict=False)),
-            r.processor.tokenizer.decode,
-            f"train step {step}",
-        )
-    if pulse is not None:  # SFT on the run's own successes when a phase is due
-        pulsed = await asyncio.to_thread(pulse.after_step, step, r.learner, rollouts.groups)
-        if pulsed:
-            r.sync_sampler()
-            row.update(pulsed)
-            rl_signal.updates += 1
-    row = job_metrics(row)  # multi-host: one row for the job (process 0 writes it)
-    if step % config.log.eval_every == 0 or step == config.total_steps:
-        r.last_eval = await r.evaluate(f"step{step}", step)
-        row.update(r.last_eval)
-    r.writer.write(step, row)
-    r.db.log_step(  # every sampled group (kept or not), as its screens are
-        step, row, rollouts.sampled, screens=rollouts.screens, version=trained_on
-    )
-    shown = {"reward": row.get("rollout/reward", 0.0)}
-    if "eval/success" in r.last_eval:
-        shown["eval"] = r.last_eval["eval/success"]
-    r.progress.update(1, **shown)
-    force = step == config.total_steps
-    save_checkpoint(r.ckpt, step, r.learner, r.source.state_dict(), force=force)
-
-
-async def _close(r: _Run, server: Any, status: str) -> None:
+async def _close(r: RunState, server: Any, status: str) -> None:
     """Whether the run finished or failed: the warm-up stops at its next program, the server
     and the rollouts stop, a save in flight completes, the writers close."""
     r.warm.cancel()
@@ -494,7 +323,14 @@ async def _close(r: _Run, server: Any, status: str) -> None:
     r.db.close(status)
 
 
-def _finish(r: _Run) -> None:
+def _trained_before(r: RunState) -> str | None:
+    """What trained the policy before GRPO, for the run's no-signal check (None: nothing)."""
+    if r.run_sft and r.config.sft.steps > 0:
+        return "the SFT warm-up"
+    return "the run this one resumed" if r.resume_from is not None else None
+
+
+def _finish(r: RunState) -> None:
     """Process 0's curves (WORKDIR/curves.png) and summary (WORKDIR/summary.json)."""
     config = r.config
     rows = metrics_lib.read_metrics(r.writer.path)
@@ -516,59 +352,6 @@ def _finish(r: _Run) -> None:
     }
     (epath.Path(r.workdir) / "summary.json").write_text(json.dumps(summary, indent=2))
     r.progress.write(f"summary: {json.dumps(summary)}")
-
-
-class _SignalCount:
-    """Counts the GRPO steps of this run that updated the policy. When every step had only
-    equal-reward groups (all failed or all succeeded), `check_run` says which: a run that
-    trained nothing else either raises `RolloutError` instead of exiting 0; after an SFT phase,
-    or in a resumed run, it is a warning (`summary.json`'s `rl_steps_updated` is 0)."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self.updates = 0
-        self.success: list[float] = []
-
-    def add(self, rollout_metrics: dict[str, float], *, updated: bool) -> None:
-        self.steps += 1
-        self.updates += updated
-        if "rollout/success" in rollout_metrics:
-            self.success.append(rollout_metrics["rollout/success"])
-
-    def check_run(self, *, trained: str | None) -> None:
-        """`trained`: what else trained this run's policy ("the SFT warm-up"), or None."""
-        if not self.steps or self.updates:
-            return
-        rate = float(np.mean(self.success)) if self.success else float("nan")
-        why = (
-            "every episode failed: the policy never succeeds at this temperature (a longer or "
-            "stronger SFT warm-up, easier tasks or rl.replay_successes give it a success to "
-            "learn from)"
-            if rate == 0.0
-            else "every episode succeeded: the tasks are too easy to learn from"
-            if rate == 1.0
-            else "every group's episodes had equal rewards"
-        )
-        what = (
-            f"none of this run's {self.steps} GRPO steps had a group whose rewards differ, so "
-            f"RL never updated the policy (rollout success {rate:.3f}: {why})"
-        )
-        if trained is None:
-            raise RolloutError(f"{what}: nothing was trained")
-        logging.warning("%s; the policy is what %s trained", what, trained)
-
-
-def check_mid(config: Any) -> None:
-    """Mid-training's shard directories exist (a ConfigError naming the key, before any work)."""
-    mc = config.mid
-    keys = [("source", mc.source)] if mc.steps > 0 else []
-    keys += [("heldout", mc.heldout)] if mc.steps > 0 and mc.heldout else []
-    for key, path in keys:
-        if not shards.is_shard_dir(path):
-            raise ConfigError(
-                f"config.mid.{key}={path!r} is not a grounding shard directory; write one with "
-                "tools/make_grounding_data.py --out=DIR --num=N"
-            )
 
 
 __all__ = ["main", "run", "save_checkpoint"]

@@ -430,7 +430,7 @@ def test_fleet_spreads_episodes_and_survives_a_killed_host(run):
 
 def test_config_browser_endpoints_build_a_fleet(host, run):
     from configs.qwen3vl_grpo import get_config
-    from cua_jax.job.train import env_pool_metrics
+    from cua_jax.job.steps import env_pool_metrics
     from launch.compose import build_env_factory
 
     c = get_config("smoke")
