@@ -69,11 +69,13 @@ def group_ideal_s(profile: LatencyProfile, steps: int, think_s: float, size: int
 
 
 def rss_mb() -> float:
+    """This process's resident memory in MiB (`/proc/self/statm`)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used so far (`/proc/PID/stat`)."""
     with open(f"/proc/{pid}/stat") as f:
         parts = f.read().rsplit(")", 1)[1].split()
     return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
@@ -121,16 +123,20 @@ class GcTimer:
 
     @property
     def seconds(self) -> float:
+        """The CPU seconds of every collection since the last `reset`."""
         return sum(self.by_gen)
 
     def reset(self) -> None:
+        """Counts and seconds back to zero (one level's window)."""
         self.counts, self.by_gen = [0, 0, 0], [0.0, 0.0, 0.0]
 
     def close(self) -> None:
+        """Stops timing collections (removes the callback)."""
         gc.callbacks.remove(self)
 
 
 def start_sim_hosts(n: int, capacity: int) -> tuple[subprocess.Popen, list[str]]:
+    """`n` simulated env hosts in one `envs.sim --serve` process: (the process, their URLs)."""
     cmd = [sys.executable, "-m", "envs.sim", "--serve", "--hosts", str(n)]
     proc = subprocess.Popen(
         [*cmd, "--capacity", str(capacity)], cwd=ROOT, stdout=subprocess.PIPE, text=True
@@ -145,6 +151,7 @@ def start_sim_hosts(n: int, capacity: int) -> tuple[subprocess.Popen, list[str]]
 
 
 async def lag_monitor(samples: list[float], period: float = 0.02) -> None:
+    """Appends the event loop's lag (how late a `period` sleep wakes) to `samples`, forever."""
     while True:
         t = time.perf_counter()
         await asyncio.sleep(period)
@@ -152,6 +159,8 @@ async def lag_monitor(samples: list[float], period: float = 0.02) -> None:
 
 
 async def run_level(args, n: int, proc_: QwenVLProcessor, profile: LatencyProfile) -> dict:
+    """One concurrency level: `n` episodes at once on simulated hosts (by hand or on Ray) for
+    `args.seconds`; episodes a second against the ideal, latency, memory and CPU figures."""
     hosts = -(-n // args.capacity)
     if args.ray:
         from envs.ray_fleet import RayFleet, host_actor_options  # noqa: PLC0415

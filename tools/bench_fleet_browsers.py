@@ -91,6 +91,8 @@ async def measure(fleet, n: int, seconds: float, rounds: int) -> dict:
 
 
 async def hand_started(args) -> dict:
+    """`args.hosts` browser host processes started by hand, one `BrowserFleet` over them: the
+    level's episodes, throughput and memory."""
     from envs.browser.server import start_host_process  # noqa: PLC0415
     from envs.fleet import BrowserFleet  # noqa: PLC0415
 
@@ -108,6 +110,7 @@ async def hand_started(args) -> dict:
 
 
 async def on_ray(args) -> dict:
+    """The same browser hosts as Ray actors (`RayFleet` on a local Ray): the same figures."""
     from envs.ray_fleet import RayFleet, host_actor_options  # noqa: PLC0415
 
     cap = -(-args.envs // args.hosts)

@@ -92,6 +92,7 @@ def _parse(argv: list[str]) -> None:
 
 
 def main() -> None:
+    """The command line: runs what the module docstring describes."""
     _parse(sys.argv)
     from cua_jax import plan as plan_lib
 
