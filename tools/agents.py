@@ -94,6 +94,7 @@ class AgentError(RuntimeError):
 class Agent(Protocol):
     """Anything that answers a turn: a name for reports and `act` (the OpenAI, Anthropic and
     local-policy agents of this module)."""
+
     name: str
 
     async def act(self, turn: AgentTurn) -> AgentReply:
