@@ -137,8 +137,11 @@ class QwenVLProcessor:
         """The shipped SentencePiece tokenizer + the family's default image settings.
 
         image_overrides (e.g. max_pixels=...) replace ImageConfig fields; tiny presets use them
-        to keep screenshots to a few dozen tokens.
+        to keep screenshots to a few dozen tokens. "qwen3_5" is Qwen3-VL's processor and chat
+        rendering (transformers maps Qwen3.5's model types to Qwen3VLProcessor).
         """
+        if family == "qwen3_5":
+            family = "qwen3_vl"
         return cls(
             load_default_tokenizer(), ImageConfig.for_family(family, **image_overrides), family
         )

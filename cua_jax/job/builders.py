@@ -85,8 +85,7 @@ def build_model_and_processor(config: Any, mesh: Any, rules: Any):
         return model, processor
     # Tiny screens: a screenshot of the smoke viewport is a few dozen merged tokens.
     w, h = config.env.viewport_width, config.env.viewport_height
-    family = "qwen3_vl" if mc.family == "qwen3_5" else mc.family  # the processor's family
-    processor = QwenVLProcessor.default(family, max_pixels=w * h, min_pixels=32 * 32)
+    processor = QwenVLProcessor.default(mc.family, max_pixels=w * h, min_pixels=32 * 32)
     tok = processor.tokenizer
     cfg = qwen_vl.tiny(
         mc.family,
@@ -223,7 +222,10 @@ def kv_pages(
     scratch = _largest_program_bytes(learner)
     budget = int(stats["bytes_limit"] * frac) - int(stats.get("bytes_in_use", 0)) - scratch
     cfg, tensor = learner.config, learner.mesh.shape["tensor"]
-    budget -= _linear_state_bytes(cfg, sc.max_slots, tensor)
+    # hybrid models (Qwen3.5): the Engine's linear-state rows come out of the same budget
+    budget -= steps.linear_state_bytes_per_device(
+        cfg, steps.linear_state_rows(sc.max_slots), tensor
+    )
     pages = kv_pages_for_budget(cfg, budget, sc.page_size, cfg.dtype, tensor)
     limit, in_use = stats["bytes_limit"] / 2**30, stats.get("bytes_in_use", 0) / 2**30
     logging.info(
@@ -261,19 +263,6 @@ def _largest_program_bytes(learner: Any) -> int:
     scratch += sum(int(np.asarray(a).nbytes) * 3 for a in arrays)  # the batch, generously
     scratch += shape.patches * np.dtype(np.float32).itemsize * _patch_dim(learner.config)
     return scratch
-
-
-def _linear_state_bytes(cfg: Any, max_slots: int, tensor: int) -> int:
-    """Hybrid models (Qwen3.5): the Engine's linear-state rows (max_slots slots + as many
-    sessions; split over `tensor` as steps.linear_state_sharding splits them, when the heads
-    and channels divide) come out of the KV budget; 0 for the other families."""
-    rows = steps.linear_cache_shapes(cfg, 2 * max_slots)
-    state_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(rows))
-    if rows and tensor > 1:
-        g = rows[0]
-        if g.recurrent.shape[1] % tensor == 0 and g.conv.shape[2] % tensor == 0:
-            state_bytes //= tensor
-    return state_bytes
 
 
 def _patch_dim(cfg: Any) -> int:

@@ -104,6 +104,7 @@ from cua_jax.plan.sampler_programs import (
     size_kv_pool,
 )
 from cua_jax.sampler.kv_cache import kv_pages_for_budget, kv_pool_bytes_per_device
+from cua_jax.sampler.steps import linear_state_bytes_per_device, linear_state_rows
 
 # what code outside reads off this package (tools/plan.py, launch/tpu.py, the tests), the private
 # helpers among it included
@@ -214,6 +215,9 @@ def make_plan(
     kv_bytes = (
         0 if frac > 0 else kv_pool_bytes_per_device(cfg, num_pages, sc.page_size, cfg.dtype, tensor)
     )
+    # a hybrid model's (Qwen3.5) linear-state rows: resident beside the pool, out of its budget
+    state_bytes = linear_state_bytes_per_device(cfg, linear_state_rows(sc.max_slots), tensor)
+    cache_bytes = kv_bytes + state_bytes  # the sampler's cache, resident in every learner program
     rows = rows or config.rl.rows_per_step
     mult = ab.learner.row_multiple
     rows = -(-rows // mult) * mult
@@ -226,28 +230,28 @@ def make_plan(
     if {"train_step", "train_step_screens", "sft_step"} & set(programs):
         shapes = trainer_rl_shapes(config, ab.learner)
     if "train_step" in programs:
-        out.append(plan_train_step(config, ab, mesh, topo.chip, rows, row_len, kv_bytes, shapes))
+        out.append(plan_train_step(config, ab, mesh, topo.chip, rows, row_len, cache_bytes, shapes))
     drawn = None
     fit_note = ""
     if "train_step_screens" in programs and shapes.budgeted:
         min_frac = float(config.sampler.get("kv_min_fraction", 0.0) or 0.0)
         limit = int(topo.chip.hbm_bytes * (frac - min_frac)) if frac > 0 and min_frac else None
         chunks, shapes, drawn, fit_note = plan_budget_chunks(
-            config, ab, topo.chip, kv_bytes, limit, sdpo=bool(sdpo_programs)
+            config, ab, topo.chip, cache_bytes, limit, sdpo=bool(sdpo_programs)
         )
         out += chunks
         sdpo_programs = ()  # planned with the chunks: SDPO's gradient and teacher chunks
     elif "train_step_screens" in programs:
-        out.append(plan_train_step_screens(ab, topo.chip, kv_bytes, shapes))
+        out.append(plan_train_step_screens(ab, topo.chip, cache_bytes, shapes))
     if "sft_step" in programs:  # the budget's shapes as fitted above (the SFT shapes are the RL)
         useful = 1.0 - drawn.padding_share if drawn is not None else 1.0
-        out += plan_sft(config, ab, cfg, mesh, rules, topo.chip, kv_bytes, shapes, useful)
+        out += plan_sft(config, ab, cfg, mesh, rules, topo.chip, cache_bytes, shapes, useful)
     if sdpo_programs:
-        out += plan_sdpo(config, ab, mesh, topo.chip, rows, row_len, kv_bytes, sdpo_programs)
+        out += plan_sdpo(config, ab, mesh, topo.chip, rows, row_len, cache_bytes, sdpo_programs)
     pool_note = ""
     hbm = topo.chip.hbm_bytes
     if frac > 0:
-        num_pages, kv_bytes, pool_note = size_kv_pool(cfg, sc, tensor, hbm, frac, out)
+        num_pages, kv_bytes, pool_note = size_kv_pool(cfg, sc, tensor, hbm, frac, out, state_bytes)
 
     def sampler_programs(pages: int) -> list[ProgramPlan]:
         # a pool of 0 or 1 pages holds nothing to decode: compiled at 2 (`kv_pool_problem`
@@ -273,7 +277,7 @@ def make_plan(
             sampler = sampler_programs(num_pages)
             for p in out:
                 if "KV pool (sampler, resident)" in p.resident:
-                    p.resident["KV pool (sampler, resident)"] = kv_bytes
+                    p.resident["KV pool (sampler, resident)"] = kv_bytes + state_bytes
             pool_note += f"; cut to {num_pages} pages for the sampler's own scratch ({names})"
         min_frac = float(sc.get("kv_min_fraction", 0.0) or 0.0)
         problem = kv_pool_problem(cfg, sc, num_pages, tensor, hbm, min_frac)
@@ -289,6 +293,7 @@ def make_plan(
         "num_pages": num_pages,
         "kv_pool_bytes": kv_bytes,
         "kv_pool": pool_note or f"sampler.num_pages = {num_pages}",
+        "linear_state_bytes": state_bytes,
         "rows": rows,
         "row_len": row_len,
         "remat": ab.learner.config.remat,
@@ -312,7 +317,7 @@ def make_plan(
         summary["drawn_length"] = drawn.shape[1]
     train = next((p for p in out if p.name == "train_step" and p.compile_error is None), None)
     if train is not None:
-        spare = budget - (train.total_bytes - kv_bytes)
+        spare = budget - (train.total_bytes - kv_bytes)  # its resident states stay counted
         summary["kv_pages_that_fit"] = kv_pages_for_budget(
             cfg, max(spare, 0), sc.page_size, cfg.dtype, tensor
         )

@@ -53,7 +53,9 @@ def model_config(config: Any) -> qwen_vl.QwenVLConfig:
             raise PlanInputError(f"{cfg_file} does not exist (model.hf_path needs a config.json)")
         with open(cfg_file) as f:
             return qwen_vl.QwenVLConfig.from_hf_dict(json.load(f), **options)
-    if (mc.family, mc.preset) in qwen_vl.PUBLISHED:
+    if (mc.family, mc.preset) in qwen_vl.PUBLISHED or (
+        mc.family == "qwen3_5" and mc.preset in qwen_vl.PUBLISHED_QWEN35
+    ):
         return qwen_vl.published_config(mc.family, mc.preset, **options)
 
     w, h = config.env.viewport_width, config.env.viewport_height

@@ -31,6 +31,44 @@ from cua_jax.sampler.scheduler import token_bucket
 
 
 # ------------------------------------------------------------------------------- decode step
+def sampler_cache(cfg: Any, sc: Any, mesh: Any, num_pages: int) -> kv_cache.KVCache:
+    """The Engine's cache as abstract arrays with its shardings: a page pool a attention layer
+    (`kv_cache.kv_layers`: a hybrid model's full-attention layers only), kv heads over `tensor`,
+    and for a hybrid model (Qwen3.5) every linear layer's state rows (`steps.linear_state_rows`
+    of `sampler.max_slots`), sharded by `steps.linear_state_sharding`."""
+    t = cfg.text
+    kv_sh = kv_sharding(mesh)  # as the engine lays out its pools
+    pool = jax.ShapeDtypeStruct(
+        (t.num_key_value_heads, num_pages, sc.page_size, t.head_dim),
+        jnp.dtype(cfg.dtype),
+        sharding=kv_sh,
+    )
+    n_kv = len(kv_cache.kv_layers(cfg))
+    shapes = steps.linear_cache_shapes(cfg, steps.linear_state_rows(sc.max_slots))
+    linear = ()
+    if shapes:
+        small = NamedSharding(mesh, P())
+        state_sh = steps.linear_state_sharding(steps.StepShardings(None, kv_sh, small), cfg)
+        linear = tuple(
+            jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), st, state_sh
+            )
+            for st in shapes
+        )
+    return kv_cache.KVCache((pool,) * n_kv, (pool,) * n_kv, linear)
+
+
+def _cache_arguments(cache: kv_cache.KVCache, num_pages: int) -> dict[str, int]:
+    """A sampler program's cache arguments by part: the KV pool, and a hybrid model's states."""
+    out = {f"KV pool ({num_pages} pages)": tree_shard_bytes((cache.k, cache.v))}
+    if cache.linear:
+        rows = cache.linear[0].recurrent.shape[0]
+        out[f"linear states ({len(cache.linear)} layers x {rows} rows)"] = tree_shard_bytes(
+            cache.linear
+        )
+    return out
+
+
 def _engine_step_fns(
     ab: _Abstract, sc: Any, mesh: Any, backend: str, params: Any, kv_sh: Any, repl: Any
 ) -> Any:
@@ -48,7 +86,8 @@ def _engine_step_fns(
     shardings = steps.StepShardings(
         params=jax.tree.map(lambda x: x.sharding, params), cache=kv_sh, small=repl
     )
-    return steps.build_step_fns(ab.decode_model, step_cfg, shardings, t.num_hidden_layers)
+    n_kv = len(kv_cache.kv_layers(ab.learner.config))
+    return steps.build_step_fns(ab.decode_model, step_cfg, shardings, n_kv)
 
 
 def plan_decode_step(
@@ -70,15 +109,12 @@ def plan_decode_step(
     ctx = min(sc.max_seq_len, (num_pages - 1) * L // S)
     cache_dtype = jnp.dtype(cfg.dtype)
 
-    kv_sh = kv_sharding(mesh)  # as the engine lays out its pools
-    pool = jax.ShapeDtypeStruct(
-        (t.num_key_value_heads, num_pages, L, t.head_dim), cache_dtype, sharding=kv_sh
-    )
-    cache = kv_cache.KVCache((pool,) * t.num_hidden_layers, (pool,) * t.num_hidden_layers)
+    kv_sh = kv_sharding(mesh)
+    cache = sampler_cache(cfg, sc, mesh, num_pages)
+    n_kv = len(cache.k)  # a hybrid model's full-attention layers
     repl = NamedSharding(mesh, P())
     params = nnx.merge_state(ab.trainable, ab.frozen, ab.rest)
-    kv_bytes = tree_shard_bytes(cache)
-    arguments = {"params": tree_shard_bytes(params), f"KV pool ({num_pages} pages)": kv_bytes}
+    arguments = {"params": tree_shard_bytes(params), **_cache_arguments(cache, num_pages)}
     resident = {"optimizer state (learner, resident)": tree_shard_bytes(ab.opt_state)}
     if ab.ref is not None:
         resident["KL reference (learner, resident)"] = tree_shard_bytes(ab.ref)
@@ -91,22 +127,30 @@ def plan_decode_step(
     # layer and slot, q.k and p.v over ctx tokens (4 N H ctx FLOPs) reading K and V of ctx
     # tokens (2 K H ctx x dtype bytes); heads split over `tensor`.
     per_layer = S * ctx * t.head_dim
-    attn_flops = 4 * t.num_attention_heads * per_layer * t.num_hidden_layers / tensor
-    kv_read = 2 * t.num_key_value_heads * per_layer * cache_dtype.itemsize * t.num_hidden_layers
+    attn_flops = 4 * t.num_attention_heads * per_layer * n_kv / tensor
+    kv_read = 2 * t.num_key_value_heads * per_layer * cache_dtype.itemsize * n_kv
     kv_read /= tensor
     if backend in ("tpu", "gpu"):  # Pallas calls (Mosaic / Triton)
         prog.pallas_flops, prog.pallas_bytes = attn_flops, kv_read
     n_text = _text_param_count(params)
     prog.model_flops = (2 * n_text * S) / mesh.size + attn_flops
     # A decode step must read every text weight once (each device its shard, FSDP gathers
-    # the rest: the shard is what HBM serves) and the live K/V.
-    prog.min_bytes = tree_shard_bytes(_text_only(params)) + kv_read
+    # the rest: the shard is what HBM serves), the live K/V, and a hybrid model's live slots'
+    # linear states (read and written: the recurrent state is the layer's whole memory).
+    live_states = 2 * tree_shard_bytes(cache.linear) * S // max(steps.linear_state_rows(S), 1)
+    prog.min_bytes = tree_shard_bytes(_text_only(params)) + kv_read + live_states
     prog.notes.append(
         f"{S} slots x context {ctx} (pool {num_pages} x {L} tokens, max_seq_len "
         f"{sc.max_seq_len}, {pages_per_seq} pages a sequence); the engine's decode chunk "
         f"(steps.decode_paged): XLA counts its loop body once, so FLOPs and bytes are one of "
         f"its {sc.decode_chunk} steps; "
         f"paged attention: {backend} kernel, K/V {cache_dtype.name} sharded over tensor={tensor}"
+        + (
+            f"; {n_kv} of {t.num_hidden_layers} layers attend, the other "
+            f"{len(cache.linear)} keep Gated DeltaNet states"
+            if cache.linear
+            else ""
+        )
     )
 
     # The engine's own jitted decode chunk (cua_jax.sampler.steps), sharded as the engine
@@ -139,15 +183,12 @@ def plan_prefill_turn(
     cols = -(-sc.max_seq_len // L)
     dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
     kv_sh = kv_sharding(mesh)
-    pool = jax.ShapeDtypeStruct(
-        (t.num_key_value_heads, num_pages, L, t.head_dim), jnp.dtype(cfg.dtype), sharding=kv_sh
-    )
-    cache = kv_cache.KVCache((pool,) * t.num_hidden_layers, (pool,) * t.num_hidden_layers)
+    cache = sampler_cache(cfg, sc, mesh, num_pages)
     params = nnx.merge_state(ab.trainable, ab.frozen, ab.rest)
     repl = NamedSharding(mesh, P())
     arguments = {
         "params": tree_shard_bytes(params),
-        f"KV pool ({num_pages} pages)": tree_shard_bytes(cache),
+        **_cache_arguments(cache, num_pages),
         "the turn's screens": screens * unit * dim * 4,
     }
     resident = {"optimizer state (learner, resident)": tree_shard_bytes(ab.opt_state)}
@@ -178,22 +219,31 @@ def _text_only(state: Any) -> list[Any]:
 
 # ------------------------------------------------------------------------------- KV pool sizing
 def size_kv_pool(
-    cfg: qwen_vl.QwenVLConfig, sc: Any, tensor: int, hbm: int, frac: float, programs: list
+    cfg: qwen_vl.QwenVLConfig,
+    sc: Any,
+    tensor: int,
+    hbm: int,
+    frac: float,
+    programs: list,
+    state_bytes: int = 0,
 ) -> tuple[int, int, str]:
     """(pages, bytes a device, a note) of the KV pool sized from memory: `frac` of the chip's
-    HBM less the largest planned program's peak (planned with no pool), in whole pages of
-    `kv_pool_bytes_per_device`; each program's resident pool is set to it."""
+    HBM less the largest planned program's peak (planned with no pool) and a hybrid model's
+    linear states (`state_bytes` a device, as `builders.kv_pages` takes them), in whole pages of
+    `kv_pool_bytes_per_device`; each program's resident sampler cache is set to pool + states."""
     peak = max((p.total_bytes for p in programs), default=0)
     pages = kv_pages_for_budget(
-        cfg, max(0, int(hbm * frac) - peak), sc.page_size, cfg.dtype, tensor
+        cfg, max(0, int(hbm * frac) - peak - state_bytes), sc.page_size, cfg.dtype, tensor
     )
     kv = kv_pool_bytes_per_device(cfg, pages, sc.page_size, cfg.dtype, tensor)
     for p in programs:
         if "KV pool (sampler, resident)" in p.resident:
-            p.resident["KV pool (sampler, resident)"] = kv
+            p.resident["KV pool (sampler, resident)"] = kv + state_bytes
     note = (
         f"{pages} pages: {frac:.0%} of {hbm / GiB:.0f} GiB less the largest learner program's "
-        f"{peak / GiB:.2f} GiB (sampler.kv_memory_fraction)"
+        f"{peak / GiB:.2f} GiB"
+        + (f" and {state_bytes / GiB:.2f} GiB of linear states" if state_bytes else "")
+        + " (sampler.kv_memory_fraction)"
     )
     return pages, kv, note
 

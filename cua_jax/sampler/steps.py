@@ -627,6 +627,25 @@ def linear_cache_shapes(config: Any, rows: int, dtype: Any = None) -> tuple:
     )
 
 
+def linear_state_rows(max_slots: int, session_states: int | None = None) -> int:
+    """A hybrid Engine's linear-state rows: its slots', then its finished sessions' (the Engine
+    keeps `max_slots` sessions when `session_states` is None)."""
+    return max_slots + (max_slots if session_states is None else session_states)
+
+
+def linear_state_bytes_per_device(config: Any, rows: int, tensor: int) -> int:
+    """Bytes a device holds of a hybrid model's `rows` linear-state rows (every linear layer's
+    conv window and recurrent state), split over `tensor` as `linear_state_sharding` splits
+    them when the value heads and conv channels divide; 0 for a model without linear layers."""
+    states = linear_cache_shapes(config, rows)
+    total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(states))
+    if states and tensor > 1:
+        g = states[0]
+        if g.recurrent.shape[1] % tensor == 0 and g.conv.shape[2] % tensor == 0:
+            total //= tensor
+    return total
+
+
 def build_step_fns(
     model: ModelDef,
     cfg: StepConfig,

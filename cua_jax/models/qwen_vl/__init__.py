@@ -4,6 +4,7 @@ qwen35.py, its Gated DeltaNet in gated_deltanet.py)."""
 
 from cua_jax.models.qwen_vl.config import (
     PUBLISHED,
+    PUBLISHED_QWEN35,
     QwenVLConfig,
     TextConfig,
     VisionConfig,
@@ -33,6 +34,7 @@ from cua_jax.models.qwen_vl.vision import VisionMeta, vision_metadata
 
 __all__ = [
     "PUBLISHED",
+    "PUBLISHED_QWEN35",
     "QwenVL",
     "LinearAttnState",
     "QwenVLConfig",
