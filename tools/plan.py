@@ -65,6 +65,9 @@ def _fail(msg: str, code: int) -> None:
 
 
 def _parse(argv: list[str]) -> None:
+    if any(a in ("-h", "--help", "--helpshort", "--helpfull") for a in argv[1:]):
+        print(__doc__.strip(), "\n", flags.FLAGS.main_module_help(), sep="\n")
+        sys.exit(0)
     for arg in argv[1:]:
         if arg.startswith("--config="):
             path = arg.split("=", 1)[1].split(":", 1)[0]

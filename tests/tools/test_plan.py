@@ -199,6 +199,14 @@ def test_bad_input_exits_2_with_one_line(args, expected):
     assert r.stdout == ""  # nothing compiled, no table
 
 
+def test_help_prints_the_usage_and_every_flag():
+    r = _tool("--help")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tools/plan.py --config=" in r.stdout
+    for flag in ("--topology", "--programs", "--json", "--list_topologies"):
+        assert flag in r.stdout
+
+
 def test_plan_for_the_devices_present(hf_dir):
     # the launch-time check: the same programs compiled for the local (CPU) device
     c = _config(hf_dir)
