@@ -1,6 +1,7 @@
 """The accelerator benchmark runs end to end on CPU at a tiny size, so the command a GPU session
 runs (`python3 tools/bench_paged_decode.py`) has not rotted by the time a GPU is lent; the
-forward benchmark's Qwen3.5 models (tools/bench_forward.py) load and agree with transformers."""
+forward benchmark's Qwen3.5 models (tools/bench_forward.py) load and agree with transformers;
+the sampler benchmark decodes the tiny Qwen3.5 (tools/bench_sampler.py --family=qwen3_5)."""
 
 import os
 import subprocess
@@ -67,3 +68,29 @@ def test_bench_forward_qwen35_models_load_and_agree(family, tmp_path):
         want = hf(input_ids=torch.as_tensor(ids)).logits.numpy()
     got = nnx.jit(lambda m, ids: m(ids))(model, ids.astype(np.int32))
     assert np.abs(np.asarray(got) - want).max() < 1e-4
+
+
+def test_bench_sampler_decodes_the_tiny_qwen35_against_transformers():
+    """tools/bench_sampler.py --family=qwen3_5: the hybrid model through our Engine and
+    transformers' generate (the same weights, greedy), a row per batch with the share of
+    sequences whose tokens agree (a near-tie in transformers' cached torch fallback can differ
+    on a long run; 8 tokens from one prompt agree)."""
+    args = [
+        sys.executable,
+        "tools/bench_sampler.py",
+        "--family=qwen3_5",
+        "--parts=decode",
+        "--batches=1",
+        "--prompt-len=8",
+        "--new-tokens=8",
+        "--vocab=1536",
+        "--threads=1",
+    ]
+    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "model: qwen3_5," in r.stdout, r.stdout
+    table = r.stdout.split("== decode")[1].splitlines()
+    rows = [line.split() for line in table if line.split()[:1] == ["1"]]
+    assert len(rows) == 1, r.stdout
+    ours, hf = float(rows[0][1]), float(rows[0][2])
+    assert ours > 0 and hf > 0 and rows[0][6] == "100%", r.stdout

@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/bench_sampler.py                # all three parts
     .venv/bin/python tools/bench_sampler.py --parts=decode --batches=1,16
+    .venv/bin/python tools/bench_sampler.py --family=qwen3_5 --parts=decode --vocab=1536 --threads=1
 
 1. decode: useful tokens/s of `Engine` vs transformers `generate` on CPU. Same weights (our
    random-init model exported with `save_pretrained` and loaded by transformers), f32, greedy,
@@ -64,6 +65,8 @@ def bench_decode(model, hf_dir, batches, prompt_len, new_tokens, threads, family
     cls = {
         "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
         "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+        "qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
+        "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration,
     }[family]
     hf = cls.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
     V = model.config.text.vocab_size
@@ -288,7 +291,13 @@ def main():
     """The command line: runs what the module docstring describes."""
     ap = bench_setup.arg_parser(__doc__)
     ap.add_argument("--parts", default="decode,batching,prefix")
-    ap.add_argument("--family", default="qwen2_5_vl")
+    ap.add_argument(
+        "--family",
+        default="qwen2_5_vl",
+        choices=("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe"),
+        help="qwen3_5 / qwen3_5_moe: the tiny hybrid Gated DeltaNet model, dense or MoE "
+        "(qwen_vl.tiny: its own sizes, --hidden/--layers ignored)",
+    )
     ap.add_argument(
         "--smoke-model",
         action="store_true",
@@ -322,7 +331,10 @@ def main():
     jax.config.update("jax_default_matmul_precision", "highest")
     from cua_jax.models import qwen_vl
 
-    if args.smoke_model:
+    if args.family.startswith("qwen3_5"):  # the linear layers' dims come with the tiny config
+        cfg = qwen_vl.tiny("qwen3_5", vocab_size=args.vocab, moe=args.family == "qwen3_5_moe")
+        args.hidden, args.layers = cfg.text.hidden_size, cfg.text.num_hidden_layers
+    elif args.smoke_model:
         cfg = qwen_vl.tiny(args.family, vocab_size=1536)
         args.hidden, args.layers, args.vocab = 128, 2, 1536
     else:
