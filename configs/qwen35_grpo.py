@@ -20,8 +20,9 @@ Presets:
              expert, expert=4, routing replay, as configs/qwen3vl_grpo.py's 30b-a3b.
 
 The real presets' mesh, LoRA and batch settings are those of the Qwen3-VL presets of the same
-class; they have not been planned for a TPU slice (no TOPOLOGY entry: `tools/plan.py` needs
---topology), so whether they fit is not known yet.
+class; they have not been planned whole for a TPU slice (no TOPOLOGY entry: `tools/plan.py`
+needs --topology), so whether they fit is not known yet. The planner sizes their hybrid cache
+(the full-attention layers' pages and the linear layers' states, BENCHMARKS.md).
 
 Qwen3.5 uses Qwen3-VL's processor (transformers 5.24 maps model_type qwen3_5 / qwen3_5_moe to
 Qwen3VLProcessor: 16-pixel patches, 2x2 merge, the same vision tokens), its chat rendering and
