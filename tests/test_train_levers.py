@@ -1,8 +1,9 @@
-"""train.py's lever wiring from config (no model, no environment): estimator, source levers,
+"""train.py's lever wiring from config (no environment): estimator, source levers, donation,
 and the combinations that cannot work, refused at launch naming the keys."""
 
 import types
 
+import jax
 import pytest
 
 from configs.qwen3vl_grpo import get_config
@@ -52,3 +53,26 @@ def test_levers_that_cannot_work_are_refused_by_name():
     c.rl.advantage = "ppo"
     with pytest.raises(ConfigError, match="rl.advantage='ppo' is not one of grpo, drgrpo, rloo"):
         check_levers(c)
+
+
+@pytest.mark.parametrize(
+    "mode, port, sft, donates",
+    [
+        ("sync", 0, False, True),
+        ("sync", 0, True, True),
+        ("async", 0, False, False),  # rollouts decode while the step runs
+        ("async", 0, True, True),  # the SFT warm-up runs before any rollout
+        ("sync", 8123, False, False),  # the live policy server may decode during any step
+        ("async", 8123, True, False),
+    ],
+)
+def test_a_step_never_donates_params_the_engine_may_be_decoding(mode, port, sft, donates):
+    """A donated param buffer is deleted by the step: an engine still decoding it failed its
+    requests with "Array has been deleted" (the live policy server during the SFT warm-up)."""
+    from cua_jax.job import builders
+
+    c = get_config("smoke")
+    c.rl.mode, c.serve.port = mode, port
+    mesh, rules = builders.mesh_and_rules(c, devices=jax.devices()[:1])  # the session forces 8
+    model, _ = builders.build_model_and_processor(c, mesh, rules)
+    assert builders.build_learner(model, c, mesh, rules, sft=sft).donates is donates

@@ -168,9 +168,12 @@ def build_learner(model: Any, config: Any, mesh: Any, rules: Any, *, sft: bool):
         freeze_vision=mc.freeze_vision,
         remat=mc.remat,
         seq_len_buckets=tuple(rl.row_lengths),
-        # Async RL: the engine keeps decoding with the current params while the step runs, so
-        # the step must not donate (delete) them; the engine drops them at the next version.
-        donate=sft or rl.mode != "async",
+        # The step must not donate (delete) the params while the engine may decode them: in
+        # async RL (rollouts run during the step), and whenever the live policy server is on
+        # (config.serve.port: a request can decode during any SFT or RL step; a donated array
+        # failed its sampler step with "Array has been deleted"). The engine drops the old
+        # buffers at the next version.
+        donate=(sft or rl.mode != "async") and not config.serve.get("port", 0),
         banned_token_ids=model.config.vision_placeholder_ids,
         logits_chunk=rl.logits_chunk,
     )

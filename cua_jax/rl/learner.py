@@ -431,6 +431,11 @@ class Learner:
         )
         return {k: float(v) for k, v in jax.device_get(metrics).items()}, grads
 
+    @property
+    def donates(self) -> bool:
+        """Whether a step donates (deletes) the trainable params' old buffers (`donate`)."""
+        return self._donate
+
     def params_for_sampler(self) -> nnx.State:
         """The live parameter arrays (trainable + frozen, adapters included); no copy.
 
