@@ -20,9 +20,9 @@ Presets:
              expert, expert=4, routing replay, as configs/qwen3vl_grpo.py's 30b-a3b.
 
 The real presets' mesh, LoRA and batch settings are those of the Qwen3-VL presets of the same
-class; they have not been planned whole for a TPU slice (no TOPOLOGY entry: `tools/plan.py`
-needs --topology), so whether they fit is not known yet. The planner sizes their hybrid cache
-(the full-attention layers' pages and the linear layers' states, BENCHMARKS.md).
+class. 27b is planned for v5p-8 (TOPOLOGY; `tools/plan.py --config=configs/qwen35_grpo.py:27b`:
+largest program 76.2 GiB of 95 a device, the KV pool 41,811 pages beside 4.59 GiB of linear
+states, BENCHMARKS.md); 35b-a3b has no TOPOLOGY entry yet (`tools/plan.py` needs --topology).
 
 Qwen3.5 uses Qwen3-VL's processor (transformers 5.24 maps model_type qwen3_5 / qwen3_5_moe to
 Qwen3VLProcessor: 16-pixel patches, 2x2 merge, the same vision tokens), its chat rendering and
@@ -33,6 +33,8 @@ checkpoint's config.json (from the shipped tokenizer for the tiny presets).
 from configs import common
 
 PRESETS = ("smoke", "27b", "35b-a3b")
+# The TPU slice a real preset is planned to fit (tools/plan.py, BENCHMARKS.md)
+TOPOLOGY = {"27b": "v5p-8"}
 
 # The Qwen3-VL preset whose mesh, LoRA and batch layout each real preset takes (common._REAL)
 _LIKE = {"27b": "32b", "35b-a3b": "30b-a3b"}
@@ -67,6 +69,7 @@ def get_config(arg=None):
     elif name in _LIKE:
         c = common.build("qwen3_5", _LIKE[name], tuple(_LIKE.values()))
         c.preset = c.model.preset = name
+        c.topology = TOPOLOGY.get(name)
     else:
         c = common.build("qwen3_5", arg, PRESETS)
     c.env.action_format = "qwen3vl"
