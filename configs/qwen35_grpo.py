@@ -22,7 +22,8 @@ Presets:
 The real presets' mesh, LoRA and batch settings are those of the Qwen3-VL presets of the same
 class. 27b is planned for v5p-8 (TOPOLOGY; `tools/plan.py --config=configs/qwen35_grpo.py:27b`:
 largest program 76.2 GiB of 95 a device, the KV pool 41,811 pages beside 4.59 GiB of linear
-states, BENCHMARKS.md); 35b-a3b has no TOPOLOGY entry yet (`tools/plan.py` needs --topology).
+states, BENCHMARKS.md); 35b-a3b has no TOPOLOGY entry: on v5p-8 every program fits but the
+KV pool left (18.9 GiB a device) is under kv_min_fraction (`tools/plan.py` needs --topology).
 
 Qwen3.5 uses Qwen3-VL's processor (transformers 5.24 maps model_type qwen3_5 / qwen3_5_moe to
 Qwen3VLProcessor: 16-pixel patches, 2x2 merge, the same vision tokens), its chat rendering and
