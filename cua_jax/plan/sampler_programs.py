@@ -38,12 +38,6 @@ def sampler_cache(cfg: Any, sc: Any, mesh: Any, num_pages: int) -> kv_cache.KVCa
     of `sampler.max_slots`), sharded by `steps.linear_state_sharding`."""
     t = cfg.text
     kv_sh = kv_sharding(mesh)  # as the engine lays out its pools
-    pool = jax.ShapeDtypeStruct(
-        (t.num_key_value_heads, num_pages, sc.page_size, t.head_dim),
-        jnp.dtype(cfg.dtype),
-        sharding=kv_sh,
-    )
-    n_kv = len(kv_cache.kv_layers(cfg))
     shapes = steps.linear_cache_shapes(cfg, steps.linear_state_rows(sc.max_slots))
     linear = ()
     if shapes:
@@ -55,7 +49,16 @@ def sampler_cache(cfg: Any, sc: Any, mesh: Any, num_pages: int) -> kv_cache.KVCa
             )
             for st in shapes
         )
-    return kv_cache.KVCache((pool,) * n_kv, (pool,) * n_kv, linear)
+    return steps.abstract_cache(
+        len(kv_cache.kv_layers(cfg)),
+        t.num_key_value_heads,
+        num_pages,
+        sc.page_size,
+        t.head_dim,
+        jnp.dtype(cfg.dtype),
+        kv_sh,
+        linear,
+    )
 
 
 def _cache_arguments(cache: kv_cache.KVCache, num_pages: int) -> dict[str, int]:
