@@ -48,6 +48,7 @@ from typing import Any
 import aiohttp
 
 from cua_jax.env_api import EnvError
+from envs.browser.remote import HostUnavailable, RemoteBrowserEnv, host_health
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +207,6 @@ class BrowserFleet:
     # ------------------------------------------------------------------------ health
 
     async def _check(self, endpoint: str) -> None:
-        from envs.browser.remote import HostUnavailable, host_health  # noqa: PLC0415
 
         h = self.hosts.get(endpoint)
         if h is None or self._session is None:
@@ -433,7 +433,6 @@ class BrowserFleet:
         self.mark_down(h.name, reason)
 
     async def _lease(self, h: HostState) -> _Lease | None:
-        from envs.browser.remote import HostUnavailable, RemoteBrowserEnv  # noqa: PLC0415
 
         lease = _Lease(None, h, h.generation)
 

@@ -47,8 +47,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from envs.browser.server import BrowserServer
 from envs.fleet import BrowserFleet
+from envs.sim import LatencyProfile, SimServer
 from envs.vm.client import VMClient, VMError
+from envs.vm.providers import LocalDesktop
+from envs.vm.server_http import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +138,6 @@ class EnvHost:
         from aiohttp import web  # noqa: PLC0415
 
         bind = self.bind or node_address()
-        from envs.vm.server_http import is_loopback  # noqa: PLC0415
 
         if not is_loopback(bind) and not self.token:
             raise ValueError(
@@ -142,15 +145,11 @@ class EnvHost:
                 "or $CUA_BROWSER_TOKEN"
             )
         if self.kind == "desktop":
-            from envs.vm.providers import LocalDesktop  # noqa: PLC0415
-
             self.desktop = LocalDesktop(token=self.token, host=bind, **self.options)
             await self.desktop.start()
             self.runner, self.endpoint = self.desktop, self.desktop.url
             return
         if self.kind == "sim":
-            from envs.sim import LatencyProfile, SimServer  # noqa: PLC0415
-
             opts = dict(self.options)
             profile = LatencyProfile.load().scaled(float(opts.pop("time_scale", 1.0)))
             server = SimServer(
@@ -158,8 +157,6 @@ class EnvHost:
             )
             app = server.app()
         else:
-            from envs.browser.server import BrowserServer  # noqa: PLC0415
-
             server = BrowserServer(
                 self.capacity, token=self.token, allowed_hosts=None, **self.options
             )

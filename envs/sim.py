@@ -43,6 +43,8 @@ import numpy as np
 from aiohttp import web
 
 from cua_jax import actions as A
+from cua_jax.env_api import Task
+from envs.browser import BrowserPool, suite
 from envs.browser.remote import OBS_CONTENT_TYPE, PROTOCOL_VERSION, encode_png, pack_obs
 
 PROFILE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sim_profile_browser.json")
@@ -308,7 +310,6 @@ async def start_sim_server(
 
 def sim_task(i: int, *, steps: int = 3, p_success: float = 0.5, max_steps: int = 15) -> Any:
     """A task for the sim host: ends after `steps` steps, solved with probability `p_success`."""
-    from cua_jax.env_api import Task  # noqa: PLC0415
 
     spec = {"sim_steps": steps, "p_success": p_success}
     return Task(f"sim/{i}", "do the simulated task", "sim", spec=spec, max_steps=max_steps)
@@ -363,7 +364,6 @@ async def measure_browser_profile(
 ) -> LatencyProfile:
     """Times real browser envs (a local ``BrowserPool``) playing the built-in suite's oracle:
     every reset, step and evaluate as the caller sees it, and every screenshot's PNG size."""
-    from envs.browser import BrowserPool, suite  # noqa: PLC0415
 
     names = suite.SMOKE_TEMPLATES + ("nav-two-level", "type-word", "enter-name-email")
     tasks = [suite.make_task(names[i % len(names)], i) for i in range(episodes)]

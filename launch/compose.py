@@ -8,6 +8,12 @@ import os
 
 from absl import logging
 
+from envs import tasks as task_sources
+from envs.browser import BrowserPool
+from envs.fleet import BrowserFleet
+from envs.vm import make_env_pool
+from envs.vm.env import VMEnvPool
+
 
 def enable_compile_cache(path: str | None) -> None:
     """JAX's persistent compilation cache: a rerun, a resumed run or another run of the same
@@ -29,12 +35,10 @@ def build_env_factory(config):
     """Returns `(env_factory, load_tasks)` for `config.env.kind`; see `cua_jax.job.train.main`.
 
     `env_factory()` gives an env pool: an async context manager with `acquire()` lending one
-    env at a time, `config.env.concurrency` envs in all. `envs` is imported here, not at the
-    top: `launch/tpu.py` imports this module before its flags are checked, and Ray is optional.
+    env at a time, `config.env.concurrency` envs in all. `envs.vm` (imported above) registers
+    the "desktop" / "osworld" task sources; `envs.ray_fleet` is imported only for
+    `env.fleet=ray`, Ray being an optional dependency (the `ray` extra).
     """
-    import envs.vm  # noqa: F401 -- registers the "desktop" / "osworld" task sources
-    from envs import tasks as task_sources
-
     ec = config.env
     if ec.kind == "browser":
         return _browser_factory(ec), task_sources.load_tasks
@@ -46,7 +50,6 @@ def build_env_factory(config):
 def _browser_factory(ec):
     """Browsers: this host's pool, remote browser hosts (`env.browser_endpoints`, with the local
     pool beside them when `env.concurrency` > 0), or a Ray fleet (`env.fleet=ray`)."""
-    from envs.browser import BrowserPool
 
     def local_pool():
         return BrowserPool(
@@ -63,12 +66,11 @@ def _browser_factory(ec):
         raise ValueError(f"config.env.fleet={fleet!r} is not one of '', 'ray'")
     if fleet == "ray":
         # browser hosts as Ray actors, placed, restarted and found by Ray (envs/ray_fleet.py)
-        from envs.ray_fleet import fleet_from_config
+        from envs.ray_fleet import fleet_from_config  # noqa: PLC0415 -- Ray is optional
 
         return lambda: fleet_from_config(ec)  # env.concurrency envs on Ray's hosts
     if not endpoints:
         return local_pool
-    from envs.fleet import BrowserFleet
 
     def env_factory():
         # `fleet.env_hosts()` is the rollout/env_hosts metric (hosts answering now)
@@ -87,11 +89,9 @@ def _vm_factory(ec):
     """Desktops: local ones, `env.vm_endpoints`' servers, or Ray actors (`env.fleet=ray`)."""
     if (ec.get("fleet", "") or "") == "ray":
         # desktops in Ray actors placed by the `desktop` resource, restarted by Ray
-        from envs.ray_fleet import ray_desktops
-        from envs.vm.env import VMEnvPool
+        from envs.ray_fleet import ray_desktops  # noqa: PLC0415 -- Ray is optional
 
         return lambda: VMEnvPool(ray_desktops(ec))
-    from envs.vm import make_env_pool
 
     def env_factory():
         return make_env_pool(

@@ -34,6 +34,14 @@ if _ROOT not in sys.path:
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from cua_jax import plan as plan_lib  # noqa: E402
+from cua_jax.checkpoint.orbax_io import CheckpointError  # noqa: E402
+from cua_jax.config.checks import ConfigError, validate_config  # noqa: E402
+from cua_jax.job import train  # noqa: E402
+from cua_jax.rl.learner import NonFiniteError  # noqa: E402
+from cua_jax.rl.sources import RolloutError  # noqa: E402
+from cua_jax.sharding import MeshError  # noqa: E402
+from envs.tasks import TaskSourceError, source_dicts  # noqa: E402
 from launch import compose  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -209,16 +217,7 @@ def main(argv: list[str]) -> None:
     workdir = _WORKDIR.value
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO: keep the bar readable
         logging.set_verbosity(logging.WARNING)
-    # JAX and the trainer load only now: a bad flag above fails in a fraction of a second
-    cpu_unless_accelerated()
-    from cua_jax.checkpoint.orbax_io import CheckpointError
-    from cua_jax.config.checks import ConfigError, validate_config
-    from cua_jax.job import train
-    from cua_jax.rl.learner import NonFiniteError
-    from cua_jax.rl.sources import RolloutError
-    from cua_jax.sharding import MeshError
-    from envs.tasks import TaskSourceError, source_dicts
-
+    cpu_unless_accelerated()  # before JAX's first device: no libtpu probe on a CPU machine
     try:  # a bad value (not just a bad key or type) also fails before any work starts
         validate_config(config)
         for key in ("tasks", "eval_tasks"):  # `--config.tasks=junk` leaves a string
@@ -226,8 +225,6 @@ def main(argv: list[str]) -> None:
     except (ConfigError, TaskSourceError) as e:
         raise LaunchError(str(e)) from None
     if _DRY_RUN.value:  # the plan for the devices present (the whole job's), then exit
-        from cua_jax import plan as plan_lib
-
         maybe_initialize_distributed()
         try:
             raise SystemExit(plan_lib.dry_run(config))

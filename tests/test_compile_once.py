@@ -298,26 +298,26 @@ def test_the_patch_budget_padding_changes_no_loss_or_gradient(tiny_learner):
 
 
 def test_the_config_shape_set_has_rows_for_every_turn_when_history_drops_screens():
-    """`ShapeSet.from_config`: one row per episode, and when the history window drops screens
+    """`builders.shape_set`: one row per episode, and when the history window drops screens
     (env.max_history_images < env.max_turns: each turn its own sample) as many rows again per
     turn, so a step of multi-turn episodes always has a shape (the learn preset's run fell off
     its 16 rows with 41 turn samples and recompiled)."""
     from configs.qwen3vl_grpo import get_config
     from cua_jax.data.processor import QwenVLProcessor
-    from cua_jax.rl.shapes import ShapeSet
+    from cua_jax.job import builders
 
     c = get_config("learn")
     c.rl.groups_per_batch = 4  # 16 episodes a step
     ic = QwenVLProcessor.default("qwen3_vl", max_pixels=384 * 288, min_pixels=32 * 32).image_config
-    rl = ShapeSet.from_config(c, ic).rl
+    rl = builders.shape_set(c, ic).rl
     assert [(s.rows, s.length) for s in rl] == [(16, 512), (16, 1024), (48, 512), (48, 1024)]
     # 3 screens a row (3 turns x 1 screen); the turn rows' budget stays 16 episodes x 3 turns
     # x 1 screen, not 48 rows x 3 screens of blank padding through the vision tower
     assert rl[0].patches == 16 * 3 * 432 and rl[2].patches == rl[0].patches
     c.env.max_history_images = c.env.max_turns  # turns extend one sample: one row per episode
-    assert [(s.rows, s.length) for s in ShapeSet.from_config(c, ic).rl] == [(16, 512), (16, 1024)]
+    assert [(s.rows, s.length) for s in builders.shape_set(c, ic).rl] == [(16, 512), (16, 1024)]
     c.rl.learner_rows = 24  # a configured row count is the only one
-    assert {s.rows for s in ShapeSet.from_config(c, ic).rl} == {24}
+    assert {s.rows for s in builders.shape_set(c, ic).rl} == {24}
 
 
 def test_sdpo_teacher_batches_get_the_rl_rows_and_a_feedback_screen_each():
@@ -326,14 +326,14 @@ def test_sdpo_teacher_batches_get_the_rl_rows_and_a_feedback_screen_each():
     SDPO run packed 10-19 teacher samples into the 8-row SFT shapes and recompiled each step."""
     from configs.qwen3vl_grpo import get_config
     from cua_jax.data.processor import QwenVLProcessor
-    from cua_jax.rl.shapes import ShapeSet
+    from cua_jax.job import builders
 
     c = get_config("learn")
     c.rl.groups_per_batch = 4  # 16 episodes a step
     ic = QwenVLProcessor.default("qwen3_vl", max_pixels=384 * 288, min_pixels=32 * 32).image_config
-    assert ShapeSet.from_config(c, ic).teacher == ()  # GRPO: no teacher pass
+    assert builders.shape_set(c, ic).teacher == ()  # GRPO: no teacher pass
     c.rl.algorithm = "sdpo"
-    shapes = ShapeSet.from_config(c, ic)
+    shapes = builders.shape_set(c, ic)
     teacher = shapes.teacher
     # and one row length more: 1024 + the feedback (192 tokens of text, a 108-token screen and
     # its 2 markers, 3 peer calls of 48 + 8 tokens) = 1494, rounded up to a multiple of 128
@@ -352,8 +352,8 @@ def test_sdpo_teacher_batches_get_the_rl_rows_and_a_feedback_screen_each():
     # feedback demonstrations in SFT (sft.feedback_share) carry the final screenshot as well
     assert shapes.sft[0].patches == 8 * 3 * 432
     c.sft.feedback_share = 0.5
-    assert ShapeSet.from_config(c, ic).sft[0].patches == 8 * 4 * 432
+    assert builders.shape_set(c, ic).sft[0].patches == 8 * 4 * 432
     c.rl.sdpo_feedback = "checker_message"  # no screen added, no peer calls
-    assert ShapeSet.from_config(c, ic).teacher[0].patches == 16 * 3 * 432
-    assert ShapeSet.from_config(c, ic).teacher[2].length == 1280  # 1024 + 192, rounded up
-    assert ShapeSet.from_config(c, ic).sft[0].patches == 8 * 3 * 432
+    assert builders.shape_set(c, ic).teacher[0].patches == 16 * 3 * 432
+    assert builders.shape_set(c, ic).teacher[2].length == 1280  # 1024 + 192, rounded up
+    assert builders.shape_set(c, ic).sft[0].patches == 8 * 3 * 432

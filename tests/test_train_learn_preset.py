@@ -5,7 +5,7 @@ import pytest
 
 from configs import common, qwen3vl_grpo, qwen25vl_grpo
 from cua_jax.config.checks import validate_config
-from cua_jax.rl.levers import check_levers
+from cua_jax.job.builders import check_levers
 
 
 @pytest.mark.parametrize("module", [qwen3vl_grpo, qwen25vl_grpo])

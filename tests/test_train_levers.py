@@ -8,8 +8,8 @@ import pytest
 
 from configs.qwen3vl_grpo import get_config
 from cua_jax.config.checks import ConfigError
+from cua_jax.job.builders import check_levers, source_levers, use_advantage_estimator
 from cua_jax.rl.learner import AdvantageConfig
-from cua_jax.rl.levers import check_levers, source_levers, use_advantage_estimator
 
 
 @pytest.mark.parametrize(

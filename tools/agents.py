@@ -51,8 +51,10 @@ if _ROOT not in sys.path:
 
 from cua_jax import actions as A  # noqa: E402
 from cua_jax.evaluation.openai_chat import MessageRenderer, encode_image  # noqa: E402
+from cua_jax.job import builders  # noqa: E402
 from cua_jax.rl.policies import Reply, Stop, TurnContext  # noqa: E402
 from cua_jax.rl.rollout import OMITTED_SCREENSHOT, AgentLoop, episode_seed  # noqa: E402
+from cua_jax.sampler import SamplingParams  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +154,6 @@ class CheckpointAgent:
 
     async def act(self, turn: AgentTurn) -> AgentReply:
         """Generates the reply with the checkpoint's engine from the rendered transcript."""
-        from cua_jax.sampler import SamplingParams
 
         images: list[np.ndarray] = []
 
@@ -649,8 +650,6 @@ class AgentEvalLoop(AgentLoop):
 def agent_predictor(agent, processor, config):
     """An `Agent` on a screenshot step: the step's screen and instruction (its history as a
     text line), parsed with the run's action format in the agent's coordinate space."""
-    from cua_jax import actions as A
-    from cua_jax.job import builders
 
     no_model = type("M", (), {"config": type("C", (), {"vision_placeholder_ids": ()})})
     settings = builders.build_rollout_settings(config, no_model)

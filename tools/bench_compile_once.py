@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from configs.qwen3vl_grpo import get_config  # noqa: E402
 from cua_jax import sharding as shd  # noqa: E402
 from cua_jax.job import builders, compile_stats  # noqa: E402
-from cua_jax.rl.shapes import ShapeSet, screen_grid  # noqa: E402
+from cua_jax.rl.shapes import screen_grid  # noqa: E402
 from cua_jax.rl.trajectory import Trajectory, Turn  # noqa: E402
 
 
@@ -73,7 +73,7 @@ def run(label, config, steps, seed, fixed):
     t_run = time.perf_counter()
     warm_s = 0.0
     if fixed:
-        learner.shapes = ShapeSet.from_config(config, ic, row_multiple=learner.row_multiple)
+        learner.shapes = builders.shape_set(config, ic, row_multiple=learner.row_multiple)
         print(learner.shapes.describe(), flush=True)
         mark = stats.snapshot()
         learner.warmup("rl")

@@ -18,7 +18,10 @@ import os
 import tempfile
 import time
 
-from tools import bench_setup
+from cua_jax import db as db_lib
+from envs.browser.host import find_chromium
+from tools import bench_setup, monitor
+from tools.monitor_app.app import make_app
 
 print = functools.partial(print, flush=True)  # noqa: A001 -- progress shows at once
 
@@ -38,10 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     import numpy as np
     from starlette.testclient import TestClient
 
-    from cua_jax import db as db_lib
     from tests.db import synth
-    from tools import monitor
-    from tools.monitor_app.app import make_app
 
     workdir = tempfile.mkdtemp(prefix="bench_db_")
     db = db_lib.open_run(workdir, args.db, run_name="bench", decode=synth.decode, queue_size=4096)
@@ -100,8 +100,6 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.browser:
         from playwright.sync_api import sync_playwright
-
-        from envs.browser.host import find_chromium
 
         server = bench_setup.uvicorn_thread(make_app(engine), "the monitor")
         with server as port, sync_playwright() as pw:

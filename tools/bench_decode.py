@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from envs.browser import BrowserPool, suite
 from envs.screenshots import decode_screenshot, decode_with_pillow
 from tools import bench_setup
 
@@ -25,7 +26,6 @@ TEMPLATES = ("click-button", "nav-tabs", "radio-pick")
 async def browser_screens(viewports: list[tuple[int, int]]) -> dict[str, bytes]:
     """PNG screenshots of a few built-in task pages at each viewport, taken through a real
     browser."""
-    from envs.browser import BrowserPool, suite
 
     out = {}
     for w, h in viewports:

@@ -39,6 +39,8 @@ from cua_jax.env_api import INFO_ERROR, EnvError
 from envs.browser import BrowserEnv, BrowserHost, BrowserPool, suite
 from envs.browser.bench import close_pages, loop_rate, open_pages, screenshot_loop
 from envs.browser.pages import ORIGIN, handle_route
+from envs.browser.server import start_host_process
+from envs.fleet import LOCAL, BrowserFleet
 from tools import bench_setup
 
 
@@ -157,9 +159,6 @@ async def bench_fleet(args, viewport) -> None:
     """N envs over the local host and --hosts remote hosts vs the same hosts' raw ceiling."""
     import signal  # noqa: PLC0415
 
-    from envs.browser.server import start_host_process  # noqa: PLC0415
-    from envs.fleet import LOCAL, BrowserFleet  # noqa: PLC0415
-
     n = int(args.concurrency.split(",")[0])
     per = [
         n // (args.hosts + 1) + (1 if i < n % (args.hosts + 1) else 0)
@@ -266,7 +265,6 @@ async def bench_fleet(args, viewport) -> None:
 
 
 async def _kill_run(fleet, victim, args, signal) -> None:
-    from envs.fleet import LOCAL  # noqa: PLC0415
 
     proc, ep = victim
     names = ("nav-two-level", "type-word", "enter-name-email", "click-sequence")

@@ -49,6 +49,7 @@ import numpy as np
 from cua_jax.data.processor import QwenVLProcessor
 from cua_jax.rl.rollout import AgentLoop, RolloutSettings
 from envs.fleet import BrowserFleet
+from envs.ray_fleet import RayFleet, host_actor_options
 from envs.sim import LatencyProfile, ScriptedEngine, sim_task
 from tools import bench_setup
 from tools.bench_setup import ROOT
@@ -163,8 +164,6 @@ async def run_level(args, n: int, proc_: QwenVLProcessor, profile: LatencyProfil
     `args.seconds`; episodes a second against the ideal, latency, memory and CPU figures."""
     hosts = -(-n // args.capacity)
     if args.ray:
-        from envs.ray_fleet import RayFleet, host_actor_options  # noqa: PLC0415
-
         sim, eps = None, []
         fleet = RayFleet(
             "local",  # a Ray of this machine's own, started for the bench

@@ -25,6 +25,9 @@ import aiohttp
 from cua_jax import actions as A
 from envs.browser import suite
 from envs.browser.bench import loop_rate
+from envs.browser.server import start_host_process
+from envs.fleet import BrowserFleet
+from envs.ray_fleet import RayFleet, host_actor_options
 from tools import bench_setup
 
 TOKEN = "bench-fleet-browsers-token-0123456789"
@@ -93,8 +96,6 @@ async def measure(fleet, n: int, seconds: float, rounds: int) -> dict:
 async def hand_started(args) -> dict:
     """`args.hosts` browser host processes started by hand, one `BrowserFleet` over them: the
     level's episodes, throughput and memory."""
-    from envs.browser.server import start_host_process  # noqa: PLC0415
-    from envs.fleet import BrowserFleet  # noqa: PLC0415
 
     cap = -(-args.envs // args.hosts)
     extra = ("--lease-s", str(LEASE_S))
@@ -111,7 +112,6 @@ async def hand_started(args) -> dict:
 
 async def on_ray(args) -> dict:
     """The same browser hosts as Ray actors (`RayFleet` on a local Ray): the same figures."""
-    from envs.ray_fleet import RayFleet, host_actor_options  # noqa: PLC0415
 
     cap = -(-args.envs // args.hosts)
     fleet = RayFleet(

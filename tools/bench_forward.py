@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import Any
 
 import numpy as np
 
+from cua_jax.models import qwen_vl
 from tools import bench_setup
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
@@ -161,12 +163,43 @@ def inputs(family: str, image_id: int, start_id: int, end_id: int):
     return ids.astype(np.int64), pv, grid
 
 
+def forward_pair(hf: Any, model: Any, ids: Any, pixel_values: Any, grid: Any, image_id: int):
+    """The same image + text forward through a transformers model `hf` and its cua_jax twin
+    `model`: the host computes positions and the vision layout, the device runs one jitted
+    forward. Compiles and runs the jitted forward once.
+
+    Returns (hf_call, jax_call, first_s, jax_logits): two no-argument callables (jax_call blocks
+    until its result is ready; call hf_call under torch.no_grad()), the first jitted call's
+    seconds (compile included) and its logits.
+    """
+    import jax
+    import torch
+    from flax import nnx
+
+    t_ids = torch.as_tensor(ids)
+    kw = dict(
+        input_ids=t_ids,
+        pixel_values=torch.as_tensor(pixel_values),
+        image_grid_thw=torch.as_tensor(grid),
+        mm_token_type_ids=(t_ids == image_id).int(),
+    )
+    pos = model.position_ids_for(ids, None, grid)
+    meta = qwen_vl.vision_metadata(model.config, grid)
+    fwd = nnx.jit(
+        lambda m, ids, pv, pos, meta: m(ids, pixel_values=pv, position_ids=pos, vision_meta=meta)
+    )
+
+    def jax_call() -> Any:
+        return jax.block_until_ready(fwd(model, ids, pixel_values, pos, meta))
+
+    out, first_s = bench_setup.timed(jax_call)
+    return (lambda: hf(**kw)), jax_call, first_s, out
+
+
 def bench(family: str, iters: int) -> dict:
     """Times both forwards for `family` on $BENCH_THREADS threads; a dict of compile time, median
     milliseconds, their ratio and the logits' max difference."""
     import torch
-
-    from cua_jax.models import qwen_vl
 
     threads = int(os.environ["BENCH_THREADS"])
     torch.set_num_threads(threads)
@@ -175,7 +208,7 @@ def bench(family: str, iters: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
         model = qwen_vl.from_pretrained(d)
-    hf_call, jax_call, first, out = bench_setup.forward_pair(hf, model, ids, pv, grid, image_id)
+    hf_call, jax_call, first, out = forward_pair(hf, model, ids, pv, grid, image_id)
     with torch.no_grad():
         ref = hf_call().logits.numpy()  # warm-up too
         # Alternate the two so both see the same background load on a shared machine.

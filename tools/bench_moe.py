@@ -35,8 +35,12 @@ import time
 
 import numpy as np
 
+from cua_jax import plan
+from cua_jax import sharding as shd
+from cua_jax.models import qwen_vl
+from cua_jax.models.qwen_vl import moe
 from tools import bench_setup
-from tools.bench_forward import hf_dicts, inputs
+from tools.bench_forward import forward_pair, hf_dicts, inputs
 
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=352, decoder_sparse_step=1)
 
@@ -60,15 +64,13 @@ def bench_forward(rounds: int) -> dict:
     time, median milliseconds, their ratio and the logits' difference."""
     import torch
 
-    from cua_jax.models import qwen_vl
-
     hf, image_id, start_id, end_id = hf_moe_model()
     ids, pv, grid = inputs("qwen3_vl", image_id, start_id, end_id)
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
         model = qwen_vl.from_pretrained(d)
     assert model.config.text.num_experts == MOE["num_experts"]
-    hf_call, jax_call, first, out = bench_setup.forward_pair(hf, model, ids, pv, grid, image_id)
+    hf_call, jax_call, first, out = forward_pair(hf, model, ids, pv, grid, image_id)
     with torch.no_grad():
         ref = hf_call().logits.numpy()  # warm-up too
         med = bench_setup.timed_rounds({"transformers": hf_call, "jax": jax_call}, rounds)
@@ -88,8 +90,6 @@ def dense_all_experts(x_ND, gate_DE, gate_up, down, top_k):
     import jax
     import jax.numpy as jnp
 
-    from cua_jax.models.qwen_vl import moe
-
     w_NK, e_NK = moe.route(x_ND @ gate_DE, top_k)
     h = jnp.einsum("nd,edxf->nexf", x_ND, gate_up)
     y = jnp.einsum("nef,efd->ned", jax.nn.silu(h[:, :, 0]) * h[:, :, 1], down)
@@ -99,7 +99,6 @@ def dense_all_experts(x_ND, gate_DE, gate_up, down, top_k):
 
 def grouped(x_ND, gate_DE, gate_up, down, top_k):
     """The routed experts through `moe.expert_mlp` (the layer's own dispatch)."""
-    from cua_jax.models.qwen_vl import moe
 
     w_NK, e_NK = moe.route(x_ND @ gate_DE, top_k)
     return moe.expert_mlp(x_ND, w_NK, e_NK, {"gate_up": gate_up, "down": down}, 0)
@@ -213,10 +212,6 @@ def _ep_block(E, K, D, F, dtype, devices, tokens, layout, dispatch, abstract):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from cua_jax import sharding as shd
-    from cua_jax.models import qwen_vl
-    from cua_jax.models.qwen_vl import moe
-
     cfg = qwen_vl.tiny("qwen3_vl", moe=dict(num_experts=E, num_experts_per_tok=K))
     text = dataclasses.replace(cfg.text, hidden_size=D, moe_intermediate_size=F)
     vision = dataclasses.replace(cfg.vision, out_hidden_size=D)
@@ -267,8 +262,6 @@ def bench_expert_parallel(rounds, tokens, E, K, D, F, dtype, devices, run):
 
     import jax
     import jax.numpy as jnp
-
-    from cua_jax.models.qwen_vl import moe
 
     rows, fns, outs = [], {}, {}
     n_dev = len(devices)
@@ -381,8 +374,6 @@ def main() -> None:
         rows = bench_expert_parallel(0, args.ep_hlo_tokens, E, K, D, F, "bfloat16", devs, False)
         _print_ep(rows, label)
         if args.ep_tpu:
-            from cua_jax import plan
-
             tpu = plan.abstract_devices(plan.get_topology(args.ep_tpu))
             label = (
                 f"[{args.ep_tpu} HLO, E={E} K={K} D={D} F={F}, {args.ep_hlo_tokens} tokens, bf16]"

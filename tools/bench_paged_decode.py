@@ -35,6 +35,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cua_jax.models import qwen_vl
+from cua_jax.sampler import Engine, SamplingParams
+from cua_jax.sampler.kernels.paged_attention import (
+    GpuKernelOptions,
+    paged_attention,
+    resolve_backend,
+)
 from tools import bench_setup
 
 
@@ -64,11 +71,6 @@ GPU_SWEEP = tuple(
 
 def bench_kernel(args) -> str | None:
     """Returns the fastest GPU kernel variant's spec (None off a GPU)."""
-    from cua_jax.sampler.kernels.paged_attention import (
-        GpuKernelOptions,
-        paged_attention,
-        resolve_backend,
-    )
 
     backend = resolve_backend("auto")
     backend = "interpret" if backend == "reference" else backend
@@ -140,7 +142,6 @@ def bench_kernel(args) -> str | None:
 
 
 def _gpu_specs(args) -> list[str]:
-    from cua_jax.sampler.kernels.paged_attention import GpuKernelOptions
 
     specs = GPU_SWEEP if args.gpu_options == "sweep" else args.gpu_options.split(";")
     by_options = {GpuKernelOptions.parse(s): s.strip() for s in reversed(specs)}  # first wins
@@ -159,7 +160,6 @@ def _short(opts) -> str:
 def config_2b(size: str):
     """Qwen3-VL 2B's text shape (28 layers, hidden 2048); `size` "2b" keeps its vocabulary, else a
     4096 one."""
-    from cua_jax.models import qwen_vl
 
     base = qwen_vl.tiny("qwen3_vl", vocab_size=151936 if size == "2b" else 4096)
     dims = dict(
@@ -204,7 +204,6 @@ def decode_weight_bytes(model) -> int:
 def _decode_run(model, backend: str, args, gpu_options: str = "") -> dict:
     """One engine with `backend` decoding args.batch requests twice (the first run compiles);
     the decode calls of the second run are timed one by one."""
-    from cua_jax.sampler import Engine, SamplingParams
 
     t = model.config.text
     B, prompt, new, C = args.batch, args.prompt_len, args.new_tokens, args.decode_chunk
@@ -271,9 +270,6 @@ def bench_bandwidth(args, best_spec: str | None = None) -> None:
     table: ms/step, tokens/s, the bytes read per step (weights + K/V) over the step time, and
     that as a share of the device's measured copy bandwidth."""
     from flax import nnx
-
-    from cua_jax.models import qwen_vl
-    from cua_jax.sampler.kernels.paged_attention import GpuKernelOptions
 
     cfg = config_2b(args.size)
     t0 = time.perf_counter()

@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from cua_jax.models import qwen_vl
+from cua_jax.sampler import Engine, SamplingParams
 from tools import bench_setup
 
 
@@ -37,7 +39,6 @@ def _loadavg() -> str:
 
 def small_config(family: str, hidden: int, layers: int, vocab: int):
     """A small `family` config (`hidden`, `layers`, `vocab`) for the sampler benchmarks."""
-    from cua_jax.models import qwen_vl
 
     cfg = qwen_vl.tiny(family, vocab_size=vocab)
     text = dataclasses.replace(
@@ -58,8 +59,6 @@ def bench_decode(model, hf_dir, batches, prompt_len, new_tokens, threads, family
     prints a row each."""
     import torch
     import transformers
-
-    from cua_jax.sampler import Engine, SamplingParams
 
     torch.set_num_threads(threads)
     cls = {
@@ -143,7 +142,6 @@ def multi_turn_workload(n_episodes, turns, vocab, seed=0):
 async def run_episodes(engine, episodes):
     """Plays every episode on `engine` concurrently, each turn extending its transcript by the new
     ids and the reply."""
-    from cua_jax.sampler import SamplingParams
 
     async def episode(i, turns):
         transcript = np.zeros((0,), np.int64)
@@ -165,7 +163,6 @@ def bench_batching(model, slots, n_episodes, turns):
     """The multi-turn workload through a `slots`-slot engine with static vs continuous batching
     (after a compiling warm-up, best of two each): wall time, useful tokens/s, padding
     efficiency; prints a row each and whether both give the same transcripts."""
-    from cua_jax.sampler import Engine
 
     V = model.config.text.vocab_size
     episodes = multi_turn_workload(n_episodes, turns, V)
@@ -217,7 +214,6 @@ def bench_batching(model, slots, n_episodes, turns):
 def bench_prefix(model, family, group=8):
     """A group of `group` samples of one screenshot prompt with and without prefix sharing: prefill
     tokens, vision-encoder runs and wall time."""
-    from cua_jax.sampler import Engine, SamplingParams
 
     cfg = model.config
     rng = np.random.default_rng(0)
@@ -329,7 +325,6 @@ def main():
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")
-    from cua_jax.models import qwen_vl
 
     if args.family.startswith("qwen3_5"):  # the linear layers' dims come with the tiny config
         cfg = qwen_vl.tiny("qwen3_5", vocab_size=args.vocab, moe=args.family == "qwen3_5_moe")

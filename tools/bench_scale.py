@@ -28,6 +28,11 @@ import os
 import subprocess
 import sys
 
+from configs.qwen3vl_grpo import get_config
+from cua_jax.job import builders
+from cua_jax.rl.trajectory import Sample
+from cua_jax.sampler import SamplingParams
+from launch.tpu import maybe_initialize_distributed
 from tools import bench_setup
 from tools.bench_setup import ROOT
 
@@ -35,16 +40,9 @@ from tools.bench_setup import ROOT
 def _worker(args: argparse.Namespace) -> None:
     """One process of one configuration: prints a JSON line of its timings."""
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        from launch.tpu import maybe_initialize_distributed
-
         maybe_initialize_distributed()
     import jax
     import numpy as np
-
-    from configs.qwen3vl_grpo import get_config
-    from cua_jax.job import builders
-    from cua_jax.rl.trajectory import Sample
-    from cua_jax.sampler import SamplingParams
 
     c = get_config("smoke")
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, args.fsdp, args.tensor

@@ -26,7 +26,12 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from cua_jax.evaluation.openai_chat import MessageRenderer, encode_image
+from cua_jax.job import builders
+from cua_jax.job.loading import load_policy
+from cua_jax.sampler import SamplingParams
 from tools import bench_setup
+from tools.serve import create_app
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
@@ -102,12 +107,6 @@ def main(argv: list[str]) -> None:
     import json
 
     import jax
-
-    from cua_jax.evaluation.openai_chat import MessageRenderer, encode_image
-    from cua_jax.job import builders
-    from cua_jax.job.loading import load_policy
-    from cua_jax.sampler import SamplingParams
-    from tools.serve import create_app
 
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)

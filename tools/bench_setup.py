@@ -1,6 +1,5 @@
 """What the benchmark scripts (tools/bench_*.py) share: the command line's parser, the platform and
-thread set-up, the timing protocols, a loopback server for the HTTP benchmarks, and the
-side-by-side transformers / cua_jax forward.
+thread set-up, the timing protocols and a loopback server for the HTTP benchmarks.
 
     from tools import bench_setup
 
@@ -186,38 +185,3 @@ def compile_and_time(learner: Any, batch: Any, steps: int) -> tuple[int, float, 
     del compiled
     times, metrics = timed_calls(lambda: learner.train_step(batch), steps + 1)
     return temp, compile_s, statistics.median(times[1:]), metrics
-
-
-def forward_pair(hf: Any, model: Any, ids: Any, pixel_values: Any, grid: Any, image_id: int):
-    """The same image + text forward through a transformers model `hf` and its cua_jax twin
-    `model`: the host computes positions and the vision layout, the device runs one jitted
-    forward. Compiles and runs the jitted forward once.
-
-    Returns (hf_call, jax_call, first_s, jax_logits): two no-argument callables (jax_call blocks
-    until its result is ready; call hf_call under torch.no_grad()), the first jitted call's
-    seconds (compile included) and its logits.
-    """
-    import jax
-    import torch
-    from flax import nnx
-
-    from cua_jax.models import qwen_vl
-
-    t_ids = torch.as_tensor(ids)
-    kw = dict(
-        input_ids=t_ids,
-        pixel_values=torch.as_tensor(pixel_values),
-        image_grid_thw=torch.as_tensor(grid),
-        mm_token_type_ids=(t_ids == image_id).int(),
-    )
-    pos = model.position_ids_for(ids, None, grid)
-    meta = qwen_vl.vision_metadata(model.config, grid)
-    fwd = nnx.jit(
-        lambda m, ids, pv, pos, meta: m(ids, pixel_values=pv, position_ids=pos, vision_meta=meta)
-    )
-
-    def jax_call() -> Any:
-        return jax.block_until_ready(fwd(model, ids, pixel_values, pos, meta))
-
-    out, first_s = timed(jax_call)
-    return (lambda: hf(**kw)), jax_call, first_s, out

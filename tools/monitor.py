@@ -24,6 +24,17 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from cua_jax.db.engine import (  # noqa: E402
+    DB_FILENAME,
+    NotACuaDatabase,
+    check_database,
+    head_revision,
+    make_engine,
+    normalize_url,
+    safe_url,
+)
+from tools.monitor_app.app import make_app  # noqa: E402
+from tools.monitor_app.security import allowed_hosts, is_loopback  # noqa: E402
 
 MIN_TOKEN_CHARS = 16  # beyond loopback: a token a network neighbour cannot guess
 
@@ -57,16 +68,6 @@ def open_database(db: str):
     """An engine on a migrated cua_jax database, or MonitorError naming what is wrong."""
     import sqlalchemy as sa
 
-    from cua_jax.db.engine import (
-        DB_FILENAME,
-        NotACuaDatabase,
-        check_database,
-        head_revision,
-        make_engine,
-        normalize_url,
-        safe_url,
-    )
-
     if "://" not in db:
         path = os.path.join(db, DB_FILENAME) if os.path.isdir(db) else db
         if not os.path.isfile(path):
@@ -97,8 +98,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not args.db:
         raise MonitorError("pass --db=WORKDIR (its trajectories.sqlite) or a database URL")
-    from tools.monitor_app.app import make_app
-    from tools.monitor_app.security import allowed_hosts, is_loopback
 
     if args.no_token and args.token:
         raise MonitorError("pass --token or --no-token, not both")

@@ -32,6 +32,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from cua_jax import plan as plan_lib  # noqa: E402
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file with a preset: configs/qwen3vl_grpo.py:8b"
 )
@@ -97,7 +99,6 @@ def _parse(argv: list[str]) -> None:
 def main() -> None:
     """The command line: runs what the module docstring describes."""
     _parse(sys.argv)
-    from cua_jax import plan as plan_lib
 
     if _LIST.value:
         print(plan_lib.table_of_topologies())

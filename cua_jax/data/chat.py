@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from cua_jax.data.image import num_image_tokens
+from cua_jax.data.positions import get_rope_index
 from cua_jax.data.tokenizer import (
     IM_END,
     IM_START,
@@ -406,7 +407,6 @@ def mrope_position_ids(
     attention_mask i32[B, T] (0 = padding, left or right), or None.
     """
     # Imported here: the rope module pulls in jax, which plain tokenization does not need.
-    from cua_jax.models.qwen_vl.rope import get_rope_index
 
     position_ids, _ = get_rope_index(
         np.asarray(input_ids),

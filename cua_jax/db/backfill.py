@@ -29,8 +29,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from cua_jax import actions as A
 from cua_jax.db import records
 from cua_jax.db.models import Group, Run, Step
+from cua_jax.rl.store import TrajectoryReader
 
 METRICS_FILE = "metrics.jsonl"
 ROLLOUTS_DIR = "rollouts"
@@ -87,7 +89,6 @@ def actions_from_repr(text: Any) -> list[Any]:
     """The actions of a turn the trajectory store kept as ``repr([Click(x=.., ..), ..])``,
     rebuilt without eval: a list of calls of `cua_jax.actions` dataclasses with literal keyword
     arguments; anything else gives [] (the turn then shows no actions)."""
-    from cua_jax import actions as A  # noqa: PLC0415 -- the action classes, only here
 
     if isinstance(text, list):
         return text
@@ -116,7 +117,6 @@ def actions_from_repr(text: Any) -> list[Any]:
 def persisted_groups(directory: str, steps: set[int]) -> dict[int, list[list[Any]]]:
     """{step: its groups in index order} of the trajectories persisted in `directory`, for
     `steps` only (each a complete group: the step was logged, so all its episodes were put)."""
-    from cua_jax.rl.store import TrajectoryReader  # noqa: PLC0415 -- tensorstore, rarely
 
     reader = TrajectoryReader(directory)
     where: dict[int, dict[int, list[int]]] = collections.defaultdict(

@@ -43,7 +43,7 @@ import sqlalchemy as sa
 from absl import logging
 from sqlalchemy.orm import Session
 
-from cua_jax.db import records
+from cua_jax.db import backfill, records
 from cua_jax.db.engine import make_engine, migrate, resolve_url, safe_url
 from cua_jax.redact import redact
 
@@ -437,7 +437,6 @@ class TrajectoryDB:
         """Writes what the run's own files hold and the database lacks (`backfill.py`): after
         the open record, before the trainer's first truncate, so steps a resume redoes are
         dropped again by it."""
-        from cua_jax.db import backfill  # noqa: PLC0415 -- reads tensorstore arrays, rarely
 
         if self._engine is None:
             return

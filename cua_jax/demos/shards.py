@@ -36,7 +36,7 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from cua_jax import actions as A
 from cua_jax.demos.grounding import GroundingSample
 from cua_jax.rl.trajectory import Trajectory, Turn
-from cua_jax.sampler.sampling import SamplingParams
+from cua_jax.sampler.params import SamplingParams
 
 INDEX = "index.json"
 _MAGIC = b"CUAG"

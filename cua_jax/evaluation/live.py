@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -17,15 +18,25 @@ from cua_jax.config.checks import ConfigError
 from cua_jax.evaluation.server import EmbeddedServer, resolve_token
 
 
+@dataclasses.dataclass(frozen=True)
+class ServeSettings:
+    """`config.serve`: the port (0: no server), the address, the bearer token (None: made up
+    on a loopback host, refused on another) and the most tokens a reply may take."""
+
+    port: int
+    host: str
+    token: str | None
+    max_tokens: int
+
+
 async def serve_live_policy(
-    config: Any, workdir: str, engine: Any, processor: Any, banned_token_ids: Sequence[int]
+    sv: ServeSettings, workdir: str, engine: Any, processor: Any, banned_token_ids: Sequence[int]
 ) -> Any:
     """tools/serve.py's OpenAI-compatible server on this run's event loop, over the Engine the
     rollouts use (continuous batching shares it; each reply names the learner version that
     wrote it), or None when `serve.port` is 0. WORKDIR/serve.json gets the URL and model id,
     and a made-up token (owner-only file). ConfigError: more than one process (the engine is
     one SPMD program, which a request on one host alone would hang) or a refused host/token."""
-    sv = config.serve
     if not sv.port:
         return None
     if jax.process_count() > 1:
@@ -34,7 +45,7 @@ async def serve_live_policy(
             f"{jax.process_count()} processes: serve a checkpoint with tools/serve.py instead"
         )
     try:
-        token, made_up = resolve_token(sv.host, sv.token or None, no_token=False)
+        token, made_up = resolve_token(sv.host, sv.token, no_token=False)
     except ValueError as e:
         raise ConfigError(f"config.serve.host={sv.host!r}: {e}") from None
     name = os.path.basename(os.path.abspath(workdir)) or "cua_jax"

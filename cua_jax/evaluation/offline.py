@@ -41,6 +41,7 @@ import numpy as np
 from cua_jax import actions as A
 from cua_jax.evaluation import stats
 from cua_jax.evaluation.results import action_from_json
+from cua_jax.sampler import SamplingParams
 
 DEFAULT_RADIUS = 0.05  # screen fractions
 
@@ -387,7 +388,6 @@ def engine_predictor(
     banned_token_ids: Sequence[int] = (),
 ) -> Predictor:
     """The project's model (greedy) on the step's recorded prompt ids and images."""
-    from cua_jax.sampler import SamplingParams  # JAX loads only for our model, not an API agent
 
     fmt = A.get_format(action_format)
     tok = processor.tokenizer

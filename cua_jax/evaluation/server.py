@@ -34,6 +34,7 @@ from cua_jax.evaluation.openai_chat import (
     parse_request,
 )
 from cua_jax.hosts import is_loopback  # re-exported: tools/serve.py imports it from here
+from cua_jax.sampler import SamplingParams
 
 MiB = 1024 * 1024
 DEFAULT_MAX_BODY = 32 * MiB
@@ -275,7 +276,6 @@ class ChatServer:
     def _sampling_params(self, req: Any) -> list[Any]:
         """One `SamplingParams` a choice (seeds `seed`, `seed + 1`, ...: a random seed when the
         request names none); a value the sampler refuses is the request's error."""
-        from cua_jax.sampler import SamplingParams  # JAX: the module imports without it
 
         seed = req.seed if req.seed is not None else secrets.randbits(31)
         try:

@@ -15,6 +15,8 @@ Used by `cua_jax.job.train`, `tools/eval.py`, `tools/bench_smoke_step.py` and th
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from typing import Any
 
@@ -24,12 +26,14 @@ from absl import logging
 from etils import epath
 from flax import nnx
 
+from cua_jax import metrics as metrics_lib
 from cua_jax import multihost
 from cua_jax import sharding as shd
 from cua_jax.checkpoint.orbax_io import Checkpointer, CheckpointError, init_params
 from cua_jax.config.checks import ConfigError, feedback_kinds
 from cua_jax.data.processor import QwenVLProcessor
 from cua_jax.demos import shards
+from cua_jax.evaluation.live import ServeSettings
 from cua_jax.job import warmup
 from cua_jax.job.grpo import GrpoSettings
 from cua_jax.job.sft import MidSettings, SftSettings
@@ -38,9 +42,11 @@ from cua_jax.metrics import MetricsWriter
 from cua_jax.models import qwen_vl
 from cua_jax.rl import learner as L
 from cua_jax.rl import sources
+from cua_jax.rl.advantages import ESTIMATORS, estimator_options
 from cua_jax.rl.entropulse import Entropulse
 from cua_jax.rl.rollout import RolloutSettings
 from cua_jax.rl.sdpo import SelfDistiller
+from cua_jax.rl.shapes import ShapeSet, ShapeSettings
 from cua_jax.sampler import Engine, steps
 from cua_jax.sampler.kv_cache import kv_pages_for_budget, kv_pool_bytes_per_device
 
@@ -221,7 +227,7 @@ def kv_pages(
         )
         return int(sc.num_pages)
     if learner.shapes is None:
-        learner.shapes = warmup.shape_set(config, learner, image_config)
+        learner.shapes = learner_shapes(config, learner, image_config)
     scratch = _largest_program_bytes(learner)
     budget = int(stats["bytes_limit"] * frac) - int(stats.get("bytes_in_use", 0)) - scratch
     cfg, tensor = learner.config, learner.mesh.shape["tensor"]
@@ -477,6 +483,118 @@ def check_mid(config: Any) -> None:
                 f"config.mid.{key}={path!r} is not a grounding shard directory; write one with "
                 "tools/make_grounding_data.py --out=DIR --num=N"
             )
+
+
+def check_levers(config: Any) -> None:
+    """Raises `ConfigError` for RL lever settings (`rl.advantage`, `rl.ppo_*`) that cannot
+    work together."""
+    rl = config.rl
+    if rl.advantage not in ESTIMATORS:
+        raise ConfigError(
+            f"config.rl.advantage={rl.advantage!r} is not one of {', '.join(ESTIMATORS)}"
+        )
+    if rl.ppo_epochs * rl.ppo_minibatches > 1 and rl.old_logprobs != "behaviour":
+        raise ConfigError(
+            f"config.rl.ppo_epochs={rl.ppo_epochs} x ppo_minibatches={rl.ppo_minibatches} "
+            "optimizer updates per batch need config.rl.old_logprobs='behaviour': with "
+            "'learner' the PPO ratio is taken against the current update's own log-probs and "
+            "stays 1, so nothing would be clipped"
+        )
+    if rl.ppo_minibatches > 1 and jax.process_count() > 1:
+        raise ConfigError(
+            "config.rl.ppo_minibatches > 1 is single-process only (each process would split "
+            "its own groups into mini-batches of different sizes)"
+        )
+
+
+def use_advantage_estimator(learner: Any, config: Any) -> None:
+    """Sets the learner's advantage estimator from `config.rl.advantage`."""
+    opts = estimator_options(config.rl.advantage, std_normalize=config.rl.std_normalize)
+    learner.advantage_config = dataclasses.replace(learner.advantage_config, **opts)
+
+
+def source_levers(config: Any, workdir: str) -> dict[str, Any]:
+    """The rollout source's lever settings (`RolloutSource.use_levers`) from `config.rl`;
+    rollouts are persisted under WORKDIR/rollouts (multi-host: .../p{process index})."""
+    rl = config.rl
+    persist = None
+    if rl.persist_rollouts:
+        persist = os.path.join(workdir, "rollouts")
+        if jax.process_count() > 1:
+            persist = os.path.join(persist, f"p{jax.process_index()}")
+        if not metrics_lib.is_local(persist):
+            raise ConfigError(
+                f"config.rl.persist_rollouts writes local files only; workdir {workdir!r} is not "
+                "a local path"
+            )
+    return {
+        "dynamic_sampling": bool(rl.dynamic_sampling),
+        "max_sampling_rounds": int(rl.max_sampling_rounds),
+        "replay_successes": bool(rl.replay_successes),
+        "replay_max_staleness": None if rl.replay_max_staleness < 0 else rl.replay_max_staleness,
+        "persist_dir": persist,
+    }
+
+
+def shape_settings(config: Any) -> ShapeSettings:
+    """The fields of `config.rl`, `env`, `sft` and `model` the learner's shape set is decided
+    from (`cua_jax.rl.shapes`)."""
+    rl, env = config.rl, config.env
+    unit = 128
+    model = config.get("model")
+    if model is not None and model.get("attn_impl", "") == "splash":
+        unit = max(unit, model.get("attn_block", 0) or 512)
+    return ShapeSettings(
+        row_lengths=tuple(int(n) for n in rl.row_lengths),
+        episodes=rl.group_size * rl.groups_per_batch,
+        sft_rows=rl.rows_per_step,
+        viewport=(env.viewport_width, env.viewport_height),
+        max_turns=env.max_turns,
+        max_history_images=env.max_history_images,
+        learner_rows=rl.learner_rows,
+        images_per_row=rl.images_per_row,
+        tokens_per_chip=int(rl.get("tokens_per_chip", 0)),
+        screens_per_chip=int(rl.get("screens_per_chip", 0)),
+        strict=bool(rl.strict_shapes),
+        sdpo=rl.get("algorithm", "grpo") == "sdpo",
+        feedback_kinds=frozenset(feedback_kinds(rl.sdpo_feedback)),
+        max_tokens=rl.max_tokens,
+        sft_feedback=config.sft.get("feedback_share", 0.0) > 0,
+        row_unit=unit,
+    )
+
+
+def shape_set(config: Any, image_config: Any, *, row_multiple: int = 1) -> ShapeSet:
+    """The shape set of `config` (`ShapeSet.build` of its `shape_settings`)."""
+    return ShapeSet.build(shape_settings(config), image_config, row_multiple=row_multiple)
+
+
+def learner_shapes(config: Any, learner: Any, image_config: Any) -> ShapeSet:
+    """The learner's shape set for `config`: multi-process jobs use the same global shapes,
+    rows rounded to a multiple of the process count."""
+    n = jax.process_count()
+    multiple = learner.row_multiple * n // math.gcd(learner.row_multiple, n)
+    return shape_set(config, image_config, row_multiple=multiple)
+
+
+def warmup_settings(config: Any) -> warmup.WarmupSettings:
+    """What the warm-up compiles (`rl.warmup`, `rl.entropulse_every`, `rl.strict_shapes`,
+    `env.max_history_images`)."""
+    rl = config.rl
+    return warmup.WarmupSettings(
+        mode=rl.warmup,
+        entropulse=rl.entropulse_every > 0,
+        strict=bool(rl.strict_shapes),
+        max_images=config.env.max_history_images,
+    )
+
+
+def serve_settings(config: Any) -> ServeSettings:
+    """The live policy server's settings (`config.serve`)."""
+    sv = config.serve
+    return ServeSettings(
+        port=int(sv.port), host=sv.host, token=sv.token or None, max_tokens=sv.max_tokens
+    )
 
 
 def build_entropulse(config: Any) -> Entropulse | None:

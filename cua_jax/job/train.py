@@ -13,13 +13,11 @@ never imports `envs`. `run` reads top to bottom, one function a phase, the run's
     -> _close -> _finish
 
 Where the ConfigDict goes: this module, `cua_jax.job.builders` (mesh, model, checkpointer,
-learner, engine, rollout settings and source, the phases' settings, the SDPO distiller,
-Entropulse), the start-up checks (`config_checks`, `rl.levers.check_levers`,
-`builders.check_mid`) and
-`redact.write_run_config`. Below them it reaches only the edges that read their own sections:
-`warmup.begin` (through `rl.shapes.ShapeSet.from_config`, which `cua_jax.plan` calls too),
-`rl.levers` and `evaluation.live.serve_live_policy`. Past those edges every library object
-gets typed arguments.
+learner, engine, rollout settings and source, the phases', warm-up's, shape set's, levers' and
+live server's settings, the SDPO distiller, Entropulse, the lever and mid-training rules), the
+start-up checks (`cua_jax.config.checks`) and `redact.write_run_config`. Every library object
+below them gets typed arguments (`cua_jax.plan`, a job of its own, reads the config too and
+builds its shape set with the same builder).
 
 A systematic rollout failure stops the run with `cua_jax.rl.sources.RolloutError`, a NaN or
 infinite loss or gradient norm with `cua_jax.rl.learner.NonFiniteError`; `launch/tpu.py` turns
@@ -54,7 +52,6 @@ from cua_jax.job.resume import process_meta, resume_source, save_checkpoint
 from cua_jax.job.sft import mid_training, sft_warmup
 from cua_jax.job.state import RunState
 from cua_jax.job.steps import job_metrics
-from cua_jax.rl.levers import check_levers, source_levers, use_advantage_estimator
 from cua_jax.rl.rollout import AgentLoop
 from cua_jax.viz import plot_run_curves
 
@@ -68,7 +65,7 @@ def main(
 ) -> dict[str, float]:
     """Runs the job described by `config` in `workdir`; returns the last eval metrics."""
     validate_config(config)
-    check_levers(config)
+    builders.check_levers(config)
     builders.check_mid(config)
     tasks = load_tasks([dict(t) for t in config.tasks])
     eval_tasks = load_tasks([dict(t) for t in config.eval_tasks])
@@ -94,14 +91,14 @@ async def run(
         r.source = builders.build_rollout_source_share(
             config, r.agent, pool, tasks, r.learner.version
         )
-        r.source.use_levers(**source_levers(config, workdir))
+        r.source.use_levers(**builders.source_levers(config, workdir))
         if r.meta is not None:
             r.source.load_state_dict(process_meta(r.meta))
         status, server = "finished", None
         try:
             # the live policy server (config.serve.port): the rollouts' own Engine
             server = await serve_live_policy(
-                config,
+                builders.serve_settings(config),
                 workdir,
                 r.engine,
                 r.processor,
@@ -150,7 +147,7 @@ def _setup(
     run_mid = resume_from is None and config.mid.steps > 0
     run_sft = resume_from is None and (config.sft.steps > 0 or run_mid)
     learner = builders.build_learner(model, config, mesh, rules, sft=run_sft)
-    use_advantage_estimator(learner, config)
+    builders.use_advantage_estimator(learner, config)
     del model
     # The trajectory database (tools/monitor.py shows it): never slows or fails the run.
     db = db_lib.open_run(
@@ -231,10 +228,10 @@ def _start_sampler(r: RunState) -> None:
     )
     r.distiller = builders.build_distiller(config, r.processor.chat)  # None unless SDPO
     r.warm = warmup.begin(
-        config,
+        builders.warmup_settings(config),
         learner,
         r.engine,
-        r.processor.image_config,
+        builders.learner_shapes(config, learner, r.processor.image_config),
         sft_phase=r.run_sft,
         distiller=r.distiller,
     )
@@ -298,13 +295,13 @@ def _start_rl_learner(r: RunState) -> None:
     policy = r.learner.model
     r.learner = None  # its optimizer state goes before the RL learner makes its own
     r.learner = builders.build_learner(policy, config, r.mesh, r.rules, sft=False)
-    use_advantage_estimator(r.learner, config)
+    builders.use_advantage_estimator(r.learner, config)
     if r.step < config.total_steps:  # a run with no GRPO step to take compiles none
         r.warm = warmup.begin(
-            config,
+            builders.warmup_settings(config),
             r.learner,
             r.engine,
-            r.processor.image_config,
+            builders.learner_shapes(config, r.learner, r.processor.image_config),
             sft_phase=False,
             distiller=r.distiller,
         )

@@ -17,7 +17,7 @@ before the first update); after it, a compile of a warmed program is unplanned
 from __future__ import annotations
 
 import concurrent.futures
-import math
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -196,50 +196,58 @@ class Warmup:
         return self._times
 
 
-def shape_set(config: Any, learner: Any, image_config: Any) -> ShapeSet:
-    """The learner's shape set for `config` (`cua_jax.rl.shapes`): multi-process jobs use the
-    same global shapes, rows rounded to a multiple of the process count."""
-    n = jax.process_count()
-    multiple = learner.row_multiple * n // math.gcd(learner.row_multiple, n)
-    return ShapeSet.from_config(config, image_config, row_multiple=multiple)
+@dataclasses.dataclass(frozen=True)
+class WarmupSettings:
+    """What `begin` compiles (`cua_jax.job.builders.warmup_settings` reads them from the
+    config): `mode` one of `WARMUP_CHOICES` (rl.warmup), the SFT step beside the RL step
+    (`entropulse`: rl.entropulse_every > 0), a later compile of a warmed program an error
+    (`strict`: rl.strict_shapes), image prefills of up to `max_images` screens
+    (env.max_history_images)."""
+
+    mode: str = "learner"
+    entropulse: bool = False
+    strict: bool = False
+    max_images: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mode not in WARMUP_CHOICES:
+            raise ValueError(f"config.rl.warmup={self.mode!r} is not one of {WARMUP_CHOICES}")
 
 
 def begin(
-    config: Any,
+    settings: WarmupSettings,
     learner: Any,
     engine: Any | None,
-    image_config: Any,
+    shapes: ShapeSet,
     *,
     sft_phase: bool,
     distiller: Any = None,
 ) -> Warmup:
-    """Gives `learner` the config's shape set (`cua_jax.rl.shapes`), logs it, and starts the
-    warm-up `config.rl.warmup` asks for in a thread: the learner's SFT step (`sft_phase`: the
-    SFT warm-up's learner) or its RL step (and SFT step with Entropulse; with SDPO's
-    `distiller`, its SDPO step and teacher pass instead of the RL step), and with "all" the
-    sampler's bucket set. Multi-process jobs use the same global shapes (rows rounded to a
-    multiple of the process count), each process packing its 1/n share of a shape's rows
-    (`BatchPacker.agreed_shape`), compiled before returning rather than in a thread."""
-    rl = config.rl
-    if rl.warmup not in WARMUP_CHOICES:
-        raise ValueError(f"config.rl.warmup={rl.warmup!r} is not one of {WARMUP_CHOICES}")
+    """Gives `learner` its shape set `shapes` (`cua_jax.job.builders.learner_shapes`), logs
+    it, and starts the warm-up `settings.mode` asks for in a thread: the learner's SFT step
+    (`sft_phase`: the SFT warm-up's learner) or its RL step (and SFT step with Entropulse;
+    with SDPO's `distiller`, its SDPO step and teacher pass instead of the RL step), and with
+    "all" the sampler's bucket set. Multi-process jobs use the same global shapes (rows
+    rounded to a multiple of the process count), each process packing its 1/n share of a
+    shape's rows (`BatchPacker.agreed_shape`), compiled before returning rather than in a
+    thread."""
     n = jax.process_count()
-    learner.shapes = shape_set(config, learner, image_config)
+    learner.shapes = shapes
     logging.info("%s", learner.shapes.describe())
     if engine is not None:
         logging.info("%s", sampler_buckets(engine))
-    if rl.warmup == "none":
+    if settings.mode == "none":
         return Warmup(lambda stop: {}, (), False, overlap=True)
-    modes = ("sft",) if sft_phase else ("rl", "sft") if rl.entropulse_every > 0 else ("rl",)
+    modes = ("sft",) if sft_phase else ("rl", "sft") if settings.entropulse else ("rl",)
     sdpo_warm = distiller is not None and not sft_phase
     if sdpo_warm:  # every update is an SDPO step: the plain RL step never runs
         modes = tuple(m for m in modes if m != "rl")
-    sampler = engine if rl.warmup == "all" else None
+    sampler = engine if settings.mode == "all" else None
     names = dict.fromkeys(name for m in modes for name in learner.program_names(m))
     watched = tuple(names) + (SAMPLER_PROGRAMS if sampler else ())
     if sdpo_warm:
         watched += (*learner.program_names(distiller.step_mode), sdpo.TEACHER_PROGRAM)
-    screens = config.env.max_history_images
+    screens = settings.max_images
 
     def run(stop: threading.Event | None = None) -> dict[str, float]:
         times = warm_up(
@@ -249,7 +257,7 @@ def begin(
             times.update(distiller.warmup(learner, stop))
         return times
 
-    strict = bool(rl.strict_shapes)
+    strict = settings.strict
     if n > 1:
         # Multi-process: placing the blank batches' images on the job's replicated sharding is
         # a collective, which must not interleave with the main thread's (gloo would pair the

@@ -20,11 +20,11 @@ from jax.sharding import PartitionSpec as P
 
 from cua_jax import sharding as shd
 from cua_jax.data.processor import QwenVLProcessor
+from cua_jax.job import builders
 from cua_jax.job.builders import build_learner
 from cua_jax.models import qwen_vl
 from cua_jax.plan.hardware import GiB, PlanInputError
 from cua_jax.plan.report import ProgramPlan, with_shardings
-from cua_jax.rl.shapes import ShapeSet
 from cua_jax.sampler.steps import ModelDef
 
 
@@ -212,7 +212,7 @@ def trainer_rl_shapes(config: Any, learner: Any) -> Any:
         max_pixels=env.viewport_width * env.viewport_height,
         min_pixels=32 * 32,
     ).image_config
-    return ShapeSet.from_config(config, ic, row_multiple=learner.row_multiple)
+    return builders.shape_set(config, ic, row_multiple=learner.row_multiple)
 
 
 # What a drawn RL batch's episodes look like (`drawn_rl_batch`): the system prompt and task,

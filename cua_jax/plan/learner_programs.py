@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cua_jax import sharding as shd
+from cua_jax.job import builders
 from cua_jax.models import qwen_vl
 from cua_jax.models.qwen_vl.text import splash_tile
 from cua_jax.plan.abstract import (
@@ -605,7 +606,7 @@ def plan_sdpo(
 
     unit = cfg.vision.patch_size * cfg.vision.spatial_merge_size
     screen = -(-config.env.viewport_height // unit) * -(-config.env.viewport_width // unit)
-    t_len = teacher_row_length(config, screen, row_len)
+    t_len = teacher_row_length(builders.shape_settings(config), screen, row_len)
     t_xs = _step_inputs(learner, rows, t_len)
     teacher = ProgramPlan(
         "sdpo_teacher",

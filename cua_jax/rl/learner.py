@@ -395,7 +395,7 @@ class Learner:
         of that shape runs the compiled program. Returns {program and shape: seconds}. A set
         `stop` ends it before the next program (`compile_each`)."""
         if self.shapes is None:
-            raise ValueError("warmup needs a shape set: learner.shapes = ShapeSet.from_config(...)")
+            raise ValueError("warmup needs a shape set: learner.shapes = ShapeSet.build(...)")
         name = self.program_names(mode)[0]
         times = compile_each(
             self.shapes.of(mode), name, lambda s: self.lower_step(self.blank_batch(s), mode), stop

@@ -24,6 +24,7 @@ import numpy as np
 
 from cua_jax import actions as A
 from cua_jax.env_api import Task
+from cua_jax.sampler import SamplingParams
 
 Detour = A.Action | Callable[[int, int], A.Action]
 """A recovery demonstration's scripted first action: an action in screen pixels, or a callable
@@ -107,7 +108,6 @@ class SamplerPolicy:
         banned_token_ids: Sequence[int] = (),
         greedy: bool = False,
     ):
-        from cua_jax.sampler import SamplingParams
 
         self.engine = engine
         self.session = session

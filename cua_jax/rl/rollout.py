@@ -43,6 +43,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from cua_jax import actions as A
+from cua_jax.data.image import smart_resize
 from cua_jax.env_api import (
     INFO_ERROR,
     INFO_INVALID_ACTION,
@@ -353,7 +354,6 @@ class AgentLoop:
 
     def space_for(self, screenshot: np.ndarray) -> A.CoordinateSpace:
         """The model<->screen coordinate mapping for this screenshot (one place: actions.py)."""
-        from cua_jax.data.image import smart_resize
 
         h, w = screenshot.shape[:2]
         cfg = self.processor.image_config

@@ -583,7 +583,7 @@ class SelfDistiller:
         shape: seconds}. A set `stop` ends it before the next program."""
 
         if learner.shapes is None:
-            raise ValueError("warmup needs a shape set: learner.shapes = ShapeSet.from_config(...)")
+            raise ValueError("warmup needs a shape set: learner.shapes = ShapeSet.build(...)")
         if self._jit_owner is not learner:
             self._jit, self._jit_owner = {}, learner
         vocab = learner.config.text.vocab_size

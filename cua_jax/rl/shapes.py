@@ -2,11 +2,13 @@
 length, patches) shapes decided from the config before the first step, so the train step
 compiles once per shape at start-up and never again (BENCHMARKS.md "Compile once").
 
-    shapes = ShapeSet.from_config(config, image_config, row_multiple=learner.row_multiple)
+    shapes = ShapeSet.build(settings, image_config, row_multiple=learner.row_multiple)
     print(shapes.describe())
     shape = shapes.pick("rl", samples)         # the smallest shape that holds them, or None
 
-A shape is (rows R, row length L, patch budget P). RL batches use R = `rl.learner_rows` (0: one
+`settings` is a `ShapeSettings`, the config's fields this module needs (`cua_jax.job.builders
+.shape_settings` reads them from the run's config). A shape is (rows R, row length L, patch
+budget P). RL batches use R = `rl.learner_rows` (0: one
 row per episode of a step, group_size x groups_per_batch, rounded up to the learner's row
 multiple; when the history window drops screens, env.max_history_images < env.max_turns, an
 episode's turns are separate samples, so R x env.max_turns rows as well), SFT batches R =
@@ -39,7 +41,6 @@ from typing import Any, Literal
 
 import numpy as np
 
-from cua_jax.config.checks import feedback_kinds
 from cua_jax.data.image import smart_resize
 from cua_jax.rl.trajectory import Sample
 
@@ -86,30 +87,46 @@ def first_fit_rows(lengths: Sequence[int], row_len: int) -> int:
     return len(free)
 
 
+@dataclasses.dataclass(frozen=True)
+class ShapeSettings:
+    """What the shape set is decided from: the run's `rl`, `env`, `sft` and `model` fields
+    (`cua_jax.job.builders.shape_settings`). Field names say the config key each comes from."""
+
+    row_lengths: tuple[int, ...]  # rl.row_lengths
+    episodes: int  # rl.group_size x rl.groups_per_batch: a step's episodes
+    sft_rows: int  # rl.rows_per_step
+    viewport: tuple[int, int]  # env.viewport_width, env.viewport_height
+    max_turns: int  # env.max_turns
+    max_history_images: int  # env.max_history_images
+    learner_rows: int = 0  # rl.learner_rows (0: one row an episode)
+    images_per_row: int = 0  # rl.images_per_row (0: as many as a row holds)
+    tokens_per_chip: int = 0  # rl.tokens_per_chip (> 0: a token-budget set)
+    screens_per_chip: int = 0  # rl.screens_per_chip
+    strict: bool = False  # rl.strict_shapes
+    sdpo: bool = False  # rl.algorithm == "sdpo"
+    feedback_kinds: frozenset[str] = frozenset()  # of rl.sdpo_feedback
+    max_tokens: int = 0  # rl.max_tokens: an action call's tokens at most
+    sft_feedback: bool = False  # sft.feedback_share > 0
+    row_unit: int = 128  # rows round up to this (the splash kernel's block with attn_impl=splash)
+
+
 # Tokens SDPO's feedback message takes besides its screenshot and a peer's tool calls: the chat
 # template's turn, the header and footer, and the checker's message (a click report and a note:
 # about 60-120 tokens on the built-in pages)
 FEEDBACK_TEXT_TOKENS = 192
 
 
-def teacher_row_length(config: Any, image_tokens: int, longest: int | None = None) -> int:
+def teacher_row_length(s: ShapeSettings, image_tokens: int, longest: int | None = None) -> int:
     """The row length that holds the longest RL row's sample (`longest`, default the longest
     of `rl.row_lengths`) with SDPO's feedback message before it (its screenshot, a peer's tool
-    calls and `FEEDBACK_TEXT_TOKENS` of text), rounded up to a multiple of 128 (of the splash
-    kernel's block with model.attn_impl='splash')."""
-    rl, env = config.rl, config.env
-    kinds = feedback_kinds(rl.sdpo_feedback)
+    calls and `FEEDBACK_TEXT_TOKENS` of text), rounded up to a multiple of `s.row_unit`."""
     extra = FEEDBACK_TEXT_TOKENS
-    if "final_screenshot" in kinds:
+    if "final_screenshot" in s.feedback_kinds:
         extra += image_tokens + 2  # <|vision_start|> ... <|vision_end|>
-    if "peer_success" in kinds:
-        extra += env.max_turns * (rl.max_tokens + 8)  # "N. " and a newline a call
-    unit = 128
-    model = config.get("model")
-    if model is not None and model.get("attn_impl", "") == "splash":
-        unit = max(unit, model.get("attn_block", 0) or 512)
-    longest = max(rl.row_lengths) if longest is None else longest
-    return -(-(longest + extra) // unit) * unit
+    if "peer_success" in s.feedback_kinds:
+        extra += s.max_turns * (s.max_tokens + 8)  # "N. " and a newline a call
+    longest = max(s.row_lengths) if longest is None else longest
+    return -(-(longest + extra) // s.row_unit) * s.row_unit
 
 
 def sample_patches(s: Sample) -> int:
@@ -132,13 +149,13 @@ class ShapeSet:
     tokens_per_chip: int = 0
 
     @staticmethod
-    def from_config(config: Any, image_config: Any, *, row_multiple: int = 1) -> ShapeSet:
-        rl, env = config.rl, config.env
-        grid = screen_grid(env.viewport_width, env.viewport_height, image_config)
+    def build(s: ShapeSettings, image_config: Any, *, row_multiple: int = 1) -> ShapeSet:
+        """The shape set of `s` for screens resized by `image_config`, rows rounded up to
+        `row_multiple` (the learner's micro-batches x batch-parallel devices)."""
+        grid = screen_grid(*s.viewport, image_config)
         unit = grid[0] * grid[1] * grid[2]
         image_tokens = unit // image_config.merge_size**2
-        rl_rows = rl.learner_rows or rl.group_size * rl.groups_per_batch
-        sft_rows = rl.rows_per_step
+        rl_rows = s.learner_rows or s.episodes
 
         def up(n: int) -> int:
             return -(-n // row_multiple) * row_multiple
@@ -147,47 +164,44 @@ class ShapeSet:
             rows: int, most_screens: int = 0, extra: int = 0, lengths: Sequence[int] = ()
         ) -> tuple[Shape, ...]:
             out = []
-            for length in sorted(lengths or rl.row_lengths):
-                per_row = rl.images_per_row or min(
-                    length // image_tokens, env.max_turns * env.max_history_images + extra
+            for length in sorted(lengths or s.row_lengths):
+                per_row = s.images_per_row or min(
+                    length // image_tokens, s.max_turns * s.max_history_images + extra
                 )
                 screens = up(rows) * per_row
-                if most_screens and not rl.images_per_row:
+                if most_screens and not s.images_per_row:
                     screens = min(screens, most_screens)
                 out.append(Shape(up(rows), length, screens * unit))
             return tuple(out)
 
-        if rl.get("tokens_per_chip", 0) > 0:
-            return ShapeSet._budget(config, grid, image_tokens, row_multiple)
+        if s.tokens_per_chip > 0:
+            return ShapeSet._budget(s, grid, image_tokens, row_multiple)
         rl_shapes = shapes(rl_rows)
         # SDPO's teacher batches: the failed samples of a step with their feedback, i.e. the
         # RL rows with one more screen a sample (the screen after the last action)
-        sdpo = rl.get("algorithm", "grpo") == "sdpo"
-        final_screen = sdpo and "final_screenshot" in feedback_kinds(rl.sdpo_feedback)
+        final_screen = s.sdpo and "final_screenshot" in s.feedback_kinds
         # ... and one row length more: the longest RL row with the feedback message before it
-        t_lengths = (*rl.row_lengths, teacher_row_length(config, image_tokens)) if sdpo else ()
-        teacher = shapes(rl_rows, extra=int(final_screen), lengths=t_lengths) if sdpo else ()
-        if not rl.learner_rows and env.max_history_images < env.max_turns:
+        t_lengths = (*s.row_lengths, teacher_row_length(s, image_tokens)) if s.sdpo else ()
+        teacher = shapes(rl_rows, extra=int(final_screen), lengths=t_lengths) if s.sdpo else ()
+        if not s.learner_rows and s.max_history_images < s.max_turns:
             # The history window drops screens, so an episode's turns are separate samples
             # (up to max_turns of them): a second row count gives each its own row at worst;
             # a step still holds at most max_turns x max_history_images screens an episode,
             # so the patch budget (blank screens through the vision tower) stays that
-            episodes = rl.group_size * rl.groups_per_batch
-            most = episodes * env.max_turns * env.max_history_images
-            rl_shapes += shapes(rl_rows * env.max_turns, most)
-            if sdpo:
-                most_fb = episodes * env.max_turns * (env.max_history_images + final_screen)
+            most = s.episodes * s.max_turns * s.max_history_images
+            rl_shapes += shapes(rl_rows * s.max_turns, most)
+            if s.sdpo:
+                most_fb = s.episodes * s.max_turns * (s.max_history_images + final_screen)
                 teacher += shapes(
-                    rl_rows * env.max_turns, most_fb, extra=int(final_screen), lengths=t_lengths
+                    rl_rows * s.max_turns, most_fb, extra=int(final_screen), lengths=t_lengths
                 )
         # feedback demonstrations (sft.feedback_share) carry the final screenshot too
-        sft_extra = int(final_screen and config.sft.get("feedback_share", 0.0) > 0)
-        sft_shapes = shapes(sft_rows, extra=sft_extra)
-        return ShapeSet(rl_shapes, sft_shapes, grid, bool(rl.strict_shapes), teacher)
+        sft_shapes = shapes(s.sft_rows, extra=int(final_screen and s.sft_feedback))
+        return ShapeSet(rl_shapes, sft_shapes, grid, s.strict, teacher)
 
     @staticmethod
     def _budget(
-        config: Any, grid: tuple[int, int, int], image_tokens: int, row_multiple: int
+        s: ShapeSettings, grid: tuple[int, int, int], image_tokens: int, row_multiple: int
     ) -> ShapeSet:
         """The token-budget set (`rl.tokens_per_chip` = T > 0): for each row length L of
         `rl.row_lengths`, a chunk of max(1, T // L) rows per (micro-batch, device) group, i.e.
@@ -197,24 +211,23 @@ class ShapeSet:
         chunks of its shape as its samples need (`chunks_for`): memory is one chunk's whatever
         `env.max_turns` and `env.max_history_images` are. SFT and SDPO teacher batches take
         the same shapes (the teacher's rows longer by its feedback message)."""
-        rl = config.rl
-        T = int(rl.tokens_per_chip)
+        T = s.tokens_per_chip
         unit = grid[0] * grid[1] * grid[2]
 
         def shapes(lengths: Sequence[int]) -> tuple[Shape, ...]:
             out = []
             for length in sorted(set(lengths)):
-                per_group = max(int(rl.get("screens_per_chip", 0)) or T // image_tokens, 0)
+                per_group = max(s.screens_per_chip or T // image_tokens, 0)
                 per_group = max(per_group, length // image_tokens)
                 rows = max(1, T // length) * row_multiple
                 out.append(Shape(rows, length, per_group * row_multiple * unit, per_group))
             return tuple(out)
 
-        rl_shapes = shapes(rl.row_lengths)
+        rl_shapes = shapes(s.row_lengths)
         teacher: tuple[Shape, ...] = ()
-        if rl.get("algorithm", "grpo") == "sdpo":
-            teacher = shapes((*rl.row_lengths, teacher_row_length(config, image_tokens)))
-        return ShapeSet(rl_shapes, rl_shapes, grid, bool(rl.strict_shapes), teacher, T)
+        if s.sdpo:
+            teacher = shapes((*s.row_lengths, teacher_row_length(s, image_tokens)))
+        return ShapeSet(rl_shapes, rl_shapes, grid, s.strict, teacher, T)
 
     @property
     def budgeted(self) -> bool:

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from cua_jax.data.positions import get_rope_index
 from cua_jax.env_api import CheckerReport
 
 # (input_ids i32[T], image_grid_thw i32[I, 3] | None) -> M-RoPE position ids i32[3, T]
@@ -187,7 +188,6 @@ def text_position_ids(
 
 def rope_position_fn(config: Any) -> PositionFn:
     """A `PositionFn` backed by the model's `get_rope_index` (cua_jax/models/qwen_vl/rope.py)."""
-    from cua_jax.models.qwen_vl.rope import get_rope_index  # the model package; lazily
 
     def fn(input_ids: np.ndarray, image_grid_thw: np.ndarray | None) -> np.ndarray:
         ids = np.asarray(input_ids, np.int32)[None]

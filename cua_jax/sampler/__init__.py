@@ -7,8 +7,8 @@ out = await engine.generate(prompt_ids, pixel_values, image_grid_thw,
 
 Modules: `scheduler` (host-side slots, sessions, admission, preemption; no JAX), `steps` (the
 jitted prefill / decode programs), `engine` (the async Engine tying them together), `page_table`,
-`kv_cache`, `sampling`, `kernels`. Names are imported lazily, so `cua_jax.sampler.scheduler` and
-`cua_jax.sampler.page_table` load without JAX.
+`kv_cache`, `params` (`SamplingParams`), `sampling`, `kernels`. Names are imported lazily, so
+`cua_jax.sampler.scheduler`, `page_table` and `params` load without JAX.
 """
 
 import importlib
@@ -19,7 +19,7 @@ _EXPORTS = {
     "OutOfPagesError": "cua_jax.sampler.page_table",
     "PageAllocator": "cua_jax.sampler.page_table",
     "PageTable": "cua_jax.sampler.kv_cache",
-    "SamplingParams": "cua_jax.sampler.sampling",
+    "SamplingParams": "cua_jax.sampler.params",
     "SlotSampling": "cua_jax.sampler.sampling",
     "sample_tokens": "cua_jax.sampler.sampling",
 }

@@ -59,7 +59,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from cua_jax import sharding as shd
-from cua_jax.models.qwen_vl.rope import get_rope_index
+from cua_jax.data.positions import get_rope_index
+from cua_jax.models import qwen_vl
 from cua_jax.sampler import kv_cache, placement, steps
 from cua_jax.sampler.kernels.paged_attention import GpuKernelOptions, select_backend
 from cua_jax.sampler.page_table import TRASH_PAGE
@@ -103,7 +104,6 @@ def _moe_model_def(model: nnx.Module, mesh: Mesh | None, rules: shd.Rules) -> st
 
     The blocks' mesh is static module state (part of the graphdef), so it is set on a merged
     copy of the model: the caller's model (the learner's) keeps its own mesh."""
-    from cua_jax.models import qwen_vl  # the model package; lazily (steps imports vision only)
 
     graphdef, params, other = nnx.split(model, nnx.Param, ...)
     copy = nnx.merge(graphdef, params, other)

@@ -2,7 +2,7 @@
 
 Two halves (this module is pure Python and numpy, so the scheduler imports no JAX):
 
-* `PageTable` (defined in `kv_cache.py`, re-exported here) is the immutable device-side view the
+* `kv_cache.PageTable` is the immutable device-side view the
   jitted decode/prefill functions read: one row of page ids per sequence slot plus the number of
   tokens whose K/V are stored. It is a pytree, so it is passed into `jax.jit` like any array
   argument (shapes never change, so no recompiles).
@@ -21,12 +21,7 @@ Letters: S slots, P pages per sequence, L page size (tokens per page).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
-
-if TYPE_CHECKING:
-    from cua_jax.sampler.kv_cache import PageTable
 
 TRASH_PAGE = 0
 
@@ -176,14 +171,6 @@ class PageAllocator:
             out[s, : len(pages)] = pages
         return out
 
-    def snapshot(self) -> PageTable:
-        """The device-side immutable view of the current state."""
-        import jax.numpy as jnp
-
-        from cua_jax.sampler.kv_cache import PageTable
-
-        return PageTable(jnp.asarray(self.table()), jnp.asarray(self.lengths))
-
     def check_invariants(self) -> None:
         """Refcounts equal the number of owners; free pages are exactly those with refcount 0.
 
@@ -203,12 +190,3 @@ class PageAllocator:
         if len(free) != len(self._free) or any(counts[p] for p in free):
             raise AssertionError("free list holds an owned or duplicated page")
         return counts
-
-
-def __getattr__(name: str):
-    # PageTable is a JAX pytree; importing it here lazily keeps this module free of JAX.
-    if name == "PageTable":
-        from cua_jax.sampler.kv_cache import PageTable
-
-        return PageTable
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -44,14 +44,12 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from cua_jax.sampler.page_table import TRASH_PAGE, OutOfPagesError, PageAllocator
-
-if TYPE_CHECKING:
-    from cua_jax.sampler.sampling import SamplingParams
+from cua_jax.sampler.params import SamplingParams
 
 MAX_STOP_IDS = 8
 STAT_NAMES = (

@@ -46,6 +46,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
+from cua_jax.models.qwen_vl import qwen35
 from cua_jax.models.qwen_vl.vision import vision_metadata
 from cua_jax.sampler import kv_cache
 from cua_jax.sampler.kernels.paged_attention import (
@@ -612,7 +613,6 @@ class StepFns:
 def linear_cache_shapes(config: Any, rows: int, dtype: Any = None) -> tuple:
     """ShapeDtypeStructs of a hybrid model's `cache.linear` with `rows` state rows (() for a
     model without linear layers). `dtype`: of the conv states (default: the compute dtype)."""
-    from cua_jax.models.qwen_vl import qwen35  # the model package (steps imports vision only)
 
     if not is_hybrid(config):
         return ()
@@ -717,7 +717,6 @@ def build_step_fns(
 
 def qwen35_state(x: Any) -> Any:
     """A `LinearAttnState` of `x` for both fields."""
-    from cua_jax.models.qwen_vl import qwen35
 
     return qwen35.LinearAttnState(x, x)
 
@@ -728,7 +727,6 @@ def linear_state_sharding(sh: StepShardings, config: Any) -> Any:
     the value heads and conv channels, the recurrent state f32[R, N, H, V] is split by value
     head and the conv window [R, W-1, C] by channel, as the layer's projections split them;
     else replicated, like the other small arrays."""
-    from cua_jax.models.qwen_vl import qwen35
 
     kv = sh.cache
     if isinstance(kv, jax.sharding.NamedSharding) and kv.mesh.shape.get(KV_AXIS, 1) > 1:

@@ -61,6 +61,7 @@ from aiohttp import web
 
 from cua_jax import actions as A
 from cua_jax.env_api import EnvError
+from envs.browser.bench import close_pages, open_pages, screenshot_loop
 from envs.browser.env import BrowserEnv, check_viewport
 from envs.browser.host import BrowserHost
 from envs.browser.remote import (
@@ -293,7 +294,6 @@ class BrowserServer:
         """Opens ``pages`` fresh pages of this host's Chromium for the next
         ``/bench/screenshots`` (at most ``capacity``, on top of the leased envs; pages opened
         before and not looped yet are closed first)."""
-        from envs.browser.bench import close_pages, open_pages  # noqa: PLC0415
 
         data = await json_body(request)
         try:
@@ -313,7 +313,6 @@ class BrowserServer:
         opened: the host's screenshot ceiling, which ``tools/bench_envs.py`` sets beside env
         steps/s. With ``start_at`` (a ``time.time()``) the loop begins then, so that every
         host of a fleet loops at once; the pages are closed after."""
-        from envs.browser.bench import close_pages, screenshot_loop  # noqa: PLC0415
 
         data = await json_body(request)
         try:

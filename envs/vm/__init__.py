@@ -12,8 +12,10 @@ Nothing here is imported by ``cua_jax``.
 
 ``import envs.vm`` registers the task sources "desktop" and "osworld" (and ids ``desktop/<name>``)
 with ``envs.tasks.load_tasks``, and ``envs.vm.make_env_pool`` builds the env pool
-``launch/tpu.py`` uses. Both import the heavy modules lazily: the in-VM server
-(``python -m envs.vm.server``) imports this package and must start fast.
+``launch/tpu.py`` uses. Both import the env modules inside the functions that need them: the
+in-VM server (``python -m envs.vm.server``) imports this package, in a guest image that holds the
+server's own dependencies (pyautogui, python-xlib) and none of the rest (aiohttp's clients, the
+browser stack, JAX), and must start fast.
 
 Tokens: remote endpoints (``env.vm_endpoints``) share one bearer token, ``env.vm_token``, or,
 when that is empty, ``$CUA_VM_TOKEN`` (as ``env.browser_token`` falls back to

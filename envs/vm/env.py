@@ -40,11 +40,13 @@ from absl import logging
 
 from cua_jax.actions import (
     API_ACTION_TYPES,
+    API_TOOLS,
     PYAUTOGUI_KEY_NAMES,
     VM_API,
     Action,
     Answer,
     Click,
+    CoordinateSpace,
     Done,
     Drag,
     Fail,
@@ -56,6 +58,7 @@ from cua_jax.actions import (
     MouseUp,
     Move,
     OpenApp,
+    PyAutoGUI,
     RunShell,
     Scroll,
     SetCell,
@@ -237,7 +240,6 @@ def task_from_osworld(
     task's JSON lists in ``"api_actions"``); the oracle is then the task's ``api_oracle`` when
     it uses only allowed ones, else its GUI oracle. Empty (the default): GUI only.
     """
-    from cua_jax.actions import CoordinateSpace, PyAutoGUI
 
     if api_actions is True:
         api = ot.api_actions
@@ -286,7 +288,6 @@ def task_from_osworld(
 
 
 def _api_of(cls: type) -> str:
-    from cua_jax.actions import API_TOOLS  # noqa: PLC0415
 
     return next(n for n, t in API_TOOLS.items() if t.cls is cls)
 

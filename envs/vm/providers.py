@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from envs.docker.provider import DockerAPI
 from envs.vm.client import VMClient, VMError, VMGoneError
 from envs.vm.limits import DesktopLimits, warn_once
 
@@ -926,8 +927,6 @@ def revert_hook(spec: str, index: int = 0) -> RevertHook | None:
             sock, snap = a.rsplit("@", 1)
             await qemu_monitor(sock, f"loadvm {snap}")
         elif kind == "docker":
-            from envs.docker.provider import DockerAPI  # noqa: PLC0415
-
             async with DockerAPI() as api:
                 await api.restart(a)
         else:

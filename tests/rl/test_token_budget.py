@@ -4,8 +4,9 @@ screens and a KL term, the chunked step gives one device's one-call loss, gradie
 parameters and log-probs; every (micro-batch, device) group of every chunk holds at most its
 screen budget; the warm-up compiles exactly what the steps run."""
 
+import dataclasses
+
 import jax
-import ml_collections
 import numpy as np
 import pytest
 
@@ -13,7 +14,7 @@ from cua_jax import sharding as shd
 from cua_jax.job import compile_stats
 from cua_jax.rl import batching, image_groups, packing
 from cua_jax.rl.learner import APPLY_PROGRAM, Learner, LossConfig, OptimizerConfig
-from cua_jax.rl.shapes import Shape, ShapeSet
+from cua_jax.rl.shapes import Shape, ShapeSet, ShapeSettings
 from tests.rl.test_learner import _model, make_groups
 
 GRID = (1, 4, 4)  # tests.rl.test_learner's screens: 16 patches, 4 merged tokens
@@ -48,15 +49,15 @@ def _close(a, b, rtol=2e-4, atol=2e-6):
 
 
 def test_budget_shapes_follow_the_token_and_screen_budget():
-    c = ml_collections.ConfigDict()
-    c.rl = ml_collections.ConfigDict(
-        dict(
-            tokens_per_chip=8192,
-            screens_per_chip=0,
-            row_lengths=(1024, 4096, 16384),
-            strict_shapes=False,
-            algorithm="grpo",
-        )
+    c = ShapeSettings(
+        row_lengths=(1024, 4096, 16384),
+        episodes=8,
+        sft_rows=8,
+        viewport=(1280, 704),
+        max_turns=1,
+        max_history_images=1,
+        tokens_per_chip=8192,
+        screens_per_chip=0,
     )
     grid = (1, 44, 80)  # 1280 x 704 at 16-pixel patches: 880 merged tokens a screen
     shapes = ShapeSet._budget(c, grid, 880, row_multiple=8)
@@ -69,7 +70,7 @@ def test_budget_shapes_follow_the_token_and_screen_budget():
         (8, 16384, 18),
     ]
     assert shapes.rl[0].patches == 9 * 8 * 44 * 80
-    c.rl.screens_per_chip = 12
+    c = dataclasses.replace(c, screens_per_chip=12)
     assert [s.group_screens for s in ShapeSet._budget(c, grid, 880, 8).rl] == [12, 12, 18]
 
 

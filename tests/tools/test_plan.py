@@ -130,7 +130,7 @@ def test_train_step_screens_plans_the_trainers_largest_shape_with_its_screens(hf
     its group's budget, here both screens (a row could hold them all), so 2 x 16 patches x
     (3 x 2 x 16²) x 2 bytes, by hand."""
     from cua_jax.data.processor import QwenVLProcessor
-    from cua_jax.rl.shapes import ShapeSet
+    from cua_jax.job import builders
 
     c = _config(hf_dir)
     c.rl.group_size, c.rl.groups_per_batch, c.env.max_turns = 2, 1, 1
@@ -141,7 +141,7 @@ def test_train_step_screens_plans_the_trainers_largest_shape_with_its_screens(hf
     assert q.compile_error is None, q.compile_error
     assert q.temp_bytes > 0 and q.flops > 0 and q.total_bytes < p.budget_bytes
     ic = QwenVLProcessor.default("qwen3_vl", max_pixels=64 * 64, min_pixels=32 * 32).image_config
-    shapes = ShapeSet.from_config(c, ic, row_multiple=2)  # fsdp=2 splits the rows
+    shapes = builders.shape_set(c, ic, row_multiple=2)  # fsdp=2 splits the rows
     largest = max(shapes.rl, key=lambda sh: sh.rows * sh.length)
     assert largest.rows == 2 and largest.patches == 2 * 16  # a screen each, 4 x 4 patches
     assert f"{largest.rows} rows x {largest.length} tokens and 2 screens" in q.notes[0]

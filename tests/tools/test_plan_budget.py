@@ -39,6 +39,7 @@ def test_sdpo_plans_its_step_and_teacher_pass_for_tpu(hf_dir):
     compile for v5e-4 beside the GRPO step; the top-k targets are in the SDPO step's
     arguments (by hand: rows x length x k x (4 + 4) bytes, rows split over fsdp), and the EMA
     teacher's params are resident."""
+    from cua_jax.job.builders import shape_settings
     from cua_jax.rl.shapes import teacher_row_length
 
     c = _config(hf_dir)
@@ -56,7 +57,7 @@ def test_sdpo_plans_its_step_and_teacher_pass_for_tpu(hf_dir):
     assert step.resident["EMA teacher params (resident)"] == train.arguments["params (trainable)"]
     unit = 16 * 2  # patch 16, merge 2: 32-pixel screen units
     screen = -(-c.env.viewport_height // unit) * -(-c.env.viewport_width // unit)
-    t_len = teacher_row_length(c, screen, ROW_LEN)
+    t_len = teacher_row_length(shape_settings(c), screen, ROW_LEN)
     assert ROW_LEN < t_len < max(c.rl.row_lengths) and f"x {t_len} tokens" in teacher.notes[0]
     assert "## sdpo_teacher" in plan_lib.format_plan(p)
     # the teacher pass runs its decoder over the learner's micro-batches, as the step does:

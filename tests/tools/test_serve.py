@@ -461,8 +461,10 @@ def test_a_client_that_leaves_stops_its_generation(engine, proc, caplog):
 def _serve_config(**kw):
     from ml_collections import ConfigDict
 
-    return ConfigDict(
-        {"serve": {"port": 0, "host": "127.0.0.1", "token": "", "max_tokens": 4, **kw}}
+    from cua_jax.job.builders import serve_settings
+
+    return serve_settings(
+        ConfigDict({"serve": {"port": 0, "host": "127.0.0.1", "token": "", "max_tokens": 4, **kw}})
     )
 
 

@@ -31,6 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from cua_jax.models.qwen_vl.config import GATED_DELTA_IMPLS
+from cua_jax.models.qwen_vl.gated_delta import kernel
 from cua_jax.models.qwen_vl.gated_delta import reference as gdr
 from cua_jax.models.qwen_vl.text import Linear, jdtype, param
 
@@ -130,7 +131,6 @@ def make_chunk_rule(
             "use 'reference' or 'auto'"
         )
     # Pallas loads only when the kernel is asked for (the reference path never imports it).
-    from cua_jax.models.qwen_vl.gated_delta import kernel
 
     def rule(q, k, v, g, beta, *, initial_state=None, segment_ids=None, chunk_size=gdr.CHUNK):
         B, T, M, H = q.shape

@@ -113,7 +113,6 @@ class QwenVL(nnx.Module):
     def use_mesh(self, mesh: Mesh | None, rules: tuple | None = None) -> None:
         """The mesh and rules the model's parameters live on (set by `sharding.shard_model`):
         `attn_impl="splash"` runs its Pallas kernel under shard_map on it."""
-        from cua_jax import sharding as shd
 
         self.attn_mesh = mesh
         self.attn_rules = tuple(shd.DEFAULT_RULES if rules is None else rules)
