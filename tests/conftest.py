@@ -40,6 +40,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 SLOW_FIRST = (
     "tests/envs/vm/test_vm_train_smoke.py",
     "tests/test_train_smoke.py",
+    "tests/test_qwen35_smoke.py",
     "tests/tools/test_plan.py",
     "tests/multihost/test_global_batch.py",
     "tests/rl/test_token_budget.py",
@@ -51,7 +52,6 @@ SLOW_FIRST = (
     "tests/test_train_forced_mesh.py",
     "tests/launch/test_launch_flags.py",
     "tests/envs/test_ray_fleet.py",
-    "tests/test_qwen35_smoke.py",
     "tests/rl/test_sdpo.py",
     "tests/envs/vm/test_vm_tasks.py",
     "tests/envs/browser/test_suite.py",

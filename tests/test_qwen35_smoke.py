@@ -5,11 +5,10 @@ to an SFT step and a GRPO step of two episodes, one turn each, so the test is ab
 whole job runs for this family (the full-length smoke is the preset itself). Zero-variance
 groups are kept (advantage 0), so the GRPO step runs its update whatever the rewards.
 
-The MoE run repeats the dense one with the sparse blocks (~4 min of CPU at load 10); it runs
-when CUA_LONG_TESTS=1 (BENCHMARKS lists the run)."""
+The MoE run repeats the dense one with the sparse blocks (8 experts top-2 and the gated shared
+expert), both in the default suite."""
 
 import math
-import os
 
 import pytest
 
@@ -39,8 +38,6 @@ SHORT = [
 
 @pytest.mark.parametrize("preset", ["smoke", "smoke_moe"])
 def test_qwen35_smoke_trains(preset, tmp_path):
-    if preset == "smoke_moe" and os.environ.get("CUA_LONG_TESTS") != "1":
-        pytest.skip("the MoE repeat of the dense smoke: set CUA_LONG_TESTS=1")
     run_main_job([f"--config=configs/qwen35_grpo.py:{preset}", *SHORT], str(tmp_path))
     rows = metrics_rows(str(tmp_path))
     sft = [r for r in rows if r.get("phase_sft") == 1.0]

@@ -221,6 +221,10 @@ def _text_only(state: Any) -> list[Any]:
 
 
 # ------------------------------------------------------------------------------- KV pool sizing
+# A learner program's resident entry for the sampler's cache (KV pool and linear states)
+SAMPLER_CACHE = "KV pool (sampler, resident)"
+
+
 def size_kv_pool(
     cfg: qwen_vl.QwenVLConfig,
     sc: Any,
@@ -231,17 +235,19 @@ def size_kv_pool(
     state_bytes: int = 0,
 ) -> tuple[int, int, str]:
     """(pages, bytes a device, a note) of the KV pool sized from memory: `frac` of the chip's
-    HBM less the largest planned program's peak (planned with no pool) and a hybrid model's
-    linear states (`state_bytes` a device, as `builders.kv_pages` takes them), in whole pages of
-    `kv_pool_bytes_per_device`; each program's resident sampler cache is set to pool + states."""
-    peak = max((p.total_bytes for p in programs), default=0)
+    HBM less the largest planned program's peak without the sampler's cache resident beside it
+    (as the run measures its learner before the engine exists) and a hybrid model's linear
+    states (`state_bytes` a device, as `builders.kv_pages` takes them), in whole pages of
+    `kv_pool_bytes_per_device`; each program's resident sampler cache is set to pool + states.
+    (The learner's programs are planned with the states resident: counted once, not twice.)"""
+    peak = max((p.total_bytes - p.resident.get(SAMPLER_CACHE, 0) for p in programs), default=0)
     pages = kv_pages_for_budget(
         cfg, max(0, int(hbm * frac) - peak - state_bytes), sc.page_size, cfg.dtype, tensor
     )
     kv = kv_pool_bytes_per_device(cfg, pages, sc.page_size, cfg.dtype, tensor)
     for p in programs:
-        if "KV pool (sampler, resident)" in p.resident:
-            p.resident["KV pool (sampler, resident)"] = kv + state_bytes
+        if SAMPLER_CACHE in p.resident:
+            p.resident[SAMPLER_CACHE] = kv + state_bytes
     note = (
         f"{pages} pages: {frac:.0%} of {hbm / GiB:.0f} GiB less the largest learner program's "
         f"{peak / GiB:.2f} GiB"

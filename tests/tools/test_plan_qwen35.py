@@ -81,6 +81,27 @@ def test_kv_pool_from_memory_leaves_the_linear_states_their_room():
     assert "linear states" in note
 
 
+def test_a_program_planned_with_the_states_resident_counts_them_once():
+    """The learner's programs are planned with the sampler's cache (the linear states) resident;
+    the pool is sized from their peak without it, so the states come out of the budget once:
+    the same pages as a program planned with nothing resident (the 35B-A3B plan lost 7.68 GiB
+    a device to the double count)."""
+    cfg = model_config(_config())
+    sc = _config().sampler
+    chip = plan_lib.CHIPS["v5e"]
+    states = _state_bytes_by_hand(tensor=2)
+    bare = plan_lib.ProgramPlan(
+        "rl_grads", chip, {"params": 3 << 30}, {"KV pool (sampler, resident)": 0}
+    )
+    with_states = plan_lib.ProgramPlan(
+        "rl_grads", chip, {"params": 3 << 30}, {"KV pool (sampler, resident)": states}
+    )
+    a = plan_lib.size_kv_pool(cfg, sc, 2, 16 << 30, 0.5, [bare], states)
+    b = plan_lib.size_kv_pool(cfg, sc, 2, 16 << 30, 0.5, [with_states], states)
+    assert a[:2] == b[:2] and a[0] > 0
+    assert with_states.total_bytes == (3 << 30) + a[1] + states  # resident: the pool + states
+
+
 def test_the_linear_state_bytes_the_run_and_the_plan_share():
     """`steps.linear_state_bytes_per_device` (what `builders.kv_pages` and the plan take out of
     the KV budget): the hand figure split over tensor=2, whole on one device, 0 for Qwen3-VL."""
