@@ -32,7 +32,7 @@ from configs.qwen3vl_grpo import get_config
 from cua_jax.job import builders
 from cua_jax.rl.trajectory import Sample
 from cua_jax.sampler import SamplingParams
-from launch.tpu import maybe_initialize_distributed
+from launch.process import maybe_initialize_distributed
 from tools import bench_setup
 from tools.bench_setup import ROOT
 

@@ -24,7 +24,7 @@ import sys
 
 import numpy as np
 
-from launch.tpu import maybe_initialize_distributed
+from launch.process import maybe_initialize_distributed
 
 
 def samples(cfg, n=8, seed=0):

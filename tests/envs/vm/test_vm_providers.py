@@ -224,7 +224,7 @@ def test_make_env_pool_local_and_remote_endpoints(xserver, aio, monkeypatch):
 
 _SIGTERMED_JOB = """
 import asyncio, sys
-from launch.tpu import stop_cleanly_on_sigterm
+from launch.process import stop_cleanly_on_sigterm
 from envs.vm.providers import LocalDesktop
 
 async def job():
