@@ -2,12 +2,14 @@
 
     python tools/code_stats.py                      # cua_jax/ tools/ launch/ envs/
     python tools/code_stats.py cua_jax tools --json
+    python tools/code_stats.py --cycles             # module-level import cycles, whole repo
 
 Per folder: lines, functions over 60 lines (and per 1k lines), the largest module and class,
 function-local project imports (an ``import`` inside a function body that names one of this
 repo's packages; per 1k lines) and the formatter's skip markers (``FMT_SKIP``). Lines are
-physical lines of the ``.py`` files, as ``wc -l`` counts them. Only the standard library's
-``ast`` is used.
+physical lines of the ``.py`` files, as ``wc -l`` counts them. ``--cycles`` lists the import
+cycles between modules (module-level imports only: the ones that run when a module loads).
+Only the standard library's ``ast`` is used.
 """
 
 from __future__ import annotations
@@ -95,13 +97,91 @@ def folder_stats(folder: pathlib.Path) -> dict:
     }
 
 
+def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _top_level_imports(tree: ast.Module, modules: set[str] | dict) -> list[str]:
+    """Modules named by the imports that run when the module loads (not inside a def or class;
+    inside an `if` or `try` they count): `from p import m` names the module p.m when there is
+    one, else p (a package's `__init__` running first is not counted as an edge to it)."""
+    names: list[str] = []
+    stack: list[ast.AST] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            continue
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            subs = [f"{node.module}.{a.name}" for a in node.names]
+            names += [m for m in subs if m in modules]
+            if any(m not in modules for m in subs):
+                names.append(node.module)
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+    return names
+
+
+def import_cycles(root: pathlib.Path = ROOT) -> list[list[str]]:
+    """The import cycles between the project's modules under `root` (strongly connected
+    components of more than one module in the graph of module-level imports), each sorted."""
+    mods = {}
+    for pkg in PROJECT_PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            mods[_module_name(path, root)] = path
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for name, path in mods.items():
+        for target in _top_level_imports(ast.parse(path.read_text(), filename=str(path)), mods):
+            if target in mods and target != name:
+                graph[name].add(target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print the figures of each folder named (default: the four source folders)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="*", default=["cua_jax", "tools", "launch", "envs"])
     parser.add_argument("--json", action="store_true", help="one JSON object, folder -> figures")
     parser.add_argument("--long", action="store_true", help="list the functions over 60 lines")
+    parser.add_argument(
+        "--cycles", action="store_true", help="list the module-level import cycles (whole repo)"
+    )
     args = parser.parse_args(argv)
+    if args.cycles:
+        cycles = import_cycles()
+        for c in cycles:
+            print(" <-> ".join(c))
+        print(f"{len(cycles)} import cycles between modules")
+        return 0
     out = {}
     for name in args.folders:
         folder = ROOT / name

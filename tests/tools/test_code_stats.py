@@ -43,3 +43,18 @@ def test_bad_folder_is_a_one_line_error(capsys):
         code_stats.main(["no_such_folder"])
     assert e.value.code == 2
     assert "no_such_folder: not a folder" in capsys.readouterr().err
+
+
+def test_import_cycles_finds_a_circle_through_module_level_imports_only(tmp_path):
+    pkg = tmp_path / "cua_jax"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from cua_jax import b\n")
+    (pkg / "b.py").write_text("import cua_jax.c\n")
+    (pkg / "c.py").write_text("try:\n    from cua_jax.a import x\nexcept ImportError:\n    pass\n")
+    (pkg / "d.py").write_text("from cua_jax import a\n\n\ndef f():\n    from cua_jax import d\n")
+    (pkg / "e.py").write_text("def g():\n    from cua_jax import f\n")
+    (pkg / "f.py").write_text("from cua_jax import e\n")
+    # a -> b -> c -> a at module level; e <-> f only through a function: not a cycle
+    assert code_stats.import_cycles(tmp_path) == [["cua_jax.a", "cua_jax.b", "cua_jax.c"]]
+    assert code_stats.import_cycles() == []  # this repository
