@@ -20,10 +20,10 @@ Presets:
              expert, expert=4, routing replay, as configs/qwen3vl_grpo.py's 30b-a3b.
 
 The real presets' mesh, LoRA and batch settings are those of the Qwen3-VL presets of the same
-class. 27b is planned for v5p-8 (TOPOLOGY; `tools/plan.py --config=configs/qwen35_grpo.py:27b`:
-largest program 76.2 GiB of 95 a device, the KV pool 41,811 pages beside 4.59 GiB of linear
-states, BENCHMARKS.md); 35b-a3b has no TOPOLOGY entry: on v5p-8 every program fits but the
-KV pool left (18.9 GiB a device) is under kv_min_fraction (`tools/plan.py` needs --topology).
+class. Both are planned for v5p-8 (TOPOLOGY; `tools/plan.py --config=configs/qwen35_grpo.py:27b`,
+BENCHMARKS.md): 35b-a3b's largest program 80.7 GiB of 95 a device, a KV pool of 21,737 pages
+(26.5 GiB) beside 7.68 GiB of linear states; 27b's 76.2 GiB, 41,811 pages beside 4.59 GiB of
+states (planned before the pool counted the states once: its pool is larger now).
 
 Qwen3.5 uses Qwen3-VL's processor (transformers 5.24 maps model_type qwen3_5 / qwen3_5_moe to
 Qwen3VLProcessor: 16-pixel patches, 2x2 merge, the same vision tokens), its chat rendering and
@@ -35,7 +35,7 @@ from configs import common
 
 PRESETS = ("smoke", "27b", "35b-a3b")
 # The TPU slice a real preset is planned to fit (tools/plan.py, BENCHMARKS.md)
-TOPOLOGY = {"27b": "v5p-8"}
+TOPOLOGY = {"27b": "v5p-8", "35b-a3b": "v5p-8"}
 
 # The Qwen3-VL preset whose mesh, LoRA and batch layout each real preset takes (common._REAL)
 _LIKE = {"27b": "32b", "35b-a3b": "30b-a3b"}
