@@ -20,7 +20,7 @@ below them gets typed arguments (`cua_jax.plan`, a job of its own, reads the con
 builds its shape set with the same builder).
 
 A systematic rollout failure stops the run with `cua_jax.rl.sources.RolloutError`, a NaN or
-infinite loss or gradient norm with `cua_jax.rl.learner.NonFiniteError`; `launch/tpu.py` turns
+infinite loss or gradient norm with `cua_jax.rl.learner.NonFiniteError`; `launch/job.py` turns
 either into one line on stderr and exit status 1.
 """
 
