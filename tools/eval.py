@@ -70,22 +70,11 @@ from ml_collections import config_flags  # noqa: E402
 # What loads here is JAX-free (a bad flag fails fast); the model, the sampler and the config
 # checks load inside the functions that need them.
 from configs.common import load_run_config  # noqa: E402
-from cua_jax import db as db_lib  # noqa: E402
 from cua_jax import metrics as metrics_lib  # noqa: E402
-from cua_jax.checkpoint.orbax_io import CheckpointError  # noqa: E402
-from cua_jax.config.checks import ConfigError, validate_config  # noqa: E402
-from cua_jax.evaluation import (  # noqa: E402
-    episodes,  # noqa: E402
-    stats,
-    verdict,
-)
 from cua_jax.evaluation import results as results_lib  # noqa: E402
-from cua_jax.job import builders  # noqa: E402
-from cua_jax.job.loading import build_processor, load_policy  # noqa: E402
-from cua_jax.job.loading import checkpoint_step as resolve  # noqa: E402
+from cua_jax.evaluation import stats, verdict  # noqa: E402
 from cua_jax.rl.rollout import AgentLoop, episode_seed  # noqa: E402
 from launch import compose  # noqa: E402
-from tools.agents import AgentEvalLoop, AnthropicAgent, OpenAIAgent  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file with a preset (instead of --workdir): configs/FILE.py:PRESET"
@@ -155,6 +144,7 @@ class EvalError(SystemExit):
 
 def checkpoint_step(value: str | None, workdir: str | None) -> int | None:
     """--step as a checkpoint step (`cua_jax.job.loading.checkpoint_step`)."""
+    from cua_jax.job.loading import checkpoint_step as resolve
 
     try:
         return resolve(value, workdir)
@@ -249,6 +239,7 @@ def _check_flags() -> None:
 
 def _load_tasks(config, task_sources):
     """The validated config's env factory and the tasks of `task_sources`."""
+    from cua_jax.config.checks import ConfigError, validate_config  # loads JAX
 
     try:
         validate_config(config)
@@ -293,8 +284,12 @@ class Player:
 def _player(config) -> Player:
     """--agent's player: the endpoint (only the processor is loaded: coordinates, recorded ids)
     or the checkpoint's policy on the project's sampler."""
+    from cua_jax.job import builders
 
     if _AGENT.value != "checkpoint":
+        from cua_jax.job.loading import build_processor
+        from tools.agents import AgentEvalLoop, AnthropicAgent, OpenAIAgent
+
         processor = build_processor(config)
         no_model = SimpleNamespace(config=SimpleNamespace(vision_placeholder_ids=()))
         settings = builders.build_rollout_settings(config, no_model)
@@ -308,6 +303,8 @@ def _player(config) -> Player:
         tag = "agent_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", _MODEL.value or _BASE_URL.value)
         agent = AgentEvalLoop(processor, settings)
         return Player(agent, processor, settings, remote.name, tag, remote=remote)
+    from cua_jax.checkpoint.orbax_io import CheckpointError
+    from cua_jax.job.loading import load_policy
 
     try:
         model, processor, step, mesh, rules = load_policy(
@@ -384,6 +381,7 @@ def main(argv: list[str]) -> None:
         logging.set_verbosity(logging.WARNING)
     config, task_sources = _load_config()
     _check_flags()
+    from cua_jax.evaluation import episodes  # loads JAX
 
     env_factory, tasks = _load_tasks(config, task_sources)
     player = _player(config)
@@ -501,6 +499,7 @@ def _log_to_database(config, out_dir, step, tag, trajs, played, screens, result,
     """The eval's episodes in the trajectory database (tools/monitor.py): with --workdir, the
     training run's database and run row (its status untouched), else OUT's own run of kind
     "eval"; `config.log.db=False` writes none."""
+    from cua_jax import db as db_lib
 
     workdir = _WORKDIR.value or out_dir
     db = db_lib.open_run(

@@ -25,10 +25,6 @@ if _ROOT not in sys.path:
 
 from absl import app, flags, logging  # noqa: E402
 
-from configs.common import load_run_config  # noqa: E402
-from cua_jax.checkpoint.orbax_io import CheckpointError  # noqa: E402
-from cua_jax.job.export import export_checkpoint  # noqa: E402
-
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training run's directory.", required=True)
 _OUT = flags.DEFINE_string("out", None, "Where to write the Hugging Face directory.", required=True)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
@@ -130,6 +126,9 @@ def main(argv: list[str]) -> None:
     workdir, out = _WORKDIR.value, _OUT.value
     try:
         check_args(workdir, out, _STEP.value)
+        from configs.common import load_run_config
+        from cua_jax.checkpoint.orbax_io import CheckpointError
+        from cua_jax.job.export import export_checkpoint
 
         if not flags.FLAGS["verbosity"].present:  # orbax logs each step of a restore
             logging.set_verbosity(logging.ERROR)

@@ -27,12 +27,8 @@ if _ROOT not in sys.path:
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from configs.common import load_run_config  # noqa: E402
-from cua_jax.checkpoint.orbax_io import CheckpointError  # noqa: E402
+from configs.common import load_run_config  # noqa: E402  (these load without JAX)
 from cua_jax.evaluation import offline, stats  # noqa: E402
-from cua_jax.job import builders  # noqa: E402
-from cua_jax.job.loading import build_processor, load_policy  # noqa: E402
-from cua_jax.rl.store import TrajectoryReader  # noqa: E402
 from tools.agents import OpenAIAgent, agent_predictor  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config with a preset (or --workdir).")
@@ -93,10 +89,15 @@ def main(argv: list[str]) -> None:
     if (policy == "openai") != (_BASE_URL.value is not None):
         fail("--base_url goes with --policy=openai (and --policy=openai needs it)")
 
+    from cua_jax.job import builders  # loads JAX (so does loading)
+    from cua_jax.job.loading import build_processor, load_policy
+
     fmt_name = config.env.action_format
     processor = build_processor(config)
     try:
         if _DEMOS.value is not None:
+            from cua_jax.rl.store import TrajectoryReader
+
             steps = offline.steps_from_trajectories(
                 TrajectoryReader(_DEMOS.value), processor, fmt_name
             )
@@ -118,6 +119,7 @@ def main(argv: list[str]) -> None:
                 "--policy=model predicts on recorded prompts (--demos); for screenshot steps "
                 "serve it (tools/serve.py) and use --policy=openai"
             )
+        from cua_jax.checkpoint.orbax_io import CheckpointError
 
         try:
             model, processor, _, mesh, rules = load_policy(config, _WORKDIR.value, _STEP.value)

@@ -37,8 +37,6 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from configs.common import load_run_config  # noqa: E402
-from cua_jax.checkpoint.orbax_io import CheckpointError  # noqa: E402
 from cua_jax.evaluation.server import (  # noqa: E402,F401  (tests and tools import these here)
     DEFAULT_MAX_BODY,
     ChatServer,
@@ -50,9 +48,6 @@ from cua_jax.evaluation.server import (  # noqa: E402,F401  (tests and tools imp
     is_loopback,
     resolve_token,
 )
-from cua_jax.job import builders  # noqa: E402
-from cua_jax.job.loading import load_policy  # noqa: E402
-from launch import compose  # noqa: E402
 
 # ------------------------------------------------------------------------------------ CLI
 
@@ -103,6 +98,8 @@ def main(argv: list[str]) -> None:
     if (f.workdir is None) == (f.config is None):
         fail("pass exactly one of --workdir (a training run) or --config (a preset)")
     if f.workdir is not None:
+        from configs.common import load_run_config
+
         try:
             config = load_run_config(f.workdir)
         except FileNotFoundError as e:
@@ -113,6 +110,11 @@ def main(argv: list[str]) -> None:
         config = f.config
 
     import uvicorn
+
+    from cua_jax.checkpoint.orbax_io import CheckpointError
+    from cua_jax.job import builders
+    from cua_jax.job.loading import load_policy
+    from launch import compose
 
     compose.enable_compile_cache(config.get("compile_cache_dir"))
     try:
