@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from cua_jax import plan as plan_lib
 from cua_jax.checkpoint.orbax_io import CheckpointError
 from cua_jax.config.checks import ConfigError, validate_config
 from cua_jax.job import train
@@ -16,7 +15,6 @@ from cua_jax.rl.learner import NonFiniteError
 from cua_jax.rl.sources import RolloutError
 from cua_jax.sharding import MeshError
 from envs.tasks import TaskSourceError, source_dicts
-from launch import compose
 from launch.process import (
     LaunchError,
     RunFailed,
@@ -36,11 +34,16 @@ def run(config: Any, workdir: str | None, *, dry_run: bool) -> None:
     except (ConfigError, TaskSourceError) as e:
         raise LaunchError(str(e)) from None
     if dry_run:  # the plan for the devices present (the whole job's), then exit
+        from cua_jax import plan as plan_lib  # noqa: PLC0415 -- the planner, for --dry_run only
+
         maybe_initialize_distributed()
         try:
             raise SystemExit(plan_lib.dry_run(config))
         except plan_lib.PlanInputError as e:
             raise LaunchError(str(e)) from None
+    # the environments' modules (Playwright, the fleets) load once the config has passed
+    from launch import compose  # noqa: PLC0415
+
     check_workdir(workdir)
     maybe_initialize_distributed()
     compose.enable_compile_cache(config.compile_cache_dir)
