@@ -211,6 +211,8 @@ def _start_sampler(r: RunState) -> None:
     """The sampler on the learner's weights, the agent loop, the progress bar, and the learner's
     shape set compiled ahead in a thread while the environments start."""
     config, learner = r.config, r.learner
+    # one shape set for the KV pool's sizing (the learner's largest program) and the warm-up
+    learner.shapes = builders.learner_shapes(config, learner, r.processor.image_config)
     num_pages = builders.kv_pages(config, learner, r.processor.image_config)
     r.engine = builders.build_engine(
         learner.model,
@@ -231,12 +233,11 @@ def _start_sampler(r: RunState) -> None:
         builders.warmup_settings(config),
         learner,
         r.engine,
-        builders.learner_shapes(config, learner, r.processor.image_config),
+        learner.shapes,
         sft_phase=r.run_sft,
         distiller=r.distiller,
     )
-    if learner.shapes is not None:
-        r.progress.write(learner.shapes.describe())
+    r.progress.write(learner.shapes.describe())
 
 
 async def _warm_start(r: RunState) -> None:

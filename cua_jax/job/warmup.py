@@ -204,10 +204,10 @@ class WarmupSettings:
     (`strict`: rl.strict_shapes), image prefills of up to `max_images` screens
     (env.max_history_images)."""
 
-    mode: str = "learner"
-    entropulse: bool = False
-    strict: bool = False
-    max_images: int = 1
+    mode: str
+    entropulse: bool
+    strict: bool
+    max_images: int
 
     def __post_init__(self) -> None:
         if self.mode not in WARMUP_CHOICES:

@@ -93,6 +93,7 @@ from cua_jax.plan.report import (
     ProgramPlan,
     format_plan,
     plan_json,
+    set_sampler_cache,
     tree_shard_bytes,
     with_shardings,
 )
@@ -275,9 +276,7 @@ def make_plan(
             kv_bytes = num_pages * per_page
             names = ", ".join(p.name for p in sampler if p.total_bytes > hbm * frac)
             sampler = sampler_programs(num_pages)
-            for p in out:
-                if "KV pool (sampler, resident)" in p.resident:
-                    p.resident["KV pool (sampler, resident)"] = kv_bytes + state_bytes
+            set_sampler_cache(out, kv_bytes + state_bytes)
             pool_note += f"; cut to {num_pages} pages for the sampler's own scratch ({names})"
         min_frac = float(sc.get("kv_min_fraction", 0.0) or 0.0)
         problem = kv_pool_problem(cfg, sc, num_pages, tensor, hbm, min_frac)

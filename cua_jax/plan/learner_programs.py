@@ -27,7 +27,7 @@ from cua_jax.plan.abstract import (
     trainer_rl_shapes,
 )
 from cua_jax.plan.hardware import Chip, PlanInputError
-from cua_jax.plan.report import ProgramPlan, tree_shard_bytes
+from cua_jax.plan.report import SAMPLER_CACHE, ProgramPlan, tree_shard_bytes
 from cua_jax.rl import batching, sdpo
 from cua_jax.rl.image_groups import ImageGroups
 from cua_jax.rl.learner import APPLY_PROGRAM
@@ -52,7 +52,7 @@ def plan_train_step(
     xs = _step_inputs(learner, rows, row_len)
     args = (ab.trainable, ab.opt_state, ab.frozen, ab.rest, ab.ref, xs, None)
     arguments = _step_arguments(ab, xs, "batch")
-    prog = ProgramPlan("train_step", chip, arguments, {"KV pool (sampler, resident)": kv_bytes})
+    prog = ProgramPlan("train_step", chip, arguments, {SAMPLER_CACHE: kv_bytes})
     prog.kind, prog.rows, prog.row_length = "learner", rows, row_len
     # Model FLOPs per device (`_model_flops`).
     tokens = rows * row_len
@@ -107,7 +107,7 @@ def plan_train_step_screens(
         images
     )
     name = "train_step_screens" if mode == "rl" else f"{mode}_step_screens"
-    prog = ProgramPlan(name, chip, arguments, {"KV pool (sampler, resident)": kv_bytes})
+    prog = ProgramPlan(name, chip, arguments, {SAMPLER_CACHE: kv_bytes})
     screens = shape.patches // unit
     prog.kind = "learner" if mode == "rl" else mode
     prog.rows, prog.row_length, prog.screens = shape.rows, shape.length, screens
@@ -364,7 +364,7 @@ def plan_chunk_programs(
             arguments["KL reference"] = tree_shard_bytes(ab.ref)
         resident = {
             "optimizer state (resident)": tree_shard_bytes(ab.opt_state),
-            "KV pool (sampler, resident)": kv_bytes,
+            SAMPLER_CACHE: kv_bytes,
         }
         if k and sdpo_config.rl.sdpo_teacher == "ema":
             resident["EMA teacher params (resident)"] = tree_shard_bytes(ab.trainable)
@@ -401,7 +401,7 @@ def plan_chunk_programs(
     }
     resident = {
         "params (frozen, resident)": tree_shard_bytes(ab.frozen) + tree_shard_bytes(ab.rest),
-        "KV pool (sampler, resident)": kv_bytes,
+        SAMPLER_CACHE: kv_bytes,
     }
     if ab.ref is not None:
         resident["KL reference (resident)"] = tree_shard_bytes(ab.ref)
@@ -449,7 +449,7 @@ def plan_teacher_chunks(
         }
         resident = {
             "optimizer state (learner, resident)": tree_shard_bytes(ab.opt_state),
-            "KV pool (sampler, resident)": kv_bytes,
+            SAMPLER_CACHE: kv_bytes,
         }
         if config.rl.sdpo_teacher == "ema":
             resident["EMA teacher params (resident)"] = tree_shard_bytes(ab.trainable)
@@ -586,7 +586,7 @@ def plan_sdpo(
     k = sdpo.topk_width(int(rl.sdpo_topk), cfg.text.vocab_size)
     mode = sdpo.step_mode(rl.sdpo_divergence, rl.sdpo_js_beta, rl.sdpo_weight)
     xs = {**_step_inputs(learner, rows, row_len), **_sdpo_targets(learner, rows, row_len, k)}
-    resident = {"KV pool (sampler, resident)": kv_bytes}
+    resident = {SAMPLER_CACHE: kv_bytes}
     if rl.sdpo_teacher == "ema":
         resident["EMA teacher params (resident)"] = tree_shard_bytes(ab.trainable)
     step = ProgramPlan(

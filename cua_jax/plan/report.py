@@ -36,6 +36,18 @@ def with_shardings(tree: Any, shardings: Any) -> Any:
     )
 
 
+# A learner program's resident entry for the sampler's cache (the KV pool and, for a hybrid
+# model, its linear states): planned with the states alone, set to pool + states once sized
+SAMPLER_CACHE = "KV pool (sampler, resident)"
+
+
+def set_sampler_cache(programs: list, nbytes: int) -> None:
+    """Sets the resident sampler cache of each of `programs` that holds one to `nbytes`."""
+    for p in programs:
+        if SAMPLER_CACHE in p.resident:
+            p.resident[SAMPLER_CACHE] = nbytes
+
+
 # ------------------------------------------------------------------------------- results
 @dataclasses.dataclass
 class ProgramPlan:

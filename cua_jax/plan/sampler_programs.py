@@ -22,7 +22,12 @@ from cua_jax.plan.abstract import (
     trainer_rl_shapes,
 )
 from cua_jax.plan.hardware import Chip, GiB, PlanInputError
-from cua_jax.plan.report import ProgramPlan, tree_shard_bytes
+from cua_jax.plan.report import (
+    SAMPLER_CACHE,
+    ProgramPlan,
+    set_sampler_cache,
+    tree_shard_bytes,
+)
 from cua_jax.sampler import kv_cache, steps
 from cua_jax.sampler.kernels.paged_attention import GpuKernelOptions, select_backend
 from cua_jax.sampler.kv_cache import kv_pages_for_budget, kv_pool_bytes_per_device
@@ -221,10 +226,6 @@ def _text_only(state: Any) -> list[Any]:
 
 
 # ------------------------------------------------------------------------------- KV pool sizing
-# A learner program's resident entry for the sampler's cache (KV pool and linear states)
-SAMPLER_CACHE = "KV pool (sampler, resident)"
-
-
 def size_kv_pool(
     cfg: qwen_vl.QwenVLConfig,
     sc: Any,
@@ -245,9 +246,7 @@ def size_kv_pool(
         cfg, max(0, int(hbm * frac) - peak - state_bytes), sc.page_size, cfg.dtype, tensor
     )
     kv = kv_pool_bytes_per_device(cfg, pages, sc.page_size, cfg.dtype, tensor)
-    for p in programs:
-        if SAMPLER_CACHE in p.resident:
-            p.resident[SAMPLER_CACHE] = kv + state_bytes
+    set_sampler_cache(programs, kv + state_bytes)
     note = (
         f"{pages} pages: {frac:.0%} of {hbm / GiB:.0f} GiB less the largest learner program's "
         f"{peak / GiB:.2f} GiB"
