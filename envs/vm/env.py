@@ -361,6 +361,9 @@ class VMEnv:
         most ``settle_timeout_s``: ``open`` returns when the app's window exists, before the
         app has drawn it (OSWorld's runner sleeps 60 s after every reset instead). 0: no wait.
         A task's own ``settle_s`` (``OSWorldTask.settle_s``) takes its place.
+      eval_settle_s: before the evaluator runs, the screen must hold still this long (at most
+        ``settle_timeout_s``): an agent may say DONE while the command it typed still runs or
+        an app still saves (OSWorld's runner sleeps 20 s before every evaluation). 0: no wait.
     """
 
     def __init__(
@@ -377,6 +380,7 @@ class VMEnv:
         chrome_port: int = 9222,
         settle_s: float = 1.0,
         settle_timeout_s: float = 20.0,
+        eval_settle_s: float = 0.5,
     ):
         self._pool = target if isinstance(target, DesktopPool) else None
         self._desktop: Desktop | None = (
@@ -394,7 +398,9 @@ class VMEnv:
         self.strict_setup = strict_setup
         self.chrome_port = int(chrome_port)
         self.settle_s, self.settle_timeout_s = float(settle_s), float(settle_timeout_s)
+        self.eval_settle_s = float(eval_settle_s)
         self.last_settle_s = 0.0  # what the last reset waited for the screen to hold still
+        self.last_eval_settle_s = 0.0  # what the last evaluate waited for it
         self._setup = osworld.SetupOptions()
         self._work_dir: str | None = None
         self._task: Task | None = None
@@ -618,7 +624,7 @@ class VMEnv:
         assert obs is not None
         return StepResult(obs, True, 0.0, {INFO_ERROR: self._fault, INFO_DONE_REASON: "error"})
 
-    async def _settle(self, settle_s: float | None = None) -> float:
+    async def _settle(self, settle_s: float | None = None, after: str = "its setup") -> float:
         """Waits until the screen holds still for `settle_s` (None: the env's; under
         `STILL_SHARE` of its pixels change between screenshots `SETTLE_EVERY_S` apart: a
         blinking text cursor is still), at most `settle_timeout_s`; returns the seconds waited.
@@ -639,9 +645,10 @@ class VMEnv:
                 still_since = time.monotonic()
             last = shot
         logging.warning(
-            "VMEnv: the screen of task %s did not hold still within %.0f s of its setup",
+            "VMEnv: the screen of task %s did not hold still within %.0f s of %s",
             self._task.id if self._task else "?",
             self.settle_timeout_s,
+            after,
         )
         return time.monotonic() - t0
 
@@ -671,6 +678,7 @@ class VMEnv:
             self.last_eval = osworld.EvalResult(0.0, [{"error": self._fault}])
             raise EnvError(f"cannot evaluate: the VM faulted in this episode: {self._fault}")
         try:
+            self.last_eval_settle_s = await self._settle(self.eval_settle_s, "its last action")
             self.last_eval = await osworld.evaluate(
                 self.client,
                 self._ot,

@@ -82,3 +82,31 @@ def test_a_task_s_own_settle_time_replaces_the_env_s_and_a_bad_one_is_refused(ai
             continue
         with pytest.raises(osworld.TaskFormatError, match="t.json: 'settle_s' must be"):
             osworld.parse_task(d, where="t.json")
+
+
+class _SavingApp(_Screens):
+    """An app that draws for 5 screenshots after the agent's last action, then holds still;
+    the file it writes exists only once it is done drawing."""
+
+    async def execute(self, command, shell=False, timeout=None):
+        return {"status": "success", "returncode": 0, "output": "1" if self.shots > 5 else ""}
+
+
+def test_the_evaluator_runs_once_the_screen_holds_still_after_the_last_action(aio, monkeypatch):
+    monkeypatch.setattr(vm_env, "SETTLE_EVERY_S", 0.01)
+    spec = json.loads((TASKS / "terminal-screen-width.json").read_text())
+    spec["evaluator"] = {
+        "func": "exact_match",
+        "result": {"type": "vm_command_line", "command": ["cat", "/tmp/saved"]},
+        "expected": {"type": "rule", "rules": {"expected": "1"}},
+    }
+
+    def scored(eval_settle_s: float) -> tuple[float, int]:
+        env = vm_env.VMEnv(
+            app := _SavingApp(_frames(drawing=5)), eval_settle_s=eval_settle_s, settle_timeout_s=5
+        )
+        env._ot = osworld.parse_task(spec, where="t.json")
+        return aio(env.evaluate()), app.shots
+
+    assert scored(0.05)[0] == 1.0 and scored(0.05)[1] >= 6  # waited out the drawing
+    assert scored(0.0) == (0.0, 0)  # 0: evaluated at once, before the app finished
