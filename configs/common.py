@@ -255,6 +255,9 @@ def base_config(family: str) -> ConfigDict:
     c.env.step_timeout_s = 20.0
     c.env.action_format = "qwen3vl" if family == "qwen3_vl" else "qwen25vl"
     c.env.system_prompt = "tools"  # "tools" (the full tool schema) | "compact" (tiny models)
+    # Sample every turn within the action format's grammar (qwen25vl / qwen3vl): each reply is
+    # one well-formed tool call (turns of tasks with API actions stay free)
+    c.env.constrain_actions = False
     c.env.vm_endpoints = ()  # for kind="vm" with remote VMs: base URLs
     c.env.vm_token = _str()
     # how a remote VM is reset before each episode (envs.vm.providers.revert_hook):

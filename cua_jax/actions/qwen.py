@@ -19,6 +19,7 @@ from cua_jax.actions.api import (
     check_api_names,
 )
 from cua_jax.actions.core import (
+    KEY_NAMES,
     Action,
     Answer,
     Click,
@@ -330,6 +331,48 @@ class QwenComputerUse:
                 "resized_h (the smart_resize output for this screenshot)"
             )
         return CoordinateSpace.resized(screen_w, screen_h, resized_w, resized_h)
+
+    # -- grammar ----------------------------------------------------------------------------
+    def action_regex(self, api_actions: Sequence[str] = ()) -> str:
+        """The language of the calls ``format`` writes, as one regex (``cua_jax.sampler.grammar``
+        constrains decoding to it): one ``<tool_call>`` block of a ``computer_use`` action of
+        this version (or of one of ``api_actions``' tools), with ``json.dumps``' separators.
+        Coordinates are integers (0..1000 for "3", pixels below 10,000 for "2.5"), numbers
+        have at most 6 digits and 3 decimals, key names canonical (``KEY_NAMES``) or one
+        printable character, other strings any JSON string."""
+        names = _QWEN_ACTIONS_25 if self.version == "2.5" else _QWEN_ACTIONS_3
+        coord = r"(?:0|[1-9][0-9]{0,2}|1000)" if self.version == "3" else r"(?:0|[1-9][0-9]{0,3})"
+        pt = rf"\[{coord}, {coord}\]"
+        num = r"(?:0|[1-9][0-9]{0,5})(?:\.[0-9]{1,3})?"
+        text = r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"'
+
+        # a canonical key name, or one printable ASCII character (JSON-escaped " and \\)
+        key = r'"(?:' + "|".join(sorted(KEY_NAMES)) + r'|[ !#-\[\]-~]|\\"|\\\\)"'
+
+        def q(s: str) -> str:
+            return re.escape(json.dumps(s))
+
+        args = {
+            **{n: rf'{q(n)}, "coordinate": {pt}' for n in (*_CLICKS, "mouse_move")},
+            "left_click_drag": rf'{q("left_click_drag")}, "coordinate": {pt}'
+            rf'(?:, "start_coordinate": {pt})?',
+            "type": rf'{q("type")}, "text": {text}',
+            "answer": rf'{q("answer")}, "text": {text}',
+            "key": rf'{q("key")}, "keys": \[{key}(?:, {key})*\]',
+            "scroll": rf'{q("scroll")}, "pixels": -?{num}(?:, "coordinate": {pt})?',
+            "hscroll": rf'{q("hscroll")}, "pixels": -?{num}(?:, "coordinate": {pt})?',
+            "wait": rf'{q("wait")}, "time": {num}',
+            "terminate": rf'{q("terminate")}, "status": "(?:success|failure)"',
+        }
+        calls = [
+            r'\{"name": "computer_use", "arguments": \{"action": (?:'
+            + "|".join(args[n] for n in names)
+            + r")\}\}"
+        ]
+        for name in check_api_names(api_actions):
+            params = ", ".join(f"{q(p)}: {text}" for p, _ in API_TOOLS[name].params)
+            calls.append(rf'\{{"name": {q(name)}, "arguments": \{{{params}\}}\}}')
+        return r"<tool_call>\n(?:" + "|".join(calls) + r")\n</tool_call>"
 
     # -- parse ------------------------------------------------------------------------------
     def parse(self, text: str, space: CoordinateSpace) -> list[Action]:

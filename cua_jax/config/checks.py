@@ -111,6 +111,11 @@ def validate_config(config: Any) -> None:
             "ratio is anchored at the learner's own log-probs; truncated importance sampling "
             "with rl.tis_cap corrects the nucleus truncation)"
         )
+    if config.env.constrain_actions and config.env.action_format == "pyautogui":
+        raise ConfigError(
+            "config.env.constrain_actions=True needs a tool-call format with a grammar "
+            "(config.env.action_format='qwen25vl' or 'qwen3vl'), not 'pyautogui' (Python code)"
+        )
     pages = -(-sc.max_seq_len // sc.page_size)
     if pages > sc.num_pages - 1:
         raise ConfigError(

@@ -88,6 +88,13 @@ class Tokenizer(abc.ABC):
         """Text of `ids`; with skip_special_tokens, `<|...|>` tokens are left out."""
 
     @abc.abstractmethod
+    def token_bytes(self) -> list[bytes | None]:
+        """What each id writes into the decoded text, as bytes (a byte-level piece may be part
+        of a UTF-8 character); None for control tokens (`<|im_end|>`, `<|image_pad|>`, ...).
+        The non-special added tokens (`<tool_call>`) write their own text. Constrained
+        decoding (`cua_jax.sampler.grammar`) reads the vocabulary through this."""
+
+    @abc.abstractmethod
     def _lookup(self, token: str) -> int | None:
         """Id of one whole token string, or None if the vocabulary lacks it."""
 
@@ -204,6 +211,21 @@ class HFTokenizer(Tokenizer):
             ids = [i for i in ids if i not in self._special_ids]
         return self.hf.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
+    def token_bytes(self) -> list[bytes | None]:
+        byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+        added = {i: t for t, i in self.hf.get_added_vocab().items()}
+        out: list[bytes | None] = []
+        for i, piece in enumerate(self.hf.convert_ids_to_tokens(list(range(len(self.hf))))):
+            if i in self._special_ids or piece is None:
+                out.append(None)
+            elif i in added:
+                out.append(added[i].encode())
+            elif all(c in byte_of for c in piece):  # byte-level BPE (Qwen): one char a byte
+                out.append(bytes(byte_of[c] for c in piece))
+            else:  # SentencePiece-style pieces
+                out.append(piece.replace(_SP_SPACE, " ").encode())
+        return out
+
     def _lookup(self, token: str) -> int | None:
         idx = self.hf.convert_tokens_to_ids(token)
         if idx is None or (idx == self.hf.unk_token_id and token != self.hf.unk_token):
@@ -289,6 +311,18 @@ class SentencePieceTokenizer(Tokenizer):
             ids = [i for i in ids if i not in self._special_ids]
         return self.sp.decode(ids)
 
+    def token_bytes(self) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for i in range(self.sp.get_piece_size()):
+            piece = self.sp.id_to_piece(i)
+            if i in self._special_ids or self.sp.is_unknown(i) or self.sp.is_control(i):
+                out.append(None)
+            elif self.sp.is_byte(i):  # <0xAB>
+                out.append(bytes([int(piece[3:5], 16)]))
+            else:
+                out.append(piece.replace(_SP_SPACE, " ").encode())
+        return out
+
     def _lookup(self, token: str) -> int | None:
         idx = self.sp.piece_to_id(token)
         return idx if self.sp.id_to_piece(idx) == token and not self.sp.is_unknown(idx) else None
@@ -296,6 +330,21 @@ class SentencePieceTokenizer(Tokenizer):
     @property
     def vocab_size(self) -> int:
         return self.sp.get_piece_size()
+
+
+@functools.cache
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which byte-level BPE vocabularies use."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += range(ord("®"), ord("ÿ") + 1)
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
 
 
 @functools.cache

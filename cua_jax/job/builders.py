@@ -29,6 +29,7 @@ from flax import nnx
 from cua_jax import metrics as metrics_lib
 from cua_jax import multihost
 from cua_jax import sharding as shd
+from cua_jax.actions import get_format
 from cua_jax.checkpoint.orbax_io import Checkpointer, CheckpointError, init_params
 from cua_jax.config.checks import ConfigError, feedback_kinds
 from cua_jax.data.processor import QwenVLProcessor
@@ -48,6 +49,7 @@ from cua_jax.rl.rollout import RolloutSettings
 from cua_jax.rl.sdpo import SelfDistiller
 from cua_jax.rl.shapes import ShapeSet, ShapeSettings
 from cua_jax.sampler import Engine, steps
+from cua_jax.sampler.grammar import action_automaton
 from cua_jax.sampler.kv_cache import kv_pages_for_budget, kv_pool_bytes_per_device
 
 
@@ -304,6 +306,9 @@ def build_engine(
         attn_backend=sc.backend,
         attn_options=sc.gpu_kernel,
         detokenize=tokenizer.decode,
+        grammar=action_automaton(tokenizer, get_format(config.env.action_format))
+        if config.env.constrain_actions
+        else None,
     )
 
 
@@ -349,6 +354,7 @@ def build_rollout_settings(config: Any, model: Any) -> RolloutSettings:
         keep_final_screen=final_screen,
         action_format=env.action_format,
         system_prompt=env.system_prompt,
+        constrain_actions=env.constrain_actions,
         banned_token_ids=model.config.vision_placeholder_ids,
     )
 

@@ -91,7 +91,8 @@ def sampler_programs(
     S = engine.max_slots
     for p in b.table_cols:
         fn = fns.decode_contiguous if _contiguous_decode(engine, p) else fns.decode_paged
-        out.append((f"decode cols {p}", fn, (state, cache, *steps.decode_arg_shapes(S, p))))
+        args = (state, cache, *steps.decode_arg_shapes(S, p, engine.abstract_grammar()))
+        out.append((f"decode cols {p}", fn, args))
     sds, i32 = jax.ShapeDtypeStruct, jnp.int32
     for n in b.copies:
         out.append((f"copy {n}", fns.copy_pages, (cache, sds((n,), i32), sds((n,), i32))))
@@ -106,13 +107,7 @@ def _first_token_programs(engine: Any, b: BucketSet) -> list[tuple[str, Any, tup
     pairs = {(x, n) for x in b.prefill_rows for n in b.prefill_rows if n <= x}
     out = []
     for x, n in sorted(pairs):
-        samp = SlotSampling(
-            temperature=sds((n,), jnp.float32),
-            top_k=sds((n,), i32),
-            top_p=sds((n,), jnp.float32),
-            key_data=sds((n, 2), jnp.uint32),
-            banned=sds((n, steps.MAX_BANNED), i32),
-        )
+        samp = SlotSampling.abstract(n, engine.abstract_grammar())
         # the logits are a prefill's output, on the engine's devices: a committed array's
         # sharding (its mesh) is part of jit's cache key, host arrays' is not
         logits = sds((x, V), jnp.float32, sharding=engine.shardings.small)

@@ -93,6 +93,7 @@ class SamplerPolicy:
       seeds: turn index -> sampling seed (resumable sampling: `rollout.episode_seed`).
       session: the engine's session id for this episode.
       greedy: temperature 0, top_p 1 (eval); the reward is then the task's score, unshaped.
+      constrained: decode within the engine's grammar (`SamplingParams.constrained`).
     """
 
     def __init__(
@@ -107,6 +108,7 @@ class SamplerPolicy:
         max_new_tokens: int = 128,
         banned_token_ids: Sequence[int] = (),
         greedy: bool = False,
+        constrained: bool = False,
     ):
 
         self.engine = engine
@@ -120,6 +122,7 @@ class SamplerPolicy:
             max_new_tokens=max_new_tokens,
             stop_token_ids=tuple(stop_token_ids),
             banned_token_ids=tuple(banned_token_ids),
+            constrained=constrained,
         )
         # The weights that produced each turn (from the sampler's outputs: a weight update
         # handed to the engine is applied at its next scheduling step, not at once).

@@ -114,6 +114,11 @@ class RolloutSettings:
     # "compact": one short paragraph, for tiny models trained from scratch (smoke runs), where
     # a ~1500-token schema would be most of every sequence.
     system_prompt: str = "tools"
+    # Decode every turn within the action format's grammar (`Engine(grammar=)`, built from
+    # `action_format`'s `action_regex`): each reply is one well-formed tool call, so RL's signal
+    # is the pick, not the syntax. Turns of tasks that allow API actions are not constrained
+    # (the grammar holds computer_use actions only).
+    constrain_actions: bool = False
     # Never sampled: the vision placeholder tokens (`QwenVLConfig.vision_placeholder_ids`); the
     # learner masks the same ids so its log-probs are of the same policy.
     banned_token_ids: tuple[int, ...] = ()
@@ -334,6 +339,11 @@ class AgentLoop:
         self.settings = settings
         self.reward_fn = reward_fn
         self.fmt = A.get_format(settings.action_format)
+        if settings.constrain_actions and getattr(engine, "grammar", False) is None:
+            raise ValueError(
+                "constrain_actions=True needs an engine built with the action format's grammar "
+                "(Engine(grammar=grammar.action_automaton(tokenizer, format)))"
+            )
         self.tokenizer = processor.tokenizer
         self.chat = processor.chat
         self._episodes = 0
@@ -397,8 +407,11 @@ class AgentLoop:
 
     # ---- policies ------------------------------------------------------------------------------
 
-    def sampler_policy(self, *, seed: int, session: str, greedy: bool = False) -> SamplerPolicy:
-        """The model through `self.engine`: turn k is sampled with `episode_seed(seed, k)`."""
+    def sampler_policy(
+        self, *, seed: int, session: str, greedy: bool = False, constrained: bool = False
+    ) -> SamplerPolicy:
+        """The model through `self.engine`: turn k is sampled with `episode_seed(seed, k)`,
+        within the engine's grammar when `constrained`."""
         s = self.settings
         return SamplerPolicy(
             self.engine,
@@ -410,6 +423,7 @@ class AgentLoop:
             max_new_tokens=s.max_new_tokens,
             banned_token_ids=s.banned_token_ids,
             greedy=greedy,
+            constrained=constrained,
         )
 
     def oracle_policy(self, detour: Detour | None = None) -> OraclePolicy:
@@ -445,7 +459,10 @@ class AgentLoop:
             policy: Policy = self.oracle_policy(detour)
         else:
             session = f"{group_id}/{seed}/{self._episodes}"
-            policy = self.sampler_policy(seed=seed, session=session, greedy=greedy)
+            constrained = self.settings.constrain_actions and not task.api_actions
+            policy = self.sampler_policy(
+                seed=seed, session=session, greedy=greedy, constrained=constrained
+            )
         return await self.play(env, task, policy, group_id=group_id, screens=screens)
 
     async def play(

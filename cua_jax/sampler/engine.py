@@ -62,9 +62,10 @@ from cua_jax import sharding as shd
 from cua_jax.data.positions import get_rope_index
 from cua_jax.models import qwen_vl
 from cua_jax.sampler import kv_cache, placement, steps
+from cua_jax.sampler.grammar import TokenAutomaton
 from cua_jax.sampler.kernels.paged_attention import GpuKernelOptions, select_backend
 from cua_jax.sampler.page_table import TRASH_PAGE
-from cua_jax.sampler.sampling import SamplingParams, SlotSampling
+from cua_jax.sampler.sampling import GrammarTables, SamplingParams, SlotSampling
 from cua_jax.sampler.scheduler import (
     Admitted,
     GenerateOutput,
@@ -139,6 +140,8 @@ class Engine:
       rules: logical-axis rules for parameters moved onto `mesh` (pass the learner's).
       session_states: hybrid models only: finished sessions whose linear states are kept
         (default max_slots); each row costs the linear layers' conv + recurrent state.
+      grammar: a `TokenAutomaton` (e.g. `grammar.action_automaton`) that requests with
+        `SamplingParams(constrained=True)` are decoded within; its tables stay on the devices.
     """
 
     def __init__(
@@ -161,6 +164,7 @@ class Engine:
         mesh: Mesh | None = None,
         rules: shd.Rules = shd.DEFAULT_RULES,
         session_states: int | None = None,
+        grammar: TokenAutomaton | None = None,
     ):
         cfg = model.config
         t = cfg.text
@@ -243,6 +247,12 @@ class Engine:
             mesh=mesh,
         )
         self.shardings = steps.StepShardings(param_sh, kv_sharding, small)
+        self.grammar = grammar
+        self._grammar = (
+            GrammarTables.none()
+            if grammar is None
+            else jax.device_put(GrammarTables.of(grammar, t.vocab_size), small)
+        )
         self._fns = steps.build_step_fns(
             self._model_def,
             self.step_config,
@@ -409,6 +419,8 @@ class Engine:
             )
         if params.stop_strings and self.detokenize is None:
             return "stop_strings need Engine(detokenize=tokenizer.decode)"
+        if params.constrained and self.grammar is None:
+            return "constrained=True needs an Engine built with a grammar (Engine(grammar=...))"
         cfg = self.config
         grids = np.zeros((0, 3), np.int32) if image_grid_thw is None else np.asarray(image_grid_thw)
         grids = grids.reshape(-1, 3).astype(np.int32)
@@ -450,6 +462,25 @@ class Engine:
             patch_offsets=offsets,
             prompt_key=hashlib.sha1(prompt.tobytes() + b"".join(hashes)).digest(),
         )
+
+    def abstract_grammar(self) -> GrammarTables:
+        """ShapeDtypeStructs of the grammar tables the jitted calls take (for the warm-up)."""
+        return self._grammar.abstract(None if self.grammar is None else self.shardings.small)
+
+    def _grammar_states(self, reqs: Sequence[Request | None]) -> list[int]:
+        """Each request's grammar state after the tokens it has generated (-1: unconstrained),
+        advanced on the host from where the previous call left it."""
+        out = []
+        for r in reqs:
+            if r is None or not r.params.constrained:
+                out.append(-1)
+                continue
+            if r.grammar_seen == 0:
+                r.grammar_state = self.grammar.initial
+            r.grammar_state = self.grammar.walk(r.generated[r.grammar_seen :], r.grammar_state)
+            r.grammar_seen = len(r.generated)
+            out.append(r.grammar_state)
+        return out
 
     def has_work(self) -> bool:
         return bool(self._incoming or self.sched.has_work())
@@ -563,7 +594,10 @@ class Engine:
             n = batch_bucket(len(members))
             pad = n - len(members)
             idx = np.asarray([i for _, i in members] + [0] * pad, np.int32)  # padding: ignored
-            sampling = SlotSampling.from_params([a.req.params for a, _ in members] + [None] * pad)
+            reqs = [a.req for a, _ in members] + [None] * pad
+            sampling = SlotSampling.from_params(
+                [r and r.params for r in reqs], self._grammar_states(reqs), self._grammar
+            )
             tok, lp, mlp = map(
                 _to_host,
                 self._fns.sample_first(logits_XV, idx, sampling, np.zeros((n,), np.int32)),
@@ -673,7 +707,11 @@ class Engine:
             plan.steps,
             plan.gen,
             plan.stops,
-            SlotSampling.from_params(plan.params),
+            SlotSampling.from_params(
+                plan.params,
+                self._grammar_states([self.sched.running.get(i) for i in range(self.max_slots)]),
+                self._grammar,
+            ),
         )
         out_tok, out_lp, out_mlp = map(_to_host, (out_tok, out_lp, out_mlp))
         out_routes = _to_host(routes[0]) if routes else None  # MoE: i32[S, C, L, K]

@@ -25,6 +25,9 @@ class SamplingParams:
       so both reported log-probs are of the policy without them. The rollout bans the vision
       placeholder tokens (a generated <|image_pad|> would make the transcript's M-RoPE
       positions ill-defined); the learner masks the same ids (`Learner(banned_token_ids=)`).
+    constrained: decode within the engine's grammar (`Engine(grammar=)`, e.g. the action
+      format's tool calls): only tokens that keep the output a prefix of the language, a stop
+      token only once it is whole. The reported log-probs stay the unconstrained policy's.
     """
 
     temperature: float = 1.0
@@ -35,6 +38,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     banned_token_ids: tuple[int, ...] = ()
+    constrained: bool = False
 
     def __post_init__(self):
         # NaN passes every comparison: `not (x >= 0)` and isfinite keep NaN and inf out.

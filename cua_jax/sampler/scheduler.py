@@ -202,6 +202,8 @@ class Request:
     version: int = -1
     cached_tokens: int = -1
     preemptions: int = 0
+    grammar_state: int = -1  # constrained decoding: the state after generated[:grammar_seen]
+    grammar_seen: int = 0
 
     @property
     def seq(self) -> np.ndarray:

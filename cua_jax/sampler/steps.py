@@ -55,7 +55,7 @@ from cua_jax.sampler.kernels.paged_attention import (
     contiguous_decode_attention,
     paged_attention,
 )
-from cua_jax.sampler.sampling import MAX_BANNED, SlotSampling, sample_tokens
+from cua_jax.sampler.sampling import SlotSampling, advance, sample_tokens
 from cua_jax.sampler.scheduler import MAX_STOP_IDS
 
 KV_AXIS = "tensor"  # mesh axis the kv heads (and q heads) are split over
@@ -327,7 +327,7 @@ def _decode_loop(
         return (i < C) & jnp.any(~done & (i < steps_S))
 
     def body(carry):
-        i, kv, lin, lengths, tok, done, out_tok, out_lp, out_mlp, out_routes = carry
+        i, kv, lin, lengths, tok, done, out_tok, out_lp, out_mlp, out_routes, gs = carry
         active = (~done) & (i < steps_S)
         pos_S = lengths + delta_S
         pos = jnp.broadcast_to(pos_S[None, :, None], (3, S, 1))
@@ -355,7 +355,9 @@ def _decode_loop(
             e_SLK = jnp.transpose(info.experts[:, :, 0], (1, 0, 2)).astype(jnp.int32)
             out_routes = out_routes.at[:, i].set(jnp.where(active[:, None, None], e_SLK, -1))
         logits = m.logits(hidden)[:, 0]
-        new, lp, mlp = sample_tokens(logits, sampling, gen_S + i)
+        new, lp, mlp = sample_tokens(
+            logits, dataclasses.replace(sampling, grammar_state=gs), gen_S + i
+        )
         is_stop = jnp.any(new[:, None] == stop_SX, axis=1)
         return (
             i + 1,
@@ -368,6 +370,7 @@ def _decode_loop(
             out_lp.at[:, i].set(lp),
             out_mlp.at[:, i].set(mlp),
             out_routes,
+            jnp.where(active, advance(sampling, gs, new), gs),
         )
 
     init = (
@@ -381,9 +384,10 @@ def _decode_loop(
         jnp.zeros((S, C), jnp.float32),
         jnp.zeros((S, C), jnp.float32),
         jnp.full((S, C, L, K), -1, jnp.int32),
+        jnp.asarray(sampling.grammar_state, jnp.int32),
     )
     # while_loop, not fori_loop: the chunk ends early once every slot has stopped.
-    _, kv, lin, lengths, _, _, out_tok, out_lp, out_mlp, out_routes = jax.lax.while_loop(
+    _, kv, lin, lengths, _, _, out_tok, out_lp, out_mlp, out_routes, _ = jax.lax.while_loop(
         cond, body, init
     )
     return kv, lin, lengths, out_tok, out_lp, out_mlp, out_routes if moe is not None else None
@@ -739,17 +743,12 @@ def linear_state_sharding(sh: StepShardings, config: Any) -> Any:
     return qwen35.LinearAttnState(sh.small, sh.small)
 
 
-def decode_arg_shapes(num_slots: int, table_cols: int) -> tuple:
-    """ShapeDtypeStructs of decode_*'s arguments after (params, cache), for `.lower`."""
-    S, i32, f32 = num_slots, jnp.int32, jnp.float32
+def decode_arg_shapes(num_slots: int, table_cols: int, grammar: Any = None) -> tuple:
+    """ShapeDtypeStructs of decode_*'s arguments after (params, cache), for `.lower`
+    (`grammar`: the engine's abstract `GrammarTables`; default: none)."""
+    S, i32 = num_slots, jnp.int32
     sds = jax.ShapeDtypeStruct
-    sampling = SlotSampling(
-        temperature=sds((S,), f32),
-        top_k=sds((S,), i32),
-        top_p=sds((S,), f32),
-        key_data=sds((S, 2), jnp.uint32),
-        banned=sds((S, MAX_BANNED), i32),
-    )
+    sampling = SlotSampling.abstract(S, grammar)
     vec = sds((S,), i32)
     return (
         sds((S, table_cols), i32),

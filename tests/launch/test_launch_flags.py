@@ -37,6 +37,14 @@ def _launch(*args):
             "config.rl.top_p=0.9 needs config.rl.old_logprobs='learner'",
         ),
         (
+            [
+                "--config=configs/qwen3vl_grpo.py:smoke",
+                "--config.env.action_format=pyautogui",
+                "--config.env.constrain_actions=True",
+            ],
+            "config.env.constrain_actions=True needs a tool-call format with a grammar",
+        ),
+        (
             ["--config=configs/qwen3vl_grpo.py:smoke", "--config.rl.temperature=0"],
             "config.rl.temperature=0.0 is out of range: a finite number > 0",
         ),
