@@ -59,6 +59,11 @@ class GrammarTables:
         cls[:V0] = automaton.token_class
         return GrammarTables(automaton.allow, automaton.next_state, cls)
 
+    @property
+    def has_grammar(self) -> bool:
+        """False for the placeholder (static: decided when the decode loop is traced)."""
+        return self.token_class.shape[0] > 1
+
     def abstract(self, sharding: Any = None) -> GrammarTables:
         """ShapeDtypeStructs of these tables (for `.lower`)."""
         return jax.tree.map(
@@ -147,6 +152,8 @@ def constrain(logits_SV: jax.Array, sampling: SlotSampling) -> jax.Array:
 def advance(sampling: SlotSampling, state_S: jax.Array, tok_S: jax.Array) -> jax.Array:
     """Each constrained slot's grammar state after `tok_S` (unconstrained slots stay -1)."""
     g = sampling.grammar
+    if not g.has_grammar:
+        return state_S
     cls_S = jnp.asarray(g.token_class)[jnp.clip(tok_S, 0, None)]
     nxt_S = jnp.asarray(g.next_state)[jnp.maximum(state_S, 0), cls_S]
     return jnp.where(state_S >= 0, nxt_S, state_S)
@@ -201,12 +208,18 @@ def sample_tokens(
             x,
         )
 
-    # Grammar-constrained slots draw from the allowed tokens (masked before truncation, so the
-    # kept set is never empty); their log-probs are of the unmasked distribution.
-    constrained = jnp.any(sampling.grammar_state >= 0)
-    allowed_SV = constrain(logits_SV, sampling)
-    draw_SV = truncate(allowed_SV / temp_S1)
-    scaled_SV = jax.lax.cond(constrained, lambda: truncate(logits_SV / temp_S1), lambda: draw_SV)
+    if sampling.grammar.has_grammar:
+        # Constrained slots draw from the allowed tokens (masked before truncation, so the kept
+        # set is never empty); their log-probs are of the unmasked distribution.
+        constrained = jnp.any(sampling.grammar_state >= 0)
+        allowed_SV = constrain(logits_SV, sampling)
+        draw_SV = truncate(allowed_SV / temp_S1)
+        scaled_SV = jax.lax.cond(
+            constrained, lambda: truncate(logits_SV / temp_S1), lambda: draw_SV
+        )
+    else:  # an engine without a grammar traces none of it
+        allowed_SV, scaled_SV = logits_SV, truncate(logits_SV / temp_S1)
+        draw_SV = scaled_SV
 
     def draw(key_data, step, scaled_V):
         key = jax.random.fold_in(jax.random.wrap_key_data(key_data), step)
