@@ -25,10 +25,12 @@ BENCHMARKS.md): 35b-a3b's largest program 80.7 GiB of 95 a device, a KV pool of 
 (26.5 GiB) beside 7.68 GiB of linear states; 27b's 76.2 GiB, 41,811 pages beside 4.59 GiB of
 states (planned before the pool counted the states once: its pool is larger now).
 
-Qwen3.5 uses Qwen3-VL's processor (transformers 5.24 maps model_type qwen3_5 / qwen3_5_moe to
-Qwen3VLProcessor: 16-pixel patches, 2x2 merge, the same vision tokens), its chat rendering and
-its computer-use action format ("qwen3vl"); the image and vision-token ids come from the
-checkpoint's config.json (from the shipped tokenizer for the tiny presets).
+Qwen3.5 uses Qwen3-VL's image processing (transformers 5.24 maps model_type qwen3_5 /
+qwen3_5_moe to Qwen3VLProcessor: 16-pixel patches, 2x2 merge, the same vision tokens) and its
+computer_use tool, with its own chat rendering (the thinking-off "<think>\n\n</think>\n\n"
+assistant header) and tool-call syntax ("qwen35": <function=...><parameter=...> XML, as its
+chat template writes calls); the image and vision-token ids come from the checkpoint's
+config.json (from the shipped tokenizer for the tiny presets).
 """
 
 from configs import common
@@ -73,7 +75,7 @@ def get_config(arg=None):
         c.topology = TOPOLOGY.get(name)
     else:
         c = common.build("qwen3_5", arg, PRESETS)
-    c.env.action_format = "qwen3vl"
+    c.env.action_format = "qwen35"
     for key, value in FIT.get(c.preset, {}).items():
         section, field = key.split(".")
         c[section][field] = value

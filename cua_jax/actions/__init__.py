@@ -17,6 +17,20 @@ Formats (``get_format(name)``; names in ``FORMATS``):
       {"name": "computer_use", "arguments": {"action": "left_click", "coordinate": [x, y]}}
       </tool_call>
 
+* ``"qwen35"``: the same ``computer_use`` tool (Qwen3-VL's actions and 0..1000 coordinates) in
+  Qwen3.5's XML call syntax::
+
+      <tool_call>
+      <function=computer_use>
+      <parameter=action>
+      left_click
+      </parameter>
+      <parameter=coordinate>
+      [x, y]
+      </parameter>
+      </function>
+      </tool_call>
+
 * ``"pyautogui"``: Python code of ``pyautogui`` calls plus OSWorld's ``WAIT`` / ``DONE`` /
   ``FAIL``. Parsed with :mod:`ast`, never executed.
 
@@ -36,8 +50,9 @@ maps them to its backend (Playwright key names, xdotool keysyms).
 
 The package: `core` (the action types, key names, `CoordinateSpace`, the `ActionFormat`
 protocol), `api` (API actions as tools), one module a format (`qwen`: the Qwen-VL tool call for
-"qwen25vl" and "qwen3vl"; `pyautogui_code`: "pyautogui"), `registry` (formats by name) and
-`records` (actions as JSON dicts and log lines). Import names from the package:
+"qwen25vl" and "qwen3vl"; `qwen35`: "qwen35"; `pyautogui_code`: "pyautogui"), `registry`
+(formats by name) and `records` (actions as JSON dicts and log lines). Import names from the
+package:
 ``from cua_jax.actions import Click, get_format``.
 """
 
@@ -101,6 +116,7 @@ from cua_jax.actions.qwen import (  # noqa: F401
     QwenComputerUse,
     _json_objects,
 )
+from cua_jax.actions.qwen35 import Qwen35ComputerUse
 from cua_jax.actions.records import (
     action_from_dict,
     action_to_dict,
@@ -145,6 +161,7 @@ __all__ = [
     "PYAUTOGUI_KEY_NAMES",
     "PyAutoGUI",
     "QwenComputerUse",
+    "Qwen35ComputerUse",
     "RunShell",
     "Scroll",
     "SelectOption",

@@ -5,16 +5,19 @@ from __future__ import annotations
 from cua_jax.actions.core import Action, ActionFormat, CoordinateSpace
 from cua_jax.actions.pyautogui_code import PyAutoGUI
 from cua_jax.actions.qwen import QwenComputerUse
+from cua_jax.actions.qwen35 import Qwen35ComputerUse
 
-FORMATS = ("qwen25vl", "qwen3vl", "pyautogui")
+FORMATS = ("qwen25vl", "qwen3vl", "qwen35", "pyautogui")
 
 
 def get_format(name: str) -> ActionFormat:
-    """The action format called ``name``: "qwen25vl", "qwen3vl" or "pyautogui"."""
+    """The action format called ``name``: "qwen25vl", "qwen3vl", "qwen35" or "pyautogui"."""
     if name == "qwen25vl":
         return QwenComputerUse("2.5")
     if name == "qwen3vl":
         return QwenComputerUse("3")
+    if name == "qwen35":
+        return Qwen35ComputerUse()
     if name == "pyautogui":
         return PyAutoGUI()
     raise ValueError(f"unknown action format {name!r}; valid: {', '.join(FORMATS)}")

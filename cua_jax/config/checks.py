@@ -43,7 +43,7 @@ ENUMS = {
     "rl.warmup": ("none", "learner", "all"),
     "optim.schedule": ("constant", "cosine"),
     "env.kind": ("browser", "vm"),
-    "env.action_format": ("qwen25vl", "qwen3vl", "pyautogui"),
+    "env.action_format": ("qwen25vl", "qwen3vl", "qwen35", "pyautogui"),
     "env.system_prompt": ("tools", "compact"),
     "sampler.backend": ("auto", "tpu", "gpu", "interpret", "reference"),
 }

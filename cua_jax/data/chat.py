@@ -103,7 +103,10 @@ def images_in_messages(messages: Sequence[Message]) -> list[Any]:
     return found
 
 
-STYLES = ("qwen2_5_vl", "qwen3_vl")
+STYLES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
+# Qwen3.5's template opens the assistant turn it generates with an empty thinking block when
+# thinking is off (its default; transformers' response parser for the family anchors on it)
+QWEN35_ASSISTANT_HEADER = "assistant\n<think>\n\n</think>\n\n"
 
 
 class ChatRenderer:
@@ -115,6 +118,11 @@ class ChatRenderer:
       only as the first message; assistant `tool_calls` are written as <tool_call> blocks
       (trained, like the content); consecutive "tool" messages become one user turn of
       <tool_response> blocks.
+    style "qwen3_5": Qwen3-VL's, with Qwen3.5's thinking-off assistant header (every assistant
+      turn opens with "<think>\n\n</think>\n\n", untrained, as the generation prompt does: an
+      episode's transcript is append-only, so the turns it replays keep the block the model
+      saw, where the template drops it from turns before the last user message) and
+      `tool_calls` in its XML syntax (`cua_jax.actions.qwen35`).
     """
 
     def __init__(self, tokenizer: Tokenizer, merge_size: int = 2, style: str = "qwen2_5_vl"):
@@ -133,9 +141,11 @@ class ChatRenderer:
         """The renderer of a model family: "qwen2_5_vl" or "qwen3_vl"."""
         if family in ("qwen2_5_vl", "qwen2_vl"):
             return cls(tokenizer, merge_size, "qwen2_5_vl")
-        if family == "qwen3_vl":
-            return cls(tokenizer, merge_size, "qwen3_vl")
-        raise ValueError(f"unknown model family {family!r}: expected 'qwen2_5_vl' or 'qwen3_vl'")
+        if family in ("qwen3_vl", "qwen3_5"):
+            return cls(tokenizer, merge_size, family)
+        raise ValueError(
+            f"unknown model family {family!r}: expected 'qwen2_5_vl', 'qwen3_vl' or 'qwen3_5'"
+        )
 
     # ---- text ----------------------------------------------------------------------------------
 
@@ -239,7 +249,8 @@ class ChatRenderer:
                     f"{grids.shape[0]} row(s); pass one (t, h, w) grid per image, in order"
                 )
         out = _Emitter(self.tokenizer, text_only)
-        qwen3 = self.style == "qwen3_vl"
+        qwen3 = self.style in ("qwen3_vl", "qwen3_5")
+        header = QWEN35_ASSISTANT_HEADER if self.style == "qwen3_5" else "assistant\n"
         open_assistant = prev.open_assistant
         image_index = 0
 
@@ -313,7 +324,7 @@ class ChatRenderer:
                 )
             else:
                 out.ids([self._im_start], IM_START, False)
-                out.text(f"{role}\n", False)
+                out.text(header if role == "assistant" else f"{role}\n", False)
             trained = role == "assistant"
             # Qwen3-VL's template writes only the text of system and assistant contents.
             emit_content(i, role, content, trained, images=not (qwen3 and role != "user"))
@@ -323,6 +334,11 @@ class ChatRenderer:
                         out.text("\n", trained)
                     call = call.get("function", call)
                     args = call.get("arguments", {})
+                    if self.style == "qwen3_5":
+                        if j == 0 and content:
+                            out.text("\n", trained)  # the template: "\n\n" after content
+                        out.text(_xml_tool_call(call["name"], args), trained)
+                        continue
                     args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
                     out.text(
                         f'<tool_call>\n{{"name": "{call["name"]}", "arguments": {args}}}'
@@ -335,7 +351,7 @@ class ChatRenderer:
             if open_assistant:
                 raise ValueError("the rendering already ends with a generation prompt")
             out.ids([self._im_start], IM_START, False)
-            out.text("assistant\n", False)
+            out.text(header, False)
             open_assistant = True
         ids, mask, text = out.finish()
         return RenderedChat(
@@ -347,6 +363,20 @@ class ChatRenderer:
             text=prev.text + text,
             open_assistant=open_assistant,
         )
+
+
+def _xml_tool_call(name: str, arguments: Any) -> str:
+    """One call as Qwen3.5's template writes it: a <parameter=k> element per argument, lists and
+    objects as JSON, everything else as its string."""
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments)
+    params = "".join(
+        f"<parameter={k}>\n"
+        + (json.dumps(v, ensure_ascii=False) if isinstance(v, dict | list) else str(v))
+        + "\n</parameter>\n"
+        for k, v in arguments.items()
+    )
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
 
 
 class _Emitter:

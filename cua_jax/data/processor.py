@@ -39,7 +39,7 @@ from cua_jax.data.tokenizer import (
     load_default_tokenizer,
 )
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")  # qwen3_5: Qwen3-VL's images, its own chat
 
 
 def _flatten_images(images: Any) -> list[ImageLike]:
@@ -73,7 +73,7 @@ def pad_sequences(
 class QwenVLProcessor:
     """Ties a Tokenizer, the image settings and chat rendering together.
 
-    family: "qwen2_5_vl" or "qwen3_vl" (chooses the chat template style; image settings come
+    family: "qwen2_5_vl", "qwen3_vl" or "qwen3_5" (chooses the chat template style; images come
     from `image_config`).
     """
 
@@ -87,7 +87,9 @@ class QwenVLProcessor:
             raise ValueError(f"unknown model family {family!r}: expected one of {FAMILIES}")
         self.tokenizer = tokenizer
         self.family = family
-        self.image_config = image_config or ImageConfig.for_family(family)
+        self.image_config = image_config or ImageConfig.for_family(
+            "qwen3_vl" if family == "qwen3_5" else family
+        )
         self.chat = ChatRenderer.for_family(tokenizer, family, self.image_config.merge_size)
 
     # ---- construction --------------------------------------------------------------------------
@@ -115,9 +117,14 @@ class QwenVLProcessor:
         family = None
         if (path / "config.json").is_file():
             model_type = json.loads((path / "config.json").read_text()).get("model_type")
-            family = {"qwen2_5_vl": "qwen2_5_vl", "qwen2_vl": "qwen2_5_vl"}.get(
-                model_type, "qwen3_vl" if model_type == "qwen3_vl" else None
-            )
+            family = {
+                "qwen2_5_vl": "qwen2_5_vl",
+                "qwen2_vl": "qwen2_5_vl",
+                "qwen3_vl": "qwen3_vl",
+                "qwen3_vl_moe": "qwen3_vl",
+                "qwen3_5": "qwen3_5",
+                "qwen3_5_moe": "qwen3_5",
+            }.get(model_type)
         if family is None:
             # No config.json: Qwen3-VL is the one with 16-pixel patches.
             family = "qwen3_vl" if image_cfg and image_cfg.get("patch_size") == 16 else "qwen2_5_vl"
@@ -140,10 +147,9 @@ class QwenVLProcessor:
         to keep screenshots to a few dozen tokens. "qwen3_5" is Qwen3-VL's processor and chat
         rendering (transformers maps Qwen3.5's model types to Qwen3VLProcessor).
         """
-        if family == "qwen3_5":
-            family = "qwen3_vl"
+        image = "qwen3_vl" if family == "qwen3_5" else family
         return cls(
-            load_default_tokenizer(), ImageConfig.for_family(family, **image_overrides), family
+            load_default_tokenizer(), ImageConfig.for_family(image, **image_overrides), family
         )
 
     # ---- images --------------------------------------------------------------------------------

@@ -182,6 +182,11 @@ COMPACT_SYSTEM_PROMPT = (
     "</tool_call>. Actions: left_click, double_click, right_click, mouse_move, left_click_drag, "
     "type, key, scroll, wait, terminate. Coordinates are {coords}."
 )
+# Qwen3.5's XML call syntax (action format "qwen35")
+COMPACT_SYSTEM_PROMPT_XML = COMPACT_SYSTEM_PROMPT.replace(
+    '<tool_call>{{"name": "computer_use", "arguments": {{"action": ..., ...}}}}</tool_call>',
+    "<tool_call><function=computer_use><parameter=action>...</parameter>...</function></tool_call>",
+)
 COMPACT_API_LINE = (
     " This task also allows these tools, called the same way with their own name and string "
     "arguments: {tools}."
@@ -387,7 +392,8 @@ class AgentLoop:
             if self.fmt.version == "3"
             else f"pixels of a {space.model_w:.0f}x{space.model_h:.0f} screen"
         )
-        text = COMPACT_SYSTEM_PROMPT.format(coords=coords)
+        xml = isinstance(self.fmt, A.Qwen35ComputerUse)
+        text = (COMPACT_SYSTEM_PROMPT_XML if xml else COMPACT_SYSTEM_PROMPT).format(coords=coords)
         if api_actions:
             text += COMPACT_API_LINE.format(
                 tools="; ".join(

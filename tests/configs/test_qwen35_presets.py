@@ -15,7 +15,7 @@ from cua_jax.models import lora, qwen_vl
 @pytest.mark.parametrize("preset", ["smoke", "smoke_moe"])
 def test_smoke_presets_validate(preset):
     c = qwen35_grpo.get_config(preset)
-    assert c.model.family == "qwen3_5" and c.env.action_format == "qwen3vl"
+    assert c.model.family == "qwen3_5" and c.env.action_format == "qwen35"
     assert c.model.preset == ("tiny_moe" if preset == "smoke_moe" else "tiny")
     config_checks.validate_config(c)
 
