@@ -85,7 +85,12 @@ class TokenAutomaton:
         for i, b in enumerate(token_bytes):
             if b and i not in stops:
                 by_bytes.setdefault(b, []).append(i)
-        index = Index(regex, Vocabulary(stops[0], by_bytes))
+        try:
+            index = Index(regex, Vocabulary(stops[0], by_bytes))
+        except ValueError as e:  # newer outlines_core refuses a dead state itself
+            raise ValueError(
+                f"TokenAutomaton: this vocabulary cannot write {regex[:80]!r}: {e}"
+            ) from None
         trans = index.get_transitions()
         order = sorted(set(trans) | {n for moves in trans.values() for n in moves.values()})
         num = {s: k for k, s in enumerate(order)}
@@ -111,8 +116,8 @@ class TokenAutomaton:
         stuck = np.nonzero(~allow.any(axis=1))[0]
         if stuck.size:
             raise ValueError(
-                f"TokenAutomaton: {stuck.size} state(s) of {regex[:80]!r} allow no token of "
-                "this vocabulary (it cannot write some character the format needs)"
+                f"TokenAutomaton: this vocabulary cannot write {regex[:80]!r}: {stuck.size} "
+                "state(s) allow no token (a character the format needs has no token)"
             )
         return cls(
             token_class=token_class,
