@@ -100,6 +100,13 @@ _CLICKS = {
     "double_click": ("left", 2),
     "triple_click": ("left", 3),
 }
+# Pieces of the action grammars (`action_regex`, here and in `qwen35`): integer coordinates
+# (0..1000 relative, or pixels below 10,000), a number of at most 6 digits and 3 decimals, a
+# key name as a JSON string (canonical, or one printable ASCII character, " and \ escaped).
+COORD_RELATIVE = r"(?:0|[1-9][0-9]{0,2}|1000)"
+COORD_PIXELS = r"(?:0|[1-9][0-9]{0,3})"
+NUMBER = r"(?:0|[1-9][0-9]{0,5})(?:\.[0-9]{1,3})?"
+KEY_STRING = r'"(?:' + "|".join(sorted(KEY_NAMES)) + r'|[ !#-\[\]-~]|\\"|\\\\)"'
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -341,13 +348,12 @@ class QwenComputerUse:
         have at most 6 digits and 3 decimals, key names canonical (``KEY_NAMES``) or one
         printable character, other strings any JSON string."""
         names = _QWEN_ACTIONS_25 if self.version == "2.5" else _QWEN_ACTIONS_3
-        coord = r"(?:0|[1-9][0-9]{0,2}|1000)" if self.version == "3" else r"(?:0|[1-9][0-9]{0,3})"
+        coord = COORD_RELATIVE if self.version == "3" else COORD_PIXELS
         pt = rf"\[{coord}, {coord}\]"
-        num = r"(?:0|[1-9][0-9]{0,5})(?:\.[0-9]{1,3})?"
+        num = NUMBER
         text = r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"'
 
-        # a canonical key name, or one printable ASCII character (JSON-escaped " and \\)
-        key = r'"(?:' + "|".join(sorted(KEY_NAMES)) + r'|[ !#-\[\]-~]|\\"|\\\\)"'
+        key = KEY_STRING
 
         def q(s: str) -> str:
             return re.escape(json.dumps(s))

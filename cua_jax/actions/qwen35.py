@@ -37,14 +37,20 @@ from cua_jax.actions.api import (
     check_api_names,
 )
 from cua_jax.actions.core import (
-    KEY_NAMES,
     Action,
     CoordinateSpace,
     InvalidAction,
     Scroll,
     clip_text,
 )
-from cua_jax.actions.qwen import _QWEN_ACTIONS_3, QwenComputerUse
+from cua_jax.actions.qwen import (
+    _CLICKS,
+    _QWEN_ACTIONS_3,
+    COORD_RELATIVE,
+    KEY_STRING,
+    NUMBER,
+    QwenComputerUse,
+)
 
 _CALL_RE = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
 _PARAM_RE = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
@@ -137,12 +143,11 @@ class Qwen35ComputerUse(QwenComputerUse):
         """The language of the calls ``format`` writes (see ``QwenComputerUse.action_regex``):
         one block, its parameters in ``arguments``' order; text values any text without a
         ``</parameter>`` or a newline at either end."""
-        coord = r"(?:0|[1-9][0-9]{0,2}|1000)"
-        pt = rf"\[{coord}, {coord}\]"
-        num = r"(?:0|[1-9][0-9]{0,5})(?:\.[0-9]{1,3})?"
+        pt = rf"\[{COORD_RELATIVE}, {COORD_RELATIVE}\]"
+        num = NUMBER
         # text: no '<' (so no closing tag inside), no newline at the ends
         text = r"(?:[^<\n](?:[^<]*[^<\n])?)?"
-        key = r'"(?:' + "|".join(sorted(KEY_NAMES)) + r'|[ !#-\[\]-~]|\\"|\\\\)"'
+        key = KEY_STRING
 
         def p(name: str, value: str) -> str:
             return rf"<parameter={name}>\n{value}\n</parameter>\n"
@@ -150,9 +155,8 @@ class Qwen35ComputerUse(QwenComputerUse):
         def act(n: str) -> str:
             return p("action", n)
 
-        clicks = ("left_click", "right_click", "middle_click", "double_click", "triple_click")
         args = {
-            **{n: act(n) + p("coordinate", pt) for n in (*clicks, "mouse_move")},
+            **{n: act(n) + p("coordinate", pt) for n in (*_CLICKS, "mouse_move")},
             "left_click_drag": act("left_click_drag")
             + p("coordinate", pt)
             + rf"(?:{p('start_coordinate', pt)})?",
