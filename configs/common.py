@@ -65,6 +65,10 @@ def base_config(family: str) -> ConfigDict:
     # interpret mode on CPU; its backward is the reference's VJP, recomputed) or "auto" (pallas
     # on TPU, reference elsewhere)
     c.model.gated_delta_impl = "reference"
+    # the form screens take from the processor to the device: "uint8", the frame's bytes in patch
+    # order (8x fewer bytes in episodes, the store, batches and HBM; the model normalizes them on
+    # the device); "float32", transformers' pixel_values
+    c.model.pixel_dtype = "uint8"
     c.model.lora_rank = 0  # 0 = full fine-tuning
     c.model.lora_alpha = 16.0
     # Regexes over dotted module paths (= cua_jax.models.lora.DEFAULT_TARGETS): the language

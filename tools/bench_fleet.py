@@ -301,6 +301,12 @@ def main() -> None:
         help="the processor's max_pixels (0: the viewport's area, as the smoke preset sets it; "
         "small: screens shrink to a few patches, isolating the rest of the rollout side)",
     )
+    p.add_argument(
+        "--pixel-dtype",
+        choices=("uint8", "float32"),
+        default="uint8",
+        help="the screens' form in episodes (model.pixel_dtype; uint8 is the presets')",
+    )
     p.add_argument("--prompt-threads", type=int, default=1, help="RolloutSettings'")
     p.add_argument("--ray", action="store_true", help="hosts as Ray actors on a local Ray")
 
@@ -312,10 +318,12 @@ def main() -> None:
     profile = LatencyProfile.load()
     w, h = tuple(int(x) for x in args.viewport.split("x")) if args.viewport else profile.viewport
     max_pixels = args.max_pixels or w * h
-    proc_ = QwenVLProcessor.default("qwen3_vl", max_pixels=max_pixels, min_pixels=32 * 32)
+    proc_ = QwenVLProcessor.default(
+        "qwen3_vl", max_pixels=max_pixels, min_pixels=32 * 32, pixel_dtype=args.pixel_dtype
+    )
     print(
         f"profile: {profile.source}; think {args.think_s} s, {args.steps} steps, screens "
-        f"{w}x{h}, processor max_pixels {max_pixels}",
+        f"{w}x{h} as {args.pixel_dtype}, processor max_pixels {max_pixels}",
         flush=True,
     )
     rows = []

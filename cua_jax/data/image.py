@@ -11,6 +11,12 @@ one pipeline serves both:
          in (grid_h/merge, grid_w/merge, merge, merge) order, each patch as (C, T, P, P)
     -> pixel_values f32[num_patches, C*T*P*P], image_grid_thw i32[n_images, 3] (t, h, w)
 
+Screens in bytes (ImageConfig.pixel_dtype="uint8", what the trainer holds): the resized frame's
+uint8 values in the same patch order, one temporal frame, u8[num_patches, C*P*P] -- 8x fewer
+bytes than the f32 rows, for the rollout side, the store, the batches and the device. The model
+lifts them (`lift_patch_bytes`, the same normalize table, then the temporal copy) as the patch
+embedding's first step, so both forms give the same bits of pixel_values.
+
 Two resize backends, one per transformers backend (ImageConfig.resize_backend):
   "pil" (default): PIL's bicubic; bit-identical (max abs 0) to `Qwen2VLImageProcessorPil`.
   "torchvision": a numpy port of torch's uint8 antialiased bicubic; equal to the torchvision
@@ -45,6 +51,7 @@ MAX_ASPECT_RATIO = 200
 
 ImageLike = PIL.Image.Image | np.ndarray
 RESIZE_BACKENDS = ("pil", "torchvision")
+PIXEL_DTYPES = ("float32", "uint8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,12 +73,17 @@ class ImageConfig:
     # "torchvision": torch's uint8 antialiased bicubic, as the torchvision backend
     # (Qwen2VLImageProcessor, what AutoProcessor picks when torchvision is installed).
     resize_backend: str = "pil"
+    # "float32": transformers' pixel_values (normalized, temporally repeated), f32[N, C*T*P*P].
+    # "uint8": the resized frame's bytes in patch order, u8[N, C*P*P] (the model lifts them).
+    pixel_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.resize_backend not in RESIZE_BACKENDS:
             raise ValueError(
                 f"resize_backend must be one of {RESIZE_BACKENDS}, got {self.resize_backend!r}"
             )
+        if self.pixel_dtype not in PIXEL_DTYPES:
+            raise ValueError(f"pixel_dtype must be one of {PIXEL_DTYPES}, got {self.pixel_dtype!r}")
 
     @property
     def factor(self) -> int:
@@ -82,6 +94,12 @@ class ImageConfig:
     def patch_dim(self) -> int:
         """Length of one row of pixel_values: C * T * P * P."""
         return 3 * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def pixel_width(self) -> int:
+        """Length of one row of what `preprocess_images` returns in this config's pixel_dtype:
+        C*T*P*P floats, or C*P*P bytes."""
+        return self.patch_dim if self.pixel_dtype == "float32" else 3 * self.patch_size**2
 
     @classmethod
     def for_family(cls, family: str, **overrides: Any) -> ImageConfig:
@@ -327,7 +345,7 @@ def patchify(x_CHW: np.ndarray, config: ImageConfig) -> tuple[np.ndarray, int, i
 
 
 @functools.lru_cache(maxsize=16)
-def _normalize_table(config: ImageConfig) -> np.ndarray:
+def normalize_table(config: ImageConfig) -> np.ndarray:
     """f32[3 * 256]: `normalize` of every uint8 value of every channel, channel-major.
 
     `normalize` is elementwise in (channel, value), so a lookup in this table gives its bits
@@ -337,35 +355,56 @@ def _normalize_table(config: ImageConfig) -> np.ndarray:
     return np.ascontiguousarray(normalize(values, config)).reshape(3 * 256)
 
 
-def patch_values(rgb_HWC: np.ndarray, config: ImageConfig) -> tuple[np.ndarray, int, int]:
-    """`patchify(normalize(rgb_HWC))`, bit for bit, in one pass over uint8 data.
+def patch_bytes(rgb_HWC: np.ndarray, config: ImageConfig) -> tuple[np.ndarray, int, int]:
+    """u8[grid_h * grid_w, C*P*P]: the frame's values in the vision tower's patch order.
 
-    The frame is rearranged into patch order while it is still uint8 (a quarter of the f32
-    bytes), channel-major, and each value becomes its normalized float by one lookup per channel
-    in `_normalize_table`, written straight into the temporally duplicated rows: no float64
-    frame, no f32 frame and no f32 transpose (BENCHMARKS.md, "Screens into patches by table
-    lookup").
+    Rows run as `patchify`'s; each row is (C, P, P), one temporal frame: the bytes
+    `patch_values` normalizes and repeats.
     """
     h, w, c = rgb_HWC.shape
-    p, m, t = config.patch_size, config.merge_size, config.temporal_patch_size
+    p, m = config.patch_size, config.merge_size
     if h % (p * m) or w % (p * m):
         raise ValueError(f"frame {h}x{w} is not a multiple of patch*merge = {p * m}")
     gh, gw = h // p, w // p
     x = rgb_HWC.reshape(gh // m, m, p, gw // m, m, p, c)
-    # (C, gh/m, gw/m, m, m, P, P), still uint8: one row a patch, per channel.
-    x = np.ascontiguousarray(x.transpose(6, 0, 3, 1, 4, 2, 5)).reshape(c, gh * gw, p * p)
-    table = _normalize_table(config)
-    out = np.empty((gh * gw, c, t, p * p), np.float32)
+    # (gh/m, gw/m, m, m, C, P, P): one row a patch.
+    x = np.ascontiguousarray(x.transpose(0, 3, 1, 4, 6, 2, 5)).reshape(gh * gw, c * p * p)
+    return x, gh, gw
+
+
+def lift_patch_bytes(rows_u8: np.ndarray, config: ImageConfig) -> np.ndarray:
+    """f32[N, C*T*P*P] from `patch_bytes` rows u8[N, C*P*P]: `patch_values`' bits.
+
+    Each value becomes its normalized float by a lookup in `normalize_table`, written into the
+    temporally repeated layout. The model does the same on the device (vision.lift_pixels).
+    """
+    n = rows_u8.shape[0]
+    c, t, pp = 3, config.temporal_patch_size, config.patch_size**2
+    table = normalize_table(config).reshape(c, 256)
+    x = rows_u8.reshape(n, c, pp)
+    out = np.empty((n, c, t, pp), np.float32)
     for ch in range(c):
-        values = np.take(table[ch * 256 : (ch + 1) * 256], x[ch], mode="clip")
-        out[:, ch] = values[:, None]
-    return out.reshape(gh * gw, c * t * p * p), gh, gw
+        out[:, ch] = np.take(table[ch], x[:, ch], mode="clip")[:, None]
+    return out.reshape(n, c * t * pp)
+
+
+def patch_values(rgb_HWC: np.ndarray, config: ImageConfig) -> tuple[np.ndarray, int, int]:
+    """`patchify(normalize(rgb_HWC))`, bit for bit, in one pass over uint8 data.
+
+    The frame is rearranged into patch order while it is still uint8 (a quarter of the f32
+    bytes) and each value becomes its normalized float by one lookup per channel in
+    `normalize_table`, written straight into the temporally duplicated rows: no float64 frame,
+    no f32 frame and no f32 transpose (BENCHMARKS.md, "Screens into patches by table lookup").
+    """
+    rows, gh, gw = patch_bytes(rgb_HWC, config)
+    return lift_patch_bytes(rows, config), gh, gw
 
 
 def preprocess_images(
     images: Sequence[ImageLike], config: ImageConfig | None = None
 ) -> dict[str, np.ndarray]:
-    """pixel_values f32[num_patches, C*T*P*P] and image_grid_thw i32[n_images, 3].
+    """pixel_values f32[num_patches, C*T*P*P] (or, with pixel_dtype "uint8", the bytes
+    u8[num_patches, C*P*P]) and image_grid_thw i32[n_images, 3].
 
     Rows of pixel_values are the images' patches one image after another, as transformers'
     processor concatenates them.
@@ -378,12 +417,13 @@ def preprocess_images(
             rgb.shape[0], rgb.shape[1], config.factor, config.min_pixels, config.max_pixels
         )
         resize = resize_bicubic if config.resize_backend == "pil" else resize_bicubic_torchvision
-        flat, gh, gw = patch_values(resize(rgb, h, w), config)
+        to_rows = patch_values if config.pixel_dtype == "float32" else patch_bytes
+        flat, gh, gw = to_rows(resize(rgb, h, w), config)
         patches.append(flat)
         grids.append((1, gh, gw))
     if not patches:
         return {
-            "pixel_values": np.zeros((0, config.patch_dim), np.float32),
+            "pixel_values": np.zeros((0, config.pixel_width), np.dtype(config.pixel_dtype)),
             "image_grid_thw": np.zeros((0, 3), np.int32),
         }
     return {

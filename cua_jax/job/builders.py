@@ -89,11 +89,13 @@ def build_model_and_processor(config: Any, mesh: Any, rules: Any):
             gated_delta_impl=gated_delta,
         )
         qwen_vl.set_expert_mesh(model, mesh, rules, dispatch)  # its blocks were built "auto"
-        processor = QwenVLProcessor.from_pretrained(mc.hf_path)
-        return model, processor
+        processor = screen_form(QwenVLProcessor.from_pretrained(mc.hf_path), config)
+        return model_screens(model, processor), processor
     # Tiny screens: a screenshot of the smoke viewport is a few dozen merged tokens.
     w, h = config.env.viewport_width, config.env.viewport_height
-    processor = QwenVLProcessor.default(mc.family, max_pixels=w * h, min_pixels=32 * 32)
+    processor = screen_form(
+        QwenVLProcessor.default(mc.family, max_pixels=w * h, min_pixels=32 * 32), config
+    )
     tok = processor.tokenizer
     cfg = qwen_vl.tiny(
         mc.family,
@@ -111,7 +113,30 @@ def build_model_and_processor(config: Any, mesh: Any, rules: Any):
         gated_delta_impl=gated_delta,
         scale=2 if mc.preset == "small" else 1,
     )
-    return qwen_vl.init_random(cfg, seed=config.seed), processor
+    return model_screens(qwen_vl.init_random(cfg, seed=config.seed), processor), processor
+
+
+def screen_form(processor: QwenVLProcessor, config: Any) -> QwenVLProcessor:
+    """`processor` making screens in the run's form (`model.pixel_dtype`; configs saved before
+    the key: "float32")."""
+    form = config.model.get("pixel_dtype", "float32")
+    ic = processor.image_config
+    if form == "uint8" and abs(ic.rescale_factor - 1 / 255) > 1e-12:
+        raise ConfigError(
+            f"model.pixel_dtype='uint8' normalizes screens with rescale 1/255, but the processor's "
+            f"rescale_factor is {ic.rescale_factor}; use --config.model.pixel_dtype=float32"
+        )
+    processor.image_config = dataclasses.replace(ic, pixel_dtype=form)
+    return processor
+
+
+def model_screens(model: Any, processor: QwenVLProcessor) -> Any:
+    """`model` taking the processor's screens: their form, and (for bytes) its normalization."""
+    ic = processor.image_config
+    model.config = model.config.replace(
+        pixel_dtype=ic.pixel_dtype, image_mean=ic.image_mean, image_std=ic.image_std
+    )
+    return model
 
 
 def init_model_weights(model: Any, config: Any) -> int:
@@ -272,13 +297,9 @@ def _largest_program_bytes(learner: Any) -> int:
     scratch = int(m.temp_size_in_bytes) + int(m.output_size_in_bytes) - int(m.alias_size_in_bytes)
     arrays = [batch.input_ids, batch.position_ids, batch.loss_mask, batch.loss_weights]
     scratch += sum(int(np.asarray(a).nbytes) * 3 for a in arrays)  # the batch, generously
-    scratch += shape.patches * np.dtype(np.float32).itemsize * _patch_dim(learner.config)
+    cfg = learner.config
+    scratch += shape.patches * np.dtype(cfg.pixel_dtype).itemsize * cfg.pixel_width
     return scratch
-
-
-def _patch_dim(cfg: Any) -> int:
-    v = cfg.vision
-    return v.in_channels * v.temporal_patch_size * v.patch_size**2
 
 
 def build_engine(

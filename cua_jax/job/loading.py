@@ -54,6 +54,8 @@ def build_processor(config: Any):
     with the tiny presets' image settings (what `builders.build_model_and_processor` gives)."""
     mc = config.model
     if mc.hf_path is not None:
-        return QwenVLProcessor.from_pretrained(mc.hf_path)
+        return builders.screen_form(QwenVLProcessor.from_pretrained(mc.hf_path), config)
     w, h = config.env.viewport_width, config.env.viewport_height
-    return QwenVLProcessor.default(mc.family, max_pixels=w * h, min_pixels=32 * 32)
+    return builders.screen_form(
+        QwenVLProcessor.default(mc.family, max_pixels=w * h, min_pixels=32 * 32), config
+    )

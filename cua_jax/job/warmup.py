@@ -72,7 +72,7 @@ def sampler_programs(
         cfg = engine.config
         v = cfg.vision
         unit = screen[0] * screen[1] * screen[2]
-        dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+        dim = cfg.pixel_width
         tokens = unit // v.spatial_merge_size**2
         for k in range(1, max_images + 1):
             for t in b.prefill_tokens:
@@ -80,7 +80,11 @@ def sampler_programs(
                     continue
                 for p in b.table_cols:
                     if wide_enough(t, p):
-                        args = (state, cache, *steps.prefill_arg_shapes(1, t, p, (k * unit, dim)))
+                        args = (
+                            state,
+                            cache,
+                            *steps.prefill_arg_shapes(1, t, p, (k * unit, dim), cfg.pixel_dtype),
+                        )
                         out.append(
                             (
                                 f"prefill {k} screens 1x{t} cols {p}",

@@ -40,6 +40,7 @@ def model_config(config: Any) -> qwen_vl.QwenVLConfig:
         attn_block=mc.attn_block,
         attn_impl=mc.attn_impl,
         moe_dispatch=mc.get("moe_dispatch", "auto"),
+        pixel_dtype=mc.get("pixel_dtype", "float32"),
     )
     if mc.hf_path is not None:
         path = os.path.expanduser(str(mc.hf_path))

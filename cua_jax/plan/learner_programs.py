@@ -467,8 +467,7 @@ def _abstract_screens(learner: Any, shape: Any, grid: Any) -> tuple[Any, int, in
     screens grouped by micro-batch and device as `BatchLayout.grouped_images` lays them out
     (sharded over the batch axes, in the compute dtype; a token-budget shape's group budget)."""
 
-    v = learner.config.vision
-    patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+    patch_dim = learner.config.pixel_width
     s, b = learner.num_substeps, learner.layout.batch_parallel
     per_group, unit, meta = learner.layout.screen_layout(
         shape.length, shape.patches, s, grid, per_group=shape.group_screens

@@ -189,7 +189,7 @@ def plan_prefill_turn(
     tokens = screens * (unit // v.spatial_merge_size**2 + 2) + SYSTEM_TOKENS
     T = min(token_bucket(tokens), sc.max_seq_len)
     cols = -(-sc.max_seq_len // L)
-    dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+    dim = cfg.pixel_width
     kv_sh = kv_sharding(mesh)
     cache = sampler_cache(cfg, sc, mesh, num_pages)
     params = nnx.merge_state(ab.trainable, ab.frozen, ab.rest)
@@ -197,7 +197,7 @@ def plan_prefill_turn(
     arguments = {
         "params": tree_shard_bytes(params),
         **_cache_arguments(cache, num_pages),
-        "the turn's screens": screens * unit * dim * 4,
+        "the turn's screens": screens * unit * dim * np.dtype(cfg.pixel_dtype).itemsize,
     }
     resident = {"optimizer state (learner, resident)": tree_shard_bytes(ab.opt_state)}
     if ab.ref is not None:
@@ -212,7 +212,11 @@ def plan_prefill_turn(
         f"{T}-token prefill, a {cols}-column page table"
         + (f" (a turn is longer than sampler.max_seq_len={sc.max_seq_len})" if tokens > T else "")
     )
-    args = (params, cache, *steps.prefill_arg_shapes(1, T, cols, (screens * unit, dim)))
+    args = (
+        params,
+        cache,
+        *steps.prefill_arg_shapes(1, T, cols, (screens * unit, dim), cfg.pixel_dtype),
+    )
     _compile(fns.prefill((tuple(grid),) * screens), args, prog)
     return prog
 

@@ -143,12 +143,15 @@ class BatchLayout:
                 batch.patch_budget,
                 self.shapes.grid,
                 v.spatial_merge_size,
-                v.in_channels * v.temporal_patch_size * v.patch_size**2,
+                self.config.pixel_width,
+                self.pixel_dtype(),
             )
+            self.check_screens(pv)
             meta = vision_metadata(self.config, grid)
             images = jax.device_put((jnp.asarray(pv), meta), self.repl)
         elif batch.pixel_values is not None:
             pv, grid = batch.pixel_values, batch.image_grid_thw
+            self.check_screens(pv)
             if self.bucket_shapes:
                 pv, grid = pad_images_to_bucket(pv, grid, self.config.vision.spatial_merge_size)
             meta = vision_metadata(self.config, grid)
@@ -203,8 +206,24 @@ class BatchLayout:
         return per_group, unit, meta
 
     def pixel_dtype(self) -> Any:
-        """Screens travel in the model's compute dtype (its patch embedding casts to it first)."""
+        """Screens as bytes travel as bytes (the model lifts them); float screens travel in the
+        model's compute dtype (its patch embedding casts to it first)."""
+        if self.config.pixel_dtype == "uint8":
+            return jnp.dtype(jnp.uint8)
         return jnp.dtype(jdtype(self.config.dtype))
+
+    def check_screens(self, pixel_values: np.ndarray) -> None:
+        """Raises naming the mismatch when a batch's screens are not in the form the programs
+        were built for (`config.pixel_dtype`): bytes taken for floats would train on garbage."""
+        want = self.config.pixel_dtype
+        got = "uint8" if pixel_values.dtype == np.uint8 else "float32"
+        if got != want or pixel_values.shape[-1] != self.config.pixel_width:
+            raise ValueError(
+                f"the batch's screens are {pixel_values.dtype}[..., {pixel_values.shape[-1]}] but "
+                f"the learner takes {want} rows of {self.config.pixel_width} "
+                "(model.pixel_dtype); trajectories or demonstrations stored in the other form "
+                "cannot join this run"
+            )
 
     def pixel_sharding(self, ndim: int) -> NamedSharding:
         """Grouped screens [S, B, P_g, C] ([B, P_g, C]): the groups' B axis over the batch axes."""
@@ -222,14 +241,13 @@ class BatchLayout:
         per_group, unit, meta = self.screen_layout(
             batch.shape[1], batch.patch_budget, substeps, per_group=per_group
         )
-        v = self.config.vision
-        dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
         n = self.processes  # multi-host: this process's rows, on its block of the devices
         devices = self.batch_parallel // n
         groups_R = image_groups.row_groups(batch.shape[0], substeps, devices)
         flat = batch.pixel_values
         if flat is None:
-            flat = np.zeros((0, dim), np.float32)
+            flat = np.zeros((0, self.config.pixel_width), self.pixel_dtype())
+        self.check_screens(flat)
         pv = image_groups.group_pixels(
             flat,
             self.screens_per_row(batch),
@@ -287,9 +305,14 @@ def gather_images(
     )
     if dim == 0:
         return None, None
-    pv = np.zeros((0, dim), np.float32) if pixel_values is None else pixel_values
+    # the screens' dtype: uint8 (bytes) when any process has bytes, else float32
+    as_bytes = multihost.allgather_ints(
+        [int(pixel_values is not None and pixel_values.dtype == np.uint8)]
+    ).max()
+    dtype = np.uint8 if as_bytes else np.float32
+    pv = np.zeros((0, dim), dtype) if pixel_values is None else pixel_values
     g = np.zeros((0, 3), np.int32) if grid is None else np.asarray(grid, np.int32)
-    pvs = multihost.allgather_arrays(np.asarray(pv, np.float32))
+    pvs = multihost.allgather_arrays(np.asarray(pv, dtype))
     grids = multihost.allgather_arrays(g)
     return np.concatenate(pvs), np.concatenate(grids)
 

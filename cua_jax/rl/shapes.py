@@ -329,6 +329,7 @@ def pad_images(
     grid: tuple[int, int, int],
     merge: int,
     patch_dim: int,
+    dtype: Any = np.float32,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Pads the flat patches to exactly `budget` with blank screens of `grid` (then one blank
     (1, m, k) image for any remainder), so every batch's vision input has one shape and, with
@@ -337,7 +338,7 @@ def pad_images(
     A blank image attends only to itself in the vision tower and its merged features come after
     every real one, so no image-pad token takes them: outputs are unchanged."""
     if pixel_values is None:
-        pixel_values = np.zeros((0, patch_dim), np.float32)
+        pixel_values = np.zeros((0, patch_dim), dtype)
         image_grid_thw = np.zeros((0, 3), np.int32)
     P = pixel_values.shape[0]
     if P > budget:

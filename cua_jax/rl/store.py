@@ -35,7 +35,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -377,7 +377,8 @@ def _resolve(fut: asyncio.Future) -> None:
 
 # --- persistence ---------------------------------------------------------------------------------
 
-_ARRAYS = {"tokens": "<i4", "logprobs": "<f4", "pixels": "<f4"}
+# "pixels": float screens (transformers' pixel_values), "screens": screens as bytes
+_ARRAYS = {"tokens": "<i4", "logprobs": "<f4", "pixels": "<f4", "screens": "|u1"}
 
 
 def _open_array(path: str, dtype: str, create: bool):
@@ -401,8 +402,9 @@ def _jsonable(x: Any) -> Any:
 class TrajectoryWriter:
     """Appends trajectories to ``directory``: flat zarr arrays + ``index.jsonl`` (one line each).
 
-    Token ids and log-probs of every turn go to ``tokens`` / ``logprobs``; pixel values
-    (flattened) to ``pixels``; the index line holds metadata and per-turn offsets. Reopening a
+    Token ids and log-probs of every turn go to ``tokens`` / ``logprobs``; screens (flattened)
+    to ``screens`` when they are bytes, ``pixels`` when they are floats; the index line holds
+    metadata and per-turn offsets. Reopening a
     directory appends after what is there.
     """
 
@@ -427,6 +429,13 @@ class TrajectoryWriter:
             self._size[name] = end
         return start
 
+    @staticmethod
+    def _screens(pixel_values: np.ndarray) -> tuple[str, np.ndarray]:
+        """(the array a turn's screens go to, the screens in its dtype)."""
+        if np.asarray(pixel_values).dtype == np.uint8:
+            return "screens", np.asarray(pixel_values)
+        return "pixels", np.asarray(pixel_values, np.float32)
+
     def write(self, traj: Trajectory) -> None:
         with self._lock:
             turns = []
@@ -444,8 +453,8 @@ class TrajectoryWriter:
                     "trained": bool(t.trained),
                 }
                 if t.pixel_values is not None and self.persist_images:
-                    pv = np.asarray(t.pixel_values, np.float32)
-                    rec["pixels"] = [self._append("pixels", pv.reshape(-1)), list(pv.shape)]
+                    key, pv = self._screens(t.pixel_values)
+                    rec[key] = [self._append(key, pv.reshape(-1)), list(pv.shape)]
                     rec["image_grid_thw"] = np.asarray(t.image_grid_thw).tolist()
                 turns.append(rec)
             line = {
@@ -462,9 +471,9 @@ class TrajectoryWriter:
                 "turns": turns,
             }
             if traj.final_screen is not None and self.persist_images:
-                pv = np.asarray(traj.final_screen[0], np.float32)
+                key, pv = self._screens(traj.final_screen[0])
                 line["final_screen"] = {
-                    "pixels": [self._append("pixels", pv.reshape(-1)), list(pv.shape)],
+                    key: [self._append(key, pv.reshape(-1)), list(pv.shape)],
                     "image_grid_thw": np.asarray(traj.final_screen[1]).tolist(),
                 }
             # The index line is written last: a reader never sees offsets past the arrays.
@@ -493,10 +502,10 @@ class TrajectoryReader:
 
     def _arr(self, name: str):
         if self._arrays is None:  # opened lazily so readers can be pickled to grain workers
-            self._arrays = {
-                k: _open_array(os.path.join(self.directory, k), dt, create=False)
-                for k, dt in _ARRAYS.items()
-            }
+            self._arrays = {}
+        if name not in self._arrays:  # one at a time: older directories have no "screens"
+            path = os.path.join(self.directory, name)
+            self._arrays[name] = _open_array(path, _ARRAYS[name], create=False)
         return self._arrays[name]
 
     def __len__(self) -> int:
@@ -505,18 +514,22 @@ class TrajectoryReader:
     def metadata(self, i: int) -> dict[str, Any]:
         return self._index[i]
 
-    def _pixels(self, start: int, shape: Sequence[int]) -> np.ndarray:
+    def _pixels(self, rec: dict[str, Any]) -> np.ndarray | None:
+        """A record's screens (bytes or floats, as written), or None when it has none."""
+        key = "screens" if "screens" in rec else "pixels" if "pixels" in rec else None
+        if key is None:
+            return None
+        start, shape = rec[key]
         n = int(np.prod(shape))
-        return self._arr("pixels")[start : start + n].read().result().reshape(shape)
+        return self._arr(key)[start : start + n].read().result().reshape(shape)
 
     def __getitem__(self, i: int) -> Trajectory:
         rec = self._index[i]
         turns = []
         for t in rec["turns"]:
             (ps, pn), (gs, gn), ls = t["prompt"], t["generated"], t["logprobs"]
-            pv = grid = None
-            if "pixels" in t:
-                pv = self._pixels(*t["pixels"])
+            pv, grid = self._pixels(t), None
+            if pv is not None:
                 grid = np.asarray(t["image_grid_thw"], np.int32)
             turns.append(
                 Turn(
@@ -544,7 +557,7 @@ class TrajectoryReader:
             checker_message=rec.get("checker_message", ""),
             task_position=rec.get("task_position"),
             final_screen=(
-                (self._pixels(*fs["pixels"]), np.asarray(fs["image_grid_thw"], np.int32))
+                (self._pixels(fs), np.asarray(fs["image_grid_thw"], np.int32))
                 if (fs := rec.get("final_screen"))
                 else None
             ),

@@ -763,12 +763,17 @@ def decode_arg_shapes(num_slots: int, table_cols: int, grammar: Any = None) -> t
 
 
 def prefill_arg_shapes(
-    rows: int, tokens: int, table_cols: int, pixel_shape: tuple[int, int] | None = None
+    rows: int,
+    tokens: int,
+    table_cols: int,
+    pixel_shape: tuple[int, int] | None = None,
+    pixel_dtype: str = "float32",
 ) -> tuple:
     """ShapeDtypeStructs of prefill(grid)'s arguments after (params, cache). `pixel_shape`:
-    (patch rows, patch dim) of the images of `grid` (None for a text-only call)."""
+    (patch rows, row width) of the images of `grid` (None for a text-only call), in the
+    model's `pixel_dtype` form."""
     sds, i32 = jax.ShapeDtypeStruct, jnp.int32
-    pix = None if pixel_shape is None else sds(pixel_shape, jnp.float32)
+    pix = None if pixel_shape is None else sds(pixel_shape, jnp.dtype(pixel_dtype))
     B, T = rows, tokens
     return (
         sds((B, T), i32),

@@ -252,3 +252,27 @@ def test_patch_values_are_normalize_then_patchify_bit_for_bit(fam, backend):
         got, gh, gw = patch_values(rgb, cfg)
         assert (gh, gw) == (wh, ww) and got.dtype == want.dtype == np.float32
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("backend", ["pil", "torchvision"])
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_screens_as_bytes_lift_to_the_float_rows_bit_for_bit(fam, backend):
+    """pixel_dtype="uint8" gives the resized frame's bytes in patch order, 8x fewer bytes than
+    the f32 rows; lifting them gives the f32 rows' bits, images of odd sizes included."""
+    from cua_jax.data.image import lift_patch_bytes
+
+    f32 = ImageConfig.for_family(fam, resize_backend=backend)
+    u8 = ImageConfig.for_family(fam, resize_backend=backend, pixel_dtype="uint8")
+    rng = np.random.default_rng(5)
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((97, 131), (60, 45))]
+    want, got = preprocess_images(images, f32), preprocess_images(images, u8)
+    np.testing.assert_array_equal(got["image_grid_thw"], want["image_grid_thw"])
+    assert got["pixel_values"].dtype == np.uint8
+    assert got["pixel_values"].shape == (want["pixel_values"].shape[0], u8.pixel_width)
+    assert want["pixel_values"].nbytes == 8 * got["pixel_values"].nbytes
+    lifted = lift_patch_bytes(got["pixel_values"], f32)
+    np.testing.assert_array_equal(lifted.view(np.uint32), want["pixel_values"].view(np.uint32))
+    empty = preprocess_images([], u8)["pixel_values"]
+    assert empty.shape == (0, u8.pixel_width) and empty.dtype == np.uint8
+    with pytest.raises(ValueError, match="pixel_dtype"):
+        ImageConfig(pixel_dtype="float16")

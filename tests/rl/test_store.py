@@ -232,6 +232,34 @@ def test_persistence_round_trip(tmp_path):
     np.testing.assert_array_equal(rd[0].final_screen[1], a.final_screen[1])
 
 
+def test_screens_as_bytes_are_stored_as_bytes(tmp_path):
+    """uint8 screens go to their own byte array (a quarter of the f32 file), and come back as
+    uint8; a directory written before the byte array existed still reads."""
+    import os
+    import shutil
+
+    st = TrajectoryStore(capacity=4, group_size=1, persist_dir=str(tmp_path / "traj"))
+    a = _traj("a", n=3)
+    screens = np.random.default_rng(0).integers(0, 256, (8, 12), dtype=np.uint8)
+    a.turns[0].pixel_values, a.turns[0].image_grid_thw = screens, np.array([[1, 2, 4]])
+    a.final_screen = (screens[:4], np.array([[1, 2, 2]]))
+    f = _traj("f", n=2, images=True)
+    st.put(a)
+    st.put(f)
+    st.close()
+    rd = TrajectoryReader(str(tmp_path / "traj"))
+    got = rd[0].turns[0].pixel_values
+    assert got.dtype == np.uint8
+    np.testing.assert_array_equal(got, screens)
+    assert rd[0].final_screen[0].dtype == np.uint8
+    np.testing.assert_array_equal(rd[0].final_screen[0], screens[:4])
+    assert rd[1].turns[0].pixel_values.dtype == np.float32
+    # an older directory (no "screens" array, float screens only) reads as before
+    shutil.rmtree(tmp_path / "traj" / "screens")
+    assert os.path.isdir(tmp_path / "traj" / "pixels")
+    assert TrajectoryReader(str(tmp_path / "traj"))[1].turns[0].pixel_values.shape == (4, 6)
+
+
 def test_stress_many_producers_one_consumer():
     group_size, capacity, n_producers, groups_each = 4, 24, 8, 25
     st = TrajectoryStore(capacity=capacity, group_size=group_size, max_steps_off_policy=3)

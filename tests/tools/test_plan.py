@@ -125,10 +125,11 @@ def test_the_train_step_with_splash_attention_compiles_for_tpu(hf_dir):
 
 def test_train_step_screens_plans_the_trainers_largest_shape_with_its_screens(hf_dir):
     """The trainer's RL step takes a step's episodes as rows (the shape set) with their screens
-    through the vision tower; `train_step_screens` compiles its largest shape. The pixel values
-    are grouped by micro-batch and device (`image_groups`), in bf16: with fsdp = 2 a device holds
-    its group's budget, here both screens (a row could hold them all), so 2 x 16 patches x
-    (3 x 2 x 16²) x 2 bytes, by hand."""
+    through the vision tower; `train_step_screens` compiles its largest shape. The screens are
+    grouped by micro-batch and device (`image_groups`), as bytes (model.pixel_dtype "uint8"):
+    with fsdp = 2 a device holds its group's budget, here both screens (a row could hold them
+    all), so 2 x 16 patches x (3 x 16²) x 1 byte, by hand (as bf16 pixel values they were
+    2 x 16 x (3 x 2 x 16²) x 2, 4x that)."""
     from cua_jax.data.processor import QwenVLProcessor
     from cua_jax.job import builders
 
@@ -146,7 +147,7 @@ def test_train_step_screens_plans_the_trainers_largest_shape_with_its_screens(hf
     assert largest.rows == 2 and largest.patches == 2 * 16  # a screen each, 4 x 4 patches
     assert f"{largest.rows} rows x {largest.length} tokens and 2 screens" in q.notes[0]
     assert "2 a (micro-batch, device) group of 1 x 2" in q.notes[0]
-    pixels = 2 * 16 * 3 * 2 * 16 * 16 * 2
+    pixels = 2 * 16 * 3 * 16 * 16 * 1
     screens = q.arguments["screens (pixel values by micro-batch and device, and layout)"]
     assert pixels < screens < pixels + 4096  # + the vision tower's index arrays
     assert "no MFU / MBU" in plan_lib.format_plan(p)

@@ -124,7 +124,7 @@ def test_token_budget_plan_writes_json_with_every_chunk_program(hf_dir, tmp_path
     # prefill of the sampler's max_seq_len (256 here), which says the turn is longer
     assert record["programs"][5]["row_length"] == SEQ and record["programs"][5]["fits"]
     assert "a turn is longer than sampler.max_seq_len=256" in r.stdout
-    pixels = 256 * 16 * 3 * 2 * 16 * 16 * 2  # a group's screens x patches x patch dim x bf16
+    pixels = 256 * 16 * 3 * 16 * 16 * 1  # a group's screens x patches x row width, as bytes
     row = next(ln for ln in r.stdout.splitlines() if "argument: chunk screens" in ln)
     mib = float(row.split("|")[2].split()[0])
     assert pixels / 2**20 <= mib < (pixels + 2**19) / 2**20  # + the tower's index arrays

@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+from cua_jax.data.image import ImageConfig
+
 Family = Literal["qwen2_5_vl", "qwen3_vl", "qwen3_5"]
 
 FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
@@ -185,6 +187,15 @@ class QwenVLConfig:
     # (`gated_delta/kernel.py`, interpret mode on CPU; its backward is the reference's VJP,
     # recomputed); "auto": pallas on TPU, reference elsewhere
     gated_delta_impl: str = "reference"
+    # The form of the screens a run feeds (the processor's ImageConfig.pixel_dtype), which the
+    # compiled programs' abstract inputs and padding follow: "float32", transformers'
+    # pixel_values f32[N, C*T*P*P]; "uint8", the frame's bytes in patch order u8[N, C*P*P],
+    # 8x fewer bytes. The model takes either: it lifts bytes on the device (`vision.lift_pixels`)
+    # normalizing with image_mean / image_std (preprocessor_config.json's, rescale 1/255; ()
+    # takes the family's defaults)
+    pixel_dtype: str = "float32"
+    image_mean: tuple[float, ...] = ()
+    image_std: tuple[float, ...] = ()
 
     @property
     def model_type(self) -> str:
@@ -196,6 +207,28 @@ class QwenVLConfig:
     def vision_family(self) -> str:
         """The vision tower's layout: Qwen3.5 uses Qwen3-VL's (without DeepStack)."""
         return "qwen3_vl" if self.family == "qwen3_5" else self.family
+
+    @property
+    def pixel_width(self) -> int:
+        """Length of one row of the screens this run feeds (`pixel_dtype`'s form)."""
+        v = self.vision
+        t = v.temporal_patch_size if self.pixel_dtype == "float32" else 1
+        return v.in_channels * t * v.patch_size**2
+
+    @property
+    def pixel_config(self) -> ImageConfig:
+        """The image settings `vision.lift_pixels` normalizes uint8 screens with."""
+        over = {}
+        if self.image_mean:
+            over["image_mean"] = tuple(self.image_mean)
+        if self.image_std:
+            over["image_std"] = tuple(self.image_std)
+        return ImageConfig.for_family(
+            self.vision_family,
+            patch_size=self.vision.patch_size,
+            temporal_patch_size=self.vision.temporal_patch_size,
+            **over,
+        )
 
     @property
     def vision_placeholder_ids(self) -> tuple[int, int, int, int]:
@@ -218,6 +251,11 @@ class QwenVLConfig:
             raise ValueError(f"remat={self.remat!r}: use one of {REMAT_POLICIES}")
         if self.attn_block < 0:
             raise ValueError(f"attn_block={self.attn_block}: use 0 (dense) or a block length")
+        if self.pixel_dtype not in ("float32", "uint8"):
+            raise ValueError(f"pixel_dtype={self.pixel_dtype!r}: use 'float32' or 'uint8'")
+        for name in ("image_mean", "image_std"):
+            if len(getattr(self, name)) not in (0, 3):
+                raise ValueError(f"{name}={getattr(self, name)!r}: give one value per channel")
         if self.attn_impl not in ATTN_IMPLS:
             raise ValueError(f"attn_impl={self.attn_impl!r}: use one of {ATTN_IMPLS}")
         if self.moe_dispatch not in MOE_DISPATCHES:

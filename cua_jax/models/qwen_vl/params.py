@@ -294,6 +294,17 @@ def _checkpoint_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in found]
 
 
+def _pixel_norm(path: str) -> dict[str, tuple[float, ...]]:
+    """image_mean / image_std of the directory's preprocessor_config.json, when it has them:
+    the normalization the vision tower applies to screens given as bytes."""
+    pre = os.path.join(path, "preprocessor_config.json")
+    if not os.path.isfile(pre):
+        return {}
+    with open(pre) as f:
+        d = json.load(f)
+    return {k: tuple(float(x) for x in d[k]) for k in ("image_mean", "image_std") if k in d}
+
+
 def from_pretrained(
     path: str,
     dtype: str = "float32",
@@ -313,7 +324,11 @@ def from_pretrained(
     """
     with open(os.path.join(path, "config.json")) as f:
         cfg = QwenVLConfig.from_hf_dict(
-            json.load(f), param_dtype=dtype, dtype=compute_dtype or dtype, remat=remat
+            json.load(f),
+            param_dtype=dtype,
+            dtype=compute_dtype or dtype,
+            remat=remat,
+            **_pixel_norm(path),
         )
     rules = shd.DEFAULT_RULES if rules is None else rules
     abstract = nnx.eval_shape(lambda: QwenVL(cfg, rngs=nnx.Rngs(0)))

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from cua_jax.data.image import normalize_table
 from cua_jax.models.qwen_vl.config import QwenVLConfig
 from cua_jax.models.qwen_vl.rope import apply_rotary, vision_cos_sin
 from cua_jax.models.qwen_vl.text import (
@@ -194,6 +195,28 @@ class GELU(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return jax.nn.gelu(x, approximate=False)
+
+
+def lift_pixels(rows_u8: jax.Array, cfg: QwenVLConfig) -> jax.Array:
+    """f32[P, C*T*P*P] pixel_values from screens as bytes u8[P, C*P*P] (`data.image.patch_bytes`).
+
+    Each byte becomes its normalized value by a lookup in the processor's own table
+    (`data.image.normalize_table` of `cfg.pixel_config`, so the bits are those the host computes
+    for f32 screens), repeated over the temporal patch, as transformers' processor repeats a
+    still image. Screens travel and wait as bytes, 8x fewer than these floats.
+    """
+    v = cfg.vision
+    c, t, pp = v.in_channels, v.temporal_patch_size, v.patch_size**2
+    if rows_u8.shape[-1] != c * pp:
+        raise ValueError(
+            f"uint8 screens have rows of {rows_u8.shape[-1]} bytes; this vision tower takes "
+            f"{c} x {v.patch_size} x {v.patch_size} = {c * pp}"
+        )
+    table = jnp.asarray(normalize_table(cfg.pixel_config).reshape(c, 256))
+    idx = rows_u8.reshape(-1, c, pp).astype(jnp.int32)
+    vals = table[jnp.arange(c)[None, :, None], idx]  # [P, C, pp]
+    vals = jnp.broadcast_to(vals[:, :, None, :], (vals.shape[0], c, t, pp))
+    return vals.reshape(-1, c * t * pp)
 
 
 class PatchEmbed(nnx.Module):
@@ -403,6 +426,8 @@ class VisionModel(nnx.Module):
     def __call__(self, pixel_values_PC: jax.Array, meta: VisionMeta):
         v = self.cfg.vision
         dt = jdtype(self.cfg.dtype)
+        if pixel_values_PC.dtype == jnp.uint8:
+            pixel_values_PC = lift_pixels(pixel_values_PC, self.cfg)
         x = self.patch_embed(pixel_values_PC.astype(dt))
         if self.cfg.vision_family == "qwen3_vl":
             table = self.pos_embed.weight[...]
