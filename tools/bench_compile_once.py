@@ -30,12 +30,17 @@ from cua_jax.rl.shapes import screen_grid  # noqa: E402
 from cua_jax.rl.trajectory import Trajectory, Turn  # noqa: E402
 
 
+def _screen(rng, model_cfg, unit):
+    """One random screen of `unit` patches in the model's form (bytes or floats)."""
+    if model_cfg.pixel_dtype == "uint8":
+        return rng.integers(0, 256, (unit, model_cfg.pixel_width), np.uint8)
+    return rng.normal(size=(unit, model_cfg.pixel_width)).astype(np.float32)
+
+
 def make_groups(rng, cfg, model_cfg, grid, n_groups, group_size):
     """`n_groups` random GRPO groups of `group_size` episodes, each 1..max_turns turns of one screen
     of `grid` patches, random prompt and generated tokens."""
-    v = model_cfg.vision
     unit = grid[0] * grid[1] * grid[2]
-    dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
     img = [model_cfg.vision_start_token_id, *[model_cfg.image_token_id] * (unit // 4)]
     img.append(model_cfg.vision_end_token_id)
     groups = []
@@ -51,7 +56,7 @@ def make_groups(rng, cfg, model_cfg, grid, n_groups, group_size):
                         prompt,
                         gen,
                         -rng.random(gen.size),
-                        pixel_values=rng.normal(size=(unit, dim)).astype(np.float32),
+                        pixel_values=_screen(rng, model_cfg, unit),
                         image_grid_thw=np.asarray([grid]),
                     )
                 )

@@ -35,6 +35,20 @@ from cua_jax.rl.trajectory import PositionFn, Sample, Trajectory, Turn, text_pos
 from cua_jax.rl.trajectory import trajectory_to_samples as _to_samples
 
 
+def _screens(rows: Any) -> np.ndarray | None:
+    """A JSONL turn's screens in their own form: integer rows are screens as bytes (uint8, as
+    `data.image.patch_bytes` makes them), real ones pixel_values (f32); the learner refuses the
+    form its model does not take, with a line naming both."""
+    if rows is None:
+        return None
+    a = np.asarray(rows)
+    if a.dtype.kind in "iu":
+        if a.size and (a.min() < 0 or a.max() > 255):
+            raise ValueError(f"integer screen rows must be bytes 0..255; got {a.min()}..{a.max()}")
+        return a.astype(np.uint8)
+    return a.astype(np.float32)
+
+
 class JsonlDemonstrations:
     """Random-access demonstrations from a JSONL file (see the module docstring)."""
 
@@ -69,9 +83,7 @@ class JsonlDemonstrations:
                     prompt_ids=t["prompt_ids"],
                     generated_ids=gen,
                     logprobs=np.zeros(gen.size, np.float32),  # unused by the SFT loss
-                    pixel_values=None
-                    if t.get("pixel_values") is None
-                    else np.asarray(t["pixel_values"], np.float32),
+                    pixel_values=_screens(t.get("pixel_values")),
                     image_grid_thw=t.get("image_grid_thw"),
                     extends_previous=bool(t.get("extends_previous", False)),
                 )

@@ -240,7 +240,7 @@ def teacher_sample(
     if sample.pixel_values is not None:
         pvs.append(np.asarray(sample.pixel_values))
         grids.append(np.asarray(sample.image_grid_thw, np.int32))
-    pv = np.concatenate(pvs).astype(np.float32) if pvs else None
+    pv = np.concatenate(pvs) if pvs else None  # the screens' own form (bytes or floats)
     g = np.concatenate(grids).astype(np.int32) if grids else None
     if mask[:s].any():
         raise ValueError("a student sample has generated tokens inside its system message")

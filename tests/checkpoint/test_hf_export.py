@@ -15,6 +15,7 @@ from configs import qwen3vl_grpo  # noqa: E402
 from cua_jax import sharding as shd  # noqa: E402
 from cua_jax.checkpoint.orbax_io import Checkpointer  # noqa: E402
 from cua_jax.job import builders  # noqa: E402
+from cua_jax.models.qwen_vl.vision import lift_pixels  # noqa: E402
 from tests.models.hf_tiny import hf_logits  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,7 +72,12 @@ def test_export_matches_our_logits(tmp_path, lora_rank):
         out, output_loading_info=True
     )
     assert not info["missing_keys"] and not info["unexpected_keys"]
-    theirs = hf_logits(hf.float().eval(), ids, None, vis["pixel_values"], vis["image_grid_thw"])
+    # transformers takes the screens as floats: the bytes lifted as our model lifts them (the
+    # lift is bit-equal to the float processor: tests/models/test_screen_bytes.py)
+    pv = np.asarray(vis["pixel_values"])
+    if pv.dtype == np.uint8:
+        pv = np.asarray(lift_pixels(pv, model.config))
+    theirs = hf_logits(hf.float().eval(), ids, None, pv, vis["image_grid_thw"])
     np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
     assert os.path.isfile(os.path.join(out, "cua_jax_tokenizer.model"))
     # generate() stops at the shipped tokenizer's <|im_end|> and pads with <|endoftext|>

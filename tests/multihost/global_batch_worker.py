@@ -33,7 +33,6 @@ def samples(cfg, n=8, seed=0):
     rng = np.random.default_rng(seed)
     v = cfg.vision
     pos_fn = rope_position_fn(cfg)
-    dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
     out = []
     for i in range(n):
         text = rng.integers(16, 1000, 20 + 7 * i).astype(np.int32)
@@ -50,7 +49,11 @@ def samples(cfg, n=8, seed=0):
                     text[5:],
                 ]
             ).astype(np.int32)
-            pv = rng.standard_normal((int(grid.prod()), dim)).astype(np.float32)
+            n = int(grid.prod())  # the screen in the model's form: bytes or floats
+            if cfg.pixel_dtype == "uint8":
+                pv = rng.integers(0, 256, (n, cfg.pixel_width), np.uint8)
+            else:
+                pv = rng.standard_normal((n, cfg.pixel_width)).astype(np.float32)
         else:
             ids = text
         mask = np.zeros(ids.size, bool)
