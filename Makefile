@@ -64,7 +64,7 @@ vm-image:
 	if [ -n "$$SUDO" ]; then $$SUDO chown "$$(id -u):$$(id -g)" "$(VM_IMAGE)" "$(VM_IMAGE).token"; fi
 
 test: venv apt
-	$(BIN)/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder tests
+	$(BIN)/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder --durations=25 tests
 
 # The random-init policy is not scored (it is 0; the post-SFT eval is the RL phase's baseline).
 smoke: venv apt
