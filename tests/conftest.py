@@ -45,7 +45,6 @@ SLOW_FIRST = (
     "tests/multihost/test_global_batch.py",
     "tests/rl/test_token_budget.py",
     "tests/tools/test_plan_budget.py",
-    "tests/test_train_mesh_parity.py",
     "tests/multihost/test_two_process_job.py",
     "tests/rl/test_moe_learner.py",
     "tests/rl/test_learner.py",

@@ -10,7 +10,14 @@ What "the same" means here: the SFT losses agree to float reassociation (a shard
 sums in another order: ~1e-5 relative per step, up to ~1e-3 after 40 steps), and greedy
 decoding of two such policies may differ where two tokens' logits nearly tie, so eval success
 may differ by one task (1/8). Seen on this machine: 0.125 and 0.125.
+
+Opt-in (`CUA_LONG_TESTS=1`, ~4 min of CPU): the default suite shows each half against one
+device on its own: the sharded learner's steps (tests/rl/test_training_layout.py,
+tests/rl/test_token_budget.py), the sharded sampler's decoding (tests/sampler/test_engine_mesh.py)
+and the main job on a forced mesh (tests/test_train_forced_mesh.py).
 """
+
+import os
 
 import pytest
 
@@ -46,6 +53,10 @@ def _run(workdir, devices, *extra):
     return after_sft
 
 
+@pytest.mark.skipif(
+    not os.environ.get("CUA_LONG_TESTS"),
+    reason="two main jobs of 40 SFT steps (~4 min of CPU): CUA_LONG_TESTS=1",
+)
 def test_fsdp2_tensor2_reaches_the_one_device_eval_after_sft(tmp_path):
     one = _run(str(tmp_path / "one"), 1)
     four = _run(str(tmp_path / "four"), 4, "--config.mesh.fsdp=2", "--config.mesh.tensor=2")
