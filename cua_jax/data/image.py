@@ -418,7 +418,10 @@ def preprocess_images(
         )
         resize = resize_bicubic if config.resize_backend == "pil" else resize_bicubic_torchvision
         to_rows = patch_values if config.pixel_dtype == "float32" else patch_bytes
-        flat, gh, gw = to_rows(resize(rgb, h, w), config)
+        frame = resize(rgb, h, w)
+        flat, gh, gw = to_rows(frame, config)
+        if np.may_share_memory(flat, frame):  # rows of their own, never a view of the caller's
+            flat = flat.copy()
         patches.append(flat)
         grids.append((1, gh, gw))
     if not patches:
@@ -426,8 +429,8 @@ def preprocess_images(
             "pixel_values": np.zeros((0, config.pixel_width), np.dtype(config.pixel_dtype)),
             "image_grid_thw": np.zeros((0, 3), np.int32),
         }
-    return {
-        "pixel_values": np.concatenate(patches, axis=0),
+    return {  # one screen (a turn's): its rows as they are, not copied again
+        "pixel_values": patches[0] if len(patches) == 1 else np.concatenate(patches, axis=0),
         "image_grid_thw": np.asarray(grids, dtype=np.int32),
     }
 

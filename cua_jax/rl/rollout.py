@@ -220,32 +220,45 @@ def render_transcript(
     the last `max_history_images` screenshots are images; older ones become a short text.
     """
     n = len(records)
-    keep = set(range(max(0, n - max_history_images), n))
+    first_kept = max(0, n - max_history_images)
     rendered = None
-    pix, grids = [], []
-    for k, rec in enumerate(records):
-        if k in keep:
-            image_items = [{"type": "image"}]
-            pix.append(rec.pixel_values)
-            grids.append(rec.grid)
-            kgrid = rec.grid
-        else:
-            image_items = [{"type": "text", "text": OMITTED_SCREENSHOT}]
-            kgrid = np.zeros((0, 3), np.int32)
-        if k == 0:
-            content = [*image_items, {"type": "text", "text": instruction}]
-            msgs = [
-                {"role": "system", "content": system},
-                {"role": "user", "content": content},
-            ]
-            rendered = chat.render(msgs, kgrid, add_generation_prompt=True)
-        else:
-            rendered = chat.append_generated(rendered, records[k - 1].generated)
-            content = [{"type": "text", "text": rec.feedback}, *image_items]
-            rendered = chat.extend(rendered, [{"role": "user", "content": content}], kgrid, True)
-    pv = np.concatenate(pix) if pix else None
-    grid = np.concatenate(grids).astype(np.int32) if grids else None
+    for k in range(n):
+        rendered = _render_turn(chat, rendered, instruction, system, records, k, k >= first_kept)
+    kept = records[first_kept:]
+    pv = np.concatenate([r.pixel_values for r in kept]) if kept else None
+    grid = np.concatenate([r.grid for r in kept]).astype(np.int32) if kept else None
     return rendered, pv, grid
+
+
+def _render_turn(
+    chat: Any,
+    rendered: Any,
+    instruction: str,
+    system: str,
+    records: Sequence[_TurnRecord],
+    k: int,
+    image: bool,
+) -> Any:
+    """`rendered` (the turns before k, ending in a generation prompt; None for k = 0) with turn
+    k's reply to it closed and turn k's user message and generation prompt appended; turn k's
+    screenshot is an image if `image`, else a short text."""
+    rec = records[k]
+    if image:
+        image_items: list[dict[str, str]] = [{"type": "image"}]
+        kgrid = rec.grid
+    else:
+        image_items = [{"type": "text", "text": OMITTED_SCREENSHOT}]
+        kgrid = np.zeros((0, 3), np.int32)
+    if k == 0:
+        content = [*image_items, {"type": "text", "text": instruction}]
+        msgs = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": content},
+        ]
+        return chat.render(msgs, kgrid, add_generation_prompt=True)
+    rendered = chat.append_generated(rendered, records[k - 1].generated)
+    content = [{"type": "text", "text": rec.feedback}, *image_items]
+    return chat.extend(rendered, [{"role": "user", "content": content}], kgrid, True)
 
 
 @dataclasses.dataclass
@@ -258,6 +271,7 @@ class _Prompt:
     extends: bool  # ids start with the previous turn's prompt + generated ids
     new_pixel_values: np.ndarray | None  # the images the sampler has not seen (Turn fields)
     new_grid: np.ndarray | None
+    rendered: Any = None  # the chat rendering `ids` come from (the next turn goes on from it)
 
 
 class _Transcript:
@@ -276,14 +290,20 @@ class _Transcript:
 
     def prompt(self, feedback: str, screenshot: np.ndarray) -> _Prompt:
         images = self.processor.preprocess_images([screenshot])
-        self.records.append(_TurnRecord(feedback, images["pixel_values"], images["image_grid_thw"]))
-        rendered, pv, grid = render_transcript(
-            self.processor.chat,
-            self.instruction,
-            self.system,
-            self.records,
-            self.max_history_images,
-        )
+        rec = _TurnRecord(feedback, images["pixel_values"], images["image_grid_thw"])
+        self.records.append(rec)
+        chat, n = self.processor.chat, len(self.records)
+        if self.last is not None and n <= self.max_history_images:
+            # No screenshot leaves the window: the previous prompt's rendering goes on (what
+            # render_transcript would redo from the first turn, a Python-bound ~1 ms a turn).
+            args = (self.instruction, self.system, self.records, n - 1, True)
+            rendered = _render_turn(chat, self.last.rendered, *args)
+            pv = np.concatenate([self.last.pixel_values, rec.pixel_values])
+            grid = np.concatenate([self.last.grid, rec.grid]).astype(np.int32)
+        else:
+            rendered, pv, grid = render_transcript(
+                chat, self.instruction, self.system, self.records, self.max_history_images
+            )
         ids = rendered.input_ids
         prev = self.prev_full
         extends = prev is not None and (
@@ -299,7 +319,7 @@ class _Transcript:
         else:  # a copy, not a view that would keep the whole prompt's pixels alive
             new_pv = np.ascontiguousarray(_tail_images(pv, grid, self.prev_images))
             new_grid = grid[self.prev_images :]
-        self.last = _Prompt(ids, pv, grid, bool(extends), new_pv, new_grid)
+        self.last = _Prompt(ids, pv, grid, bool(extends), new_pv, new_grid, rendered)
         return self.last
 
     def reply(self, generated_ids: list[int]) -> None:

@@ -31,8 +31,10 @@ from cua_jax.rl.rollout import (
     OMITTED_SCREENSHOT,
     AgentLoop,
     RolloutSettings,
+    _Transcript,
     count_infra_faults,
     default_reward,
+    render_transcript,
 )
 from cua_jax.rl.trajectory import (
     Trajectory,
@@ -600,3 +602,25 @@ def test_closeness_reward_shapes_failures_only():
     assert default_reward(unknown, 0.0, s) == 0.0
     with pytest.raises(ValueError, match="closeness_reward"):
         RolloutSettings(closeness_reward=1.0)
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 6])
+def test_each_turns_prompt_is_the_whole_transcript_rendered_anew(proc, window):
+    """The transcript goes on from the previous prompt's rendering while no screenshot leaves
+    the history window, and renders from the first turn when one does: either way each turn's
+    ids, screens and grids are `render_transcript`'s of every record so far."""
+    rng = np.random.default_rng(window)
+    tr = _Transcript(proc, "click the red square", "You operate a computer.", window)
+    for k in range(5):
+        shot = rng.integers(0, 256, (H, W, 3), dtype=np.uint8)
+        p = tr.prompt("" if k == 0 else f"after turn {k}", shot)
+        rendered, pv, grid = render_transcript(
+            proc.chat, "click the red square", "You operate a computer.", tr.records, window
+        )
+        np.testing.assert_array_equal(p.ids, rendered.input_ids)
+        np.testing.assert_array_equal(p.rendered.loss_mask, rendered.loss_mask)
+        assert p.rendered.text == rendered.text
+        np.testing.assert_array_equal(p.pixel_values, pv)
+        np.testing.assert_array_equal(p.grid, grid)
+        assert p.grid.dtype == grid.dtype and p.pixel_values.dtype == pv.dtype
+        tr.reply([int(i) for i in rng.integers(0, 400, 3 + k)])
