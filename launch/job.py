@@ -1,7 +1,8 @@
-"""A training job after its flags are checked: the config's values, the devices (multi-host
-join, the platform), the dry-run plan or the environments and the trainer, and the errors each
-turns into (`launch.process.LaunchError`: exit 2; `RunFailed`: exit 1). `launch/tpu.py` imports
-this module only once its flags have parsed, so a typo fails before the trainer loads.
+"""A training job after its flags and values are checked (`launch.process.check_config`): the
+devices (multi-host join, the platform), the dry-run plan or the environments and the trainer,
+and the errors each turns into (`launch.process.LaunchError`: exit 2; `RunFailed`: exit 1).
+`launch/tpu.py` imports this module only once its config has passed, so a typo or a bad value
+fails before the trainer loads.
 """
 
 from __future__ import annotations
@@ -9,12 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from cua_jax.checkpoint.orbax_io import CheckpointError
-from cua_jax.config.checks import ConfigError, validate_config
+from cua_jax.config.checks import ConfigError
 from cua_jax.job import train
 from cua_jax.rl.learner import NonFiniteError
 from cua_jax.rl.sources import RolloutError
 from cua_jax.sharding import MeshError
-from envs.tasks import TaskSourceError, source_dicts
+from envs.tasks import TaskSourceError
 from launch.process import (
     LaunchError,
     RunFailed,
@@ -25,14 +26,8 @@ from launch.process import (
 
 
 def run(config: Any, workdir: str | None, *, dry_run: bool) -> None:
-    """Validates `config`, then prints the dry-run plan and exits (0 fits, 1 does not) or
-    trains in `workdir`."""
-    try:  # a bad value (not just a bad key or type) also fails before any work starts
-        validate_config(config)
-        for key in ("tasks", "eval_tasks"):  # `--config.tasks=junk` leaves a string
-            source_dicts(config.get(key, ()), f"config.{key}")
-    except (ConfigError, TaskSourceError) as e:
-        raise LaunchError(str(e)) from None
+    """Prints the dry-run plan and exits (0 fits, 1 does not) or trains in `workdir`, for a
+    `config` whose values `launch.process.check_config` has passed."""
     if dry_run:  # the plan for the devices present (the whole job's), then exit
         from cua_jax import plan as plan_lib  # noqa: PLC0415 -- the planner, for --dry_run only
 

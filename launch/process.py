@@ -1,7 +1,8 @@
-"""What a training process does around the trainer: its one-line errors and exit statuses,
-joining a multi-host job, the platform on a machine without accelerators, the workdir check and
-a clean stop on SIGTERM. Light to import (no JAX until a function needs it): `launch/tpu.py`
-checks its flags with these before the trainer loads.
+"""What a training process does around the trainer: its one-line errors and exit statuses, the
+config's values checked, joining a multi-host job, the platform on a machine without
+accelerators, the workdir check and a clean stop on SIGTERM. Light to import (no JAX until a
+function needs it): `launch/tpu.py` checks its flags and values with these before the trainer
+loads.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from absl import logging
+
+from cua_jax.config.checks import ConfigError, validate_config
+from envs.tasks import TaskSourceError, source_dicts
 
 
 class LaunchError(SystemExit):
@@ -31,6 +35,18 @@ class RunFailed(SystemExit):
         logging.error("the run stopped", exc_info=error)
         print(f"launch/tpu.py: run failed: {type(error).__name__}: {error}", file=sys.stderr)
         super().__init__(1)
+
+
+def check_config(config: Any) -> None:
+    """The config's values (its keys and types are the flag parser's): a bad one, or a task
+    source that is not a dict, exits 2 naming it. No JAX: a bad value fails before the trainer
+    loads."""
+    try:
+        validate_config(config)
+        for key in ("tasks", "eval_tasks"):  # `--config.tasks=junk` leaves a string
+            source_dicts(config.get(key, ()), f"config.{key}")
+    except (ConfigError, TaskSourceError) as e:
+        raise LaunchError(str(e)) from None
 
 
 def maybe_initialize_distributed(environ: Mapping[str, str] | None = None) -> bool:

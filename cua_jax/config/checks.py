@@ -19,9 +19,8 @@ from absl import logging
 
 from cua_jax.config.limits import LimitError, check_limits
 from cua_jax.env_api import Task
-from cua_jax.models.qwen_vl.config import TINY_MOE
-from cua_jax.models.qwen_vl.text import SPLASH_BLOCK, splash_tile
-from cua_jax.sampler.kernels.paged_attention import GpuKernelOptions
+from cua_jax.models.qwen_vl.config import SPLASH_BLOCK, TINY_MOE, splash_tile
+from cua_jax.sampler.kernels.options import GpuKernelOptions
 
 # Keys whose value must be one of a fixed set.
 ENUMS = {

@@ -15,7 +15,7 @@ import numpy as np
 from cua_jax import sharding as shd
 from cua_jax.job import builders
 from cua_jax.models import qwen_vl
-from cua_jax.models.qwen_vl.text import splash_tile
+from cua_jax.models.qwen_vl.config import splash_tile
 from cua_jax.plan.abstract import (
     ACTION_TOKENS,
     FEEDBACK_TOKENS,

@@ -165,3 +165,17 @@ def test_bad_workdir_task_file_and_mesh_fail_with_one_line(tmp_path):
         assert r.returncode == 2, (args, r.stderr[-3000:])
         assert "launch/tpu.py: error: " in r.stderr and expected in r.stderr, r.stderr[-3000:]
         assert "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+def test_a_bad_value_is_refused_before_jax_loads():
+    """The launcher checks the config's values with modules that load no JAX (the config's
+    checks, the task sources), so a bad value fails in about half a second, not after the
+    trainer's imports (3-4 s on this machine)."""
+    code = (
+        "import sys\n"
+        "import launch.process\n"
+        "assert 'jax' not in sys.modules and 'flax' not in sys.modules, "
+        "sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax'))[:5]\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -1,63 +1,53 @@
 """Qwen2.5-VL / Qwen3-VL / Qwen3.5 (dense and MoE) in Flax NNX with Hugging Face import/export
 (see model.py; the MoE block, routing replay and aux loss in moe.py; Qwen3.5's hybrid decoder in
-qwen35.py, its Gated DeltaNet in gated_deltanet.py)."""
+qwen35.py, its Gated DeltaNet in gated_deltanet.py).
 
-from cua_jax.models.qwen_vl.config import (
-    PUBLISHED,
-    PUBLISHED_QWEN35,
-    QwenVLConfig,
-    TextConfig,
-    VisionConfig,
-    published_config,
-    tiny,
-    tiny_qwen35,
-    tiny_qwen35_moe,
-)
-from cua_jax.models.qwen_vl.gated_deltanet import LinearAttnState
-from cua_jax.models.qwen_vl.model import QwenVL, init_random
-from cua_jax.models.qwen_vl.moe import (
-    RoutingInfo,
-    load_balancing_loss,
-    routing_mismatch,
-    set_expert_mesh,
-)
-from cua_jax.models.qwen_vl.params import from_pretrained, save_pretrained
-from cua_jax.models.qwen_vl.qwen35 import (
-    RowAttnFn,
-    full_attention_layers,
-    initial_linear_states,
-    linear_attention_layers,
-)
-from cua_jax.models.qwen_vl.rope import get_rope_index
-from cua_jax.models.qwen_vl.text import make_attention_mask, make_dense_attn_fn
-from cua_jax.models.qwen_vl.vision import VisionMeta, vision_metadata
+Names are imported lazily, as `cua_jax.sampler`'s: `cua_jax.models.qwen_vl.config` loads without
+JAX (the config's checks read it before a launch imports the trainer)."""
 
-__all__ = [
-    "PUBLISHED",
-    "PUBLISHED_QWEN35",
-    "QwenVL",
-    "LinearAttnState",
-    "QwenVLConfig",
-    "RoutingInfo",
-    "RowAttnFn",
-    "TextConfig",
-    "VisionConfig",
-    "VisionMeta",
-    "from_pretrained",
-    "full_attention_layers",
-    "get_rope_index",
-    "init_random",
-    "initial_linear_states",
-    "linear_attention_layers",
-    "load_balancing_loss",
-    "make_attention_mask",
-    "make_dense_attn_fn",
-    "published_config",
-    "routing_mismatch",
-    "save_pretrained",
-    "set_expert_mesh",
-    "tiny",
-    "tiny_qwen35",
-    "tiny_qwen35_moe",
-    "vision_metadata",
-]
+import importlib
+
+_EXPORTS = {
+    "from_pretrained": "cua_jax.models.qwen_vl.params",
+    "full_attention_layers": "cua_jax.models.qwen_vl.qwen35",
+    "get_rope_index": "cua_jax.models.qwen_vl.rope",
+    "init_random": "cua_jax.models.qwen_vl.model",
+    "initial_linear_states": "cua_jax.models.qwen_vl.qwen35",
+    "linear_attention_layers": "cua_jax.models.qwen_vl.qwen35",
+    "LinearAttnState": "cua_jax.models.qwen_vl.gated_deltanet",
+    "load_balancing_loss": "cua_jax.models.qwen_vl.moe",
+    "make_attention_mask": "cua_jax.models.qwen_vl.text",
+    "make_dense_attn_fn": "cua_jax.models.qwen_vl.text",
+    "PUBLISHED": "cua_jax.models.qwen_vl.config",
+    "published_config": "cua_jax.models.qwen_vl.config",
+    "PUBLISHED_QWEN35": "cua_jax.models.qwen_vl.config",
+    "QwenVL": "cua_jax.models.qwen_vl.model",
+    "QwenVLConfig": "cua_jax.models.qwen_vl.config",
+    "routing_mismatch": "cua_jax.models.qwen_vl.moe",
+    "RoutingInfo": "cua_jax.models.qwen_vl.moe",
+    "RowAttnFn": "cua_jax.models.qwen_vl.qwen35",
+    "save_pretrained": "cua_jax.models.qwen_vl.params",
+    "set_expert_mesh": "cua_jax.models.qwen_vl.moe",
+    "TextConfig": "cua_jax.models.qwen_vl.config",
+    "tiny": "cua_jax.models.qwen_vl.config",
+    "tiny_qwen35": "cua_jax.models.qwen_vl.config",
+    "tiny_qwen35_moe": "cua_jax.models.qwen_vl.config",
+    "vision_metadata": "cua_jax.models.qwen_vl.vision",
+    "VisionConfig": "cua_jax.models.qwen_vl.config",
+    "VisionMeta": "cua_jax.models.qwen_vl.vision",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    try:  # a submodule (`qwen_vl.model`, ...), as an eager package would have it
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+def __dir__():
+    return __all__

@@ -651,6 +651,15 @@ TINY_HYBRID = dict(
 )
 
 
+SPLASH_BLOCK = 512  # the splash kernel's tile when model.attn_block is 0
+
+
+def splash_tile(attn_block: int, row_len: int) -> int:
+    """The splash kernel's tile for rows of `row_len` tokens: `attn_block` (SPLASH_BLOCK when
+    0), at most the row."""
+    return min(attn_block or SPLASH_BLOCK, row_len)
+
+
 def tiny(
     family: Family = "qwen3_vl",
     vocab_size: int = 512,

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from cua_jax import sharding as shd
-from cua_jax.models.qwen_vl.config import QwenVLConfig
+from cua_jax.models.qwen_vl.config import QwenVLConfig, splash_tile
 from cua_jax.models.qwen_vl.moe import SparseMoeBlock
 from cua_jax.models.qwen_vl.rope import apply_rotary
 from cua_jax.models.qwen_vl.weights import INIT_STD, jdtype, param  # jdtype, param re-exported
@@ -183,15 +183,6 @@ def blockwise_attention(
         mask = block_mask(start, end, end, B, attention_mask, segment_ids)
         outs.append(one(q_BTNH[:, start:end], k_BSKH[:, :end], v_BSKH[:, :end], mask))
     return jnp.concatenate(outs, axis=1)
-
-
-SPLASH_BLOCK = 512  # the splash kernel's tile when model.attn_block is 0
-
-
-def splash_tile(attn_block: int, row_len: int) -> int:
-    """The splash kernel's tile for rows of `row_len` tokens: `attn_block` (SPLASH_BLOCK when
-    0), at most the row."""
-    return min(attn_block or SPLASH_BLOCK, row_len)
 
 
 def splash_attention(
