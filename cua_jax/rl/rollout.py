@@ -271,7 +271,7 @@ class _Prompt:
     extends: bool  # ids start with the previous turn's prompt + generated ids
     new_pixel_values: np.ndarray | None  # the images the sampler has not seen (Turn fields)
     new_grid: np.ndarray | None
-    rendered: Any = None  # the chat rendering `ids` come from (the next turn goes on from it)
+    rendered: Any  # the chat rendering `ids` come from (the next turn goes on from it)
 
 
 class _Transcript:

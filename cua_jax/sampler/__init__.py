@@ -11,7 +11,7 @@ jitted prefill / decode programs), `engine` (the async Engine tying them togethe
 `cua_jax.sampler.scheduler`, `page_table` and `params` load without JAX.
 """
 
-import importlib
+from cua_jax import lazy
 
 _EXPORTS = {
     "Engine": "cua_jax.sampler.engine",
@@ -24,14 +24,4 @@ _EXPORTS = {
     "sample_tokens": "cua_jax.sampler.sampling",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__, __all__ = lazy.exports(__name__, _EXPORTS)

@@ -5,7 +5,7 @@ qwen35.py, its Gated DeltaNet in gated_deltanet.py).
 Names are imported lazily, as `cua_jax.sampler`'s: `cua_jax.models.qwen_vl.config` loads without
 JAX (the config's checks read it before a launch imports the trainer)."""
 
-import importlib
+from cua_jax import lazy
 
 _EXPORTS = {
     "from_pretrained": "cua_jax.models.qwen_vl.params",
@@ -37,17 +37,4 @@ _EXPORTS = {
     "VisionMeta": "cua_jax.models.qwen_vl.vision",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    try:  # a submodule (`qwen_vl.model`, ...), as an eager package would have it
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__, __all__ = lazy.exports(__name__, _EXPORTS, submodules=True)
