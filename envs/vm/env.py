@@ -32,6 +32,7 @@ import re
 import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -403,6 +404,8 @@ class VMEnv:
         self.last_eval_settle_s = 0.0  # what the last evaluate waited for it
         self._setup = osworld.SetupOptions()
         self._work_dir: str | None = None
+        # removes the work dir when the env is dropped unclosed (a test's bare env, a crash)
+        self._work_dir_cleanup: weakref.finalize | None = None
         self._task: Task | None = None
         self._ot: osworld.OSWorldTask | None = None
         self._screen: tuple[int, int] = (0, 0)
@@ -704,6 +707,9 @@ class VMEnv:
         longer its ``sleep`` steps wait (``QemuDesktop.sleep_scale`` under TCG)."""
         self._drop_work_dir()
         self._work_dir = tempfile.mkdtemp(prefix="osworld-episode-")
+        self._work_dir_cleanup = weakref.finalize(
+            self, shutil.rmtree, self._work_dir, ignore_errors=True
+        )
         password = (
             self.client_password
             or getattr(self._desktop, "client_password", None)
@@ -719,9 +725,10 @@ class VMEnv:
         )
 
     def _drop_work_dir(self) -> None:
-        if self._work_dir is not None:
-            shutil.rmtree(self._work_dir, ignore_errors=True)
-            self._work_dir = None
+        if self._work_dir_cleanup is not None:
+            self._work_dir_cleanup()  # runs once: the rmtree, then detaches
+            self._work_dir_cleanup = None
+        self._work_dir = None
 
     async def close(self) -> None:
         """Gives a pooled desktop back (as faulty if the episode broke). Safe to call twice."""

@@ -7,8 +7,10 @@ desktop in test_vm_tasks.py.
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import json
+import os
 import time
 
 import pytest
@@ -515,6 +517,23 @@ def _env_step(env, action):
         return res, time.monotonic() - t0
 
     return run(go())
+
+
+def test_vm_env_work_dir_is_removed_on_close_and_when_dropped_unclosed():
+    closed = VMEnv(_ScreenOnlyVM())
+    _env_step(closed, Wait(0.0))
+    path = closed._work_dir
+    assert path and os.path.isdir(path)
+    run(closed.close())
+    assert not os.path.exists(path) and closed._work_dir is None
+    run(closed.close())  # twice is fine
+    dropped = VMEnv(_ScreenOnlyVM())
+    _env_step(dropped, Wait(0.0))
+    path = dropped._work_dir
+    assert path and os.path.isdir(path)
+    del dropped
+    gc.collect()
+    assert not os.path.exists(path)
 
 
 @pytest.mark.parametrize("seconds", [86400.0, float("inf"), float("nan"), -5.0])
