@@ -28,6 +28,7 @@ from cua_jax.sampler.grammar import action_automaton  # noqa: E402
 
 
 def main() -> None:
+    """The command line: runs what the module docstring describes."""
     ap = bench_setup.arg_parser(__doc__)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
