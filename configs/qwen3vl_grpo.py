@@ -34,8 +34,9 @@ real RL step", 2026-11-27):
                8x8192 12.8 GiB, est. MFU 43-48%; BENCHMARKS.md "What was in 2b's temporaries on
                v5e-8"), but the plan exits 1: the KV pool left is 0.39 GiB, under
                sampler.kv_min_fraction (4 GiB)
-  32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4: not yet planned with the token budget
-               (its 8-row text plan: 73.3 GiB)
+  32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4: largest program 80.7 GiB of 95, KV
+               pool 12610 pages (49.3 GiB); 118 chunks of 2 x 8192, padding 0.046, est. step
+               242 s, est. MFU 64-68% (planned 2026-12-04, screens as bytes, exit 0)
   30b-a3b v5p-8  LoRA rank 32 (attention + experts) on bf16 weights, expert=4 (32 experts on
          each chip, attention and embeddings replicated), routing replay: not yet planned with
          the token budget (its 8-row text plan: 69.8 GiB train, 44.7 GiB decode; with
