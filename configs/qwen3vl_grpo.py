@@ -38,9 +38,10 @@ real RL step", 2026-11-27):
                pool 12610 pages (49.3 GiB); 118 chunks of 2 x 8192, padding 0.046, est. step
                242 s, est. MFU 64-68% (planned 2026-12-04, screens as bytes, exit 0)
   30b-a3b v5p-8  LoRA rank 32 (attention + experts) on bf16 weights, expert=4 (32 experts on
-         each chip, attention and embeddings replicated), routing replay: not yet planned with
-         the token budget (its 8-row text plan: 69.8 GiB train, 44.7 GiB decode; with
-         fsdp=2 x expert=2 it did not fit, most likely the FSDP-gathered frozen weights)
+         each chip, attention and embeddings replicated), routing replay: largest program
+         80.7 GiB of 95, KV pool 7718 pages (45.2 GiB); 118 chunks of 2 x 8192, padding 0.046,
+         est. step 176 s, est. MFU 11-20% (planned 2026-12-04, screens as bytes, exit 0; with
+         fsdp=2 x expert=2 its 8-row text plan did not fit)
 The KV pool stays resident next to the learner (colocated sampler), its pages sharded over
 `tensor` only: the plan and the run size it from what the learner leaves.
 """
