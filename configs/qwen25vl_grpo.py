@@ -21,7 +21,10 @@ flag compiles what the run compiles (BENCHMARKS.md "Every preset's real RL step"
   7b  v5p-8    full fine-tuning, fsdp=2 x tensor=2: largest program 80.7 GiB of 95, KV pool
                20212 pages; 474 samples in 78 chunks, padding 0.144, est. step 119 s, est. MFU
                56-57%
-  32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4: not yet planned with the token budget
+  32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4: largest program 80.7 GiB of 95, KV
+               pool 11581 pages (45.2 GiB); 474 samples in 156 chunks of 1 x 16384, padding
+               0.144, est. step 336 s, est. MFU 59-62% (planned 2026-12-04, screens as bytes,
+               exit 0)
   72b v5p-16   LoRA rank 64 on bf16 weights, tensor=8 (2 hosts): not yet planned with the
                token budget
 Qwen2.5-VL's vision MLP (3420 wide) stays whole over tensor=8 (configs/common.py).
