@@ -22,8 +22,8 @@ Presets:
 The real presets' mesh, LoRA and batch settings are those of the Qwen3-VL presets of the same
 class. Both are planned for v5p-8 (TOPOLOGY; `tools/plan.py --config=configs/qwen35_grpo.py:27b`,
 BENCHMARKS.md): 35b-a3b's largest program 80.7 GiB of 95 a device, a KV pool of 21,737 pages
-(26.5 GiB) beside 7.68 GiB of linear states; 27b's 76.2 GiB, 41,811 pages beside 4.59 GiB of
-states (planned before the pool counted the states once: its pool is larger now).
+(26.5 GiB) beside 7.68 GiB of linear states; 27b's 80.7 GiB, 46,647 pages beside 4.59 GiB of
+states, est. MFU 65-69% (replanned 2026-12-04 with screens as bytes, exit 0).
 
 Qwen3.5 uses Qwen3-VL's image processing (transformers 5.24 maps model_type qwen3_5 /
 qwen3_5_moe to Qwen3VLProcessor: 16-pixel patches, 2x2 merge, the same vision tokens) and its
