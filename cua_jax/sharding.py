@@ -248,6 +248,50 @@ def gathered(w: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec))
 
 
+def vocab_parallel(
+    w: jax.Array, names: Sequence[str | None], vocab_dim: int
+) -> tuple[jax.Array, PartitionSpec] | None:
+    """The LM head `w` (logical axes `names`, its vocabulary on dim `vocab_dim`) laid out for a
+    vocabulary-parallel head inside a `training_layout`: the vocabulary split over the batch
+    axes as well as its own (tensor), the other dims whole; with the spec the logits' last dim
+    takes. The head then multiplies every row of a chunk (the rows gathered, a small
+    [rows, c, D] buffer) by its vocabulary slice: no chip holds the whole head, its f32
+    gradient or an all-reduce of it (BENCHMARKS.md "the vocabulary-parallel head"). None
+    outside a training layout, with no batch axis over 1, or a vocabulary the axes do not
+    divide (then the head is `gathered` as the other weights are)."""
+    active = _TRAINING.get()
+    if active is None:
+        return None
+    mesh, rules = active
+    rows = tuple(a for a in batch_axes(rules) if mesh.shape[a] > 1)
+    if not rows:
+        return None
+    spec = logical_to_spec(names, rules)
+    own = tuple(a for a in _as_tuple(spec[vocab_dim]) if a not in rows)
+    split = tuple(a for a in MESH_AXES if a in rows + own)  # mesh order
+    if w.shape[vocab_dim] % int(np.prod([mesh.shape[a] for a in split])):
+        return None
+    entries = [None] * len(names)
+    entries[vocab_dim] = split
+    w = jax.lax.with_sharding_constraint(w, NamedSharding(mesh, PartitionSpec(*entries)))
+    return w, PartitionSpec(None, None, split)
+
+
+def constrain_spec(x: jax.Array, spec: PartitionSpec) -> jax.Array:
+    """`x` pinned to `spec` on the training layout's mesh (`x` itself outside one)."""
+    active = _TRAINING.get()
+    if active is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(active[0], spec))
+
+
+def batch_axes(rules: Rules = DEFAULT_RULES) -> tuple[str, ...]:
+    """The mesh axes the learner's rows shard over: the rules' logical "batch" entry (data x
+    fsdp by default; a MoE preset may add expert, so its expert devices split the rows too)."""
+    (rows,) = logical_to_spec(("batch",), rules)
+    return _as_tuple(rows)
+
+
 def _as_tuple(axes: Any) -> tuple[str, ...]:
     """A PartitionSpec entry (None, a mesh axis, or a tuple of them) as a tuple."""
     return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)

@@ -1,5 +1,7 @@
 """Where a packed batch goes on the learner's mesh (`BatchLayout`): its token rows over the
-batch axes (data x fsdp), a micro-batch's rows kept on their device; its screens either grouped
+batch axes (the mesh axes the rules' logical "batch" names: data x fsdp by default, data x fsdp
+x expert when a MoE preset splits its rows over the expert devices too), a micro-batch's rows
+kept on their device; its screens either grouped
 by (micro-batch, device) and sharded (`cua_jax.rl.image_groups`: one screen size, a shape-set
 batch) or the flat layout, replicated (screens of mixed sizes; multi-host batches that are not
 token-budget chunks). Multi-host: each process gives its own rows and screen groups
@@ -21,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cua_jax import multihost
+from cua_jax import sharding as shd
 from cua_jax.models.qwen_vl.text import jdtype
 from cua_jax.models.qwen_vl.vision import vision_metadata
 from cua_jax.rl import distill, image_groups
@@ -43,6 +46,7 @@ class BatchLayout:
     """The device layout of a learner's batches on `mesh`.
 
     config: the model's `QwenVLConfig` (screen sizes, the image token, MoE routes).
+    rules: the logical-axis rules; the rows shard over the mesh axes of their "batch" entry.
     shapes: the run's shape set (`cua_jax.rl.shapes`), set by the trainer's warm-up; None:
     rounded buckets, flat screens. group_images: False forces the flat, replicated screen
     layout (tests compare the two). bucket_shapes: flat screens are padded to a power-of-two
@@ -50,7 +54,13 @@ class BatchLayout:
     """
 
     def __init__(
-        self, config: Any, mesh: Mesh, num_substeps: int, *, bucket_shapes: bool = True
+        self,
+        config: Any,
+        mesh: Mesh,
+        num_substeps: int,
+        *,
+        bucket_shapes: bool = True,
+        rules: shd.Rules = shd.DEFAULT_RULES,
     ) -> None:
         self.config = config
         self.mesh = mesh
@@ -59,18 +69,19 @@ class BatchLayout:
         self.shapes: shapes_lib.ShapeSet | None = None
         self.group_images = True
         self.repl = NamedSharding(mesh, P())
-        batch_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
-        self.batch_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
+        named = tuple(a for a in shd.batch_axes(rules) if a in mesh.axis_names)
+        batch_axes = tuple(a for a in named if mesh.shape[a] > 1) or None
+        self.batch_parallel = int(np.prod([mesh.shape[a] for a in named]))
         # Multi-host: each process packs its own rows (`BatchPacker.pack`), and they become its
         # devices' blocks of the global batch, so every process must own whole row blocks.
         self.processes = jax.process_count()
         if self.batch_parallel % self.processes:
             raise ValueError(
-                f"mesh data x fsdp = {self.batch_parallel} must be a multiple of the "
-                f"{self.processes} processes (each process contributes its own batch rows); "
-                "shard the batch over more devices (mesh.fsdp or mesh.data)"
+                f"mesh {' x '.join(named) or 'batch axes'} = {self.batch_parallel} must be a "
+                f"multiple of the {self.processes} processes (each process contributes its own "
+                "batch rows); shard the batch over more devices (mesh.fsdp or mesh.data)"
             )
-        # Rows shard over data x fsdp. Micro-batch s holds rows i * S + s, so splitting
+        # Rows shard over the batch axes. Micro-batch s holds rows i * S + s, so splitting
         # [R] -> [mb, S] -> [S, mb] keeps each device's rows on that device.
         self.row_sh = NamedSharding(mesh, P(batch_axes, None))
         self.pos_sh = NamedSharding(mesh, P(None, batch_axes, None))
@@ -85,7 +96,7 @@ class BatchLayout:
 
     @property
     def row_multiple(self) -> int:
-        """Packed row counts must be multiples of this (num_substeps x data x fsdp)."""
+        """Packed row counts must be multiples of this (num_substeps x the batch axes)."""
         return self.num_substeps * self.batch_parallel
 
     def device_batch(self, batch: PackedBatch, substeps: int, extra=None):
@@ -93,7 +104,7 @@ class BatchLayout:
         shares = self.processes  # multi-host: `batch` is this process's rows (`_pack_share`)
         if rows * shares % (substeps * self.batch_parallel):
             raise ValueError(
-                f"batch has {rows * shares} rows, not a multiple of num_substeps x data x fsdp = "
+                f"batch has {rows * shares} rows, not a multiple of num_substeps x batch axes = "
                 f"{substeps * self.batch_parallel}; pack with row_multiple=learner.row_multiple"
             )
         arrs = batch.arrays()

@@ -195,7 +195,9 @@ class Learner:
         if loss.kl_coef > 0:
             self._ref = jax.tree.map(jnp.copy, trainable)
         # where batches go on the mesh (rows, screens, routes) and how episodes become them
-        self.layout = BatchLayout(self.config, self.mesh, num_substeps, bucket_shapes=bucket_shapes)
+        self.layout = BatchLayout(
+            self.config, self.mesh, num_substeps, bucket_shapes=bucket_shapes, rules=rules
+        )
         self.packer = BatchPacker(self.config, self.layout, loss, advantages, seq_len_buckets)
         self._jit: dict[str, Callable] = {}
         self._donate = donate
@@ -253,7 +255,7 @@ class Learner:
 
     @property
     def route_sharding(self) -> NamedSharding:
-        """The sharding of the batch's ``routes`` (rows over data x fsdp, like the tokens)."""
+        """The sharding of the batch's ``routes`` (rows over the batch axes, like the tokens)."""
         return self.layout.route_sh
 
     @property
@@ -314,7 +316,7 @@ class Learner:
 
     @property
     def row_multiple(self) -> int:
-        """Packed row counts must be multiples of this (num_substeps x data x fsdp)."""
+        """Packed row counts must be multiples of this (num_substeps x the batch axes)."""
         return self.layout.row_multiple
 
     def pack(

@@ -426,7 +426,8 @@ def _teacher_topk_fn(learner, k, params, frozen, rest, xs, images):
     temperature = spec.loss.temperature
 
     def top(h):
-        logits = model.logits(h).astype(jnp.float32)
+        # the rows' own logits, whole over the vocabulary: the top-k needs every entry of a row
+        logits = model.logits(h, vocab_parallel=False).astype(jnp.float32)
         if banned is not None:
             logits = logits.at[..., banned].set(-1e30)
         logp = jax.nn.log_softmax(logits / temperature, axis=-1)

@@ -61,12 +61,17 @@ def test_every_real_preset_names_a_slice_its_mesh_fits(family, size):
     )
     config = module.get_config(size)
     m = config.mesh
-    fixed = m.data * m.tensor * (m.fsdp if m.fsdp > 0 else 1)
+    fixed = m.data * m.tensor * m.expert * (m.fsdp if m.fsdp > 0 else 1)
     assert topo.num_chips % fixed == 0, (size, topo.name, dict(m))
     rows = config.rl.rows_per_step
-    fsdp = m.fsdp if m.fsdp > 0 else topo.num_chips // (m.data * m.tensor)
-    # the learner packs rows in multiples of micro-batches x data x fsdp
-    assert rows % (config.rl.num_substeps * m.data * fsdp) == 0, (size, rows)
+    fsdp = m.fsdp if m.fsdp > 0 else topo.num_chips // (m.data * m.tensor * m.expert)
+    # the learner packs rows in multiples of micro-batches x the batch axes
+    rules = tuple(shd.DEFAULT_RULES) + tuple(tuple(r) for r in m.rules)
+    sizes = {"data": m.data, "fsdp": fsdp, "expert": m.expert, "tensor": m.tensor}
+    batch = 1
+    for a in shd.batch_axes(rules):
+        batch *= sizes[a]
+    assert rows % (config.rl.num_substeps * batch) == 0, (size, rows, batch)
     # one sequence of max_seq_len fits the KV pool (the engine refuses otherwise)
     pages_per_seq = -(-config.sampler.max_seq_len // config.sampler.page_size)
     assert config.sampler.num_pages > pages_per_seq

@@ -201,10 +201,14 @@ def test_router_aux_loss_equals_a_numpy_reference(episode):
     np.testing.assert_allclose(m_aux["loss"] - m_plain["loss"], coef * want, rtol=1e-4)
 
 
-def test_expert_parallel_learner_equals_one_device(episode):
+@pytest.mark.parametrize("rows_over", ["fsdp", "fsdp+expert"])
+def test_expert_parallel_learner_equals_one_device(episode, rows_over):
     """fsdp=2 x expert=2 x tensor=2 (8 devices: rows, routes and experts sharded) == 1 device:
-    replayed routes (changed ones, so replay matters), mismatch, aux loss, loss and gradients."""
+    replayed routes (changed ones, so replay matters), mismatch, aux loss, loss and gradients.
+    "fsdp+expert": the rules split the rows over the expert devices too (the 30b-a3b preset's
+    layout), so the learner's batch is 4-way and its MoE layers dispatch by all-to-all."""
     from cua_jax import sharding as shd
+    from cua_jax.models.qwen_vl import moe
 
     assert len(jax.devices()) == 8
     cfg, samples = episode
@@ -213,10 +217,27 @@ def test_expert_parallel_learner_equals_one_device(episode):
     one = _learner(cfg, **kw)
     model = qwen_vl.init_random(cfg, seed=0)
     mesh = shd.make_mesh(1, 2, 2, expert=2)
-    eight = Learner(model, mesh=mesh, loss=LossConfig(**kw), seq_len_buckets=BUCKET, donate=False)
+    rules = shd.DEFAULT_RULES
+    if rows_over == "fsdp+expert":
+        rules = (*shd.DEFAULT_RULES, ("batch", ("data", "fsdp", "expert")))
+    eight = Learner(
+        model,
+        mesh=mesh,
+        rules=rules,
+        loss=LossConfig(**kw),
+        seq_len_buckets=BUCKET,
+        donate=False,
+    )
     gate_up = eight.model.model.language_model.layers[0].mlp.experts.gate_up_proj[...]
     assert gate_up.sharding.spec[0] == "expert"
-    assert eight.route_shape == (2, 2) and eight.route_sharding.spec[0] == "fsdp"
+    want = "fsdp" if rows_over == "fsdp" else ("fsdp", "expert")
+    assert eight.route_shape == (2, 2) and eight.route_sharding.spec[0] == want
+    assert eight.layout.batch_parallel == (2 if rows_over == "fsdp" else 4)
+    blocks = [b for _, b in nnx.iter_modules(eight.model) if isinstance(b, moe.SparseMoeBlock)]
+    assert blocks and all(
+        moe.choose_all_to_all(b.dispatch, b.rules, ("expert",)) == (rows_over != "fsdp")
+        for b in blocks
+    )
     m1, g1 = one.loss_and_grads(one.pack(bad))
     m8, g8 = eight.loss_and_grads(eight.pack(bad))
     assert m1["routing_mismatch"] > 0

@@ -211,7 +211,8 @@ def test_kv_pages_from_memory_are_what_the_learner_leaves(mesh4):
 def test_sdpo_step_and_teacher_pass_over_chunks_equal_one_call(mesh4):
     """SDPO on a token-budget batch: the teacher pass runs chunk by chunk and the step splits the
     teacher's targets with the rows; both equal one call on the same rows (the batch taken as
-    one flat-layout call by a learner with no shape set)."""
+    one flat-layout call by a one-device learner with no shape set: the 4-device programs'
+    vocabulary-parallel head against one device's whole head)."""
     import dataclasses
 
     from cua_jax.rl import sdpo
@@ -221,7 +222,6 @@ def test_sdpo_step_and_teacher_pass_over_chunks_equal_one_call(mesh4):
     assert batch.chunks >= 2
     flat = Learner(
         _model(),
-        mesh=mesh4,
         optimizer=OPT,
         loss=LossConfig(kl_coef=0.05),
         seq_len_buckets=(64,),

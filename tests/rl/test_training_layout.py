@@ -1,6 +1,7 @@
 """The learner's FSDP training layout (`sharding.training_layout`): inside it activations keep
 their rows over the batch axes and each weight is all-gathered over them just before its
-matmul; outside it (the sampler) nothing changes. Without it GSPMD kept the FSDP-sharded
+matmul, except the LM head, which splits its vocabulary over them instead; outside it (the
+sampler) nothing changes. Without it GSPMD kept the FSDP-sharded
 weights in place and ran every row on every chip (BENCHMARKS.md "What was in 2b's temporaries
 on v5e-8"); the compiled gradient program on a 4-device CPU mesh shows which it did."""
 
@@ -46,6 +47,21 @@ def test_activations_keep_their_rows_over_the_batch_axes(mesh):
     assert tuple(_spec(fn, jnp.zeros((4, 3, 5)), mesh))[0] in ("fsdp", ("data", "fsdp"))
 
 
+def test_the_head_splits_its_vocabulary_over_the_row_axes_and_tensor(mesh):
+    w = jnp.zeros((16, 12))  # (vocab, embed): vocab -> tensor, embed -> fsdp
+
+    def fn(x):
+        with shd.training_layout(mesh):
+            w, logits_spec = shd.vocab_parallel(x, ("vocab", "embed"), 0)
+            assert tuple(logits_spec) == (None, None, ("fsdp", "tensor"))
+            return w
+
+    assert tuple(_spec(fn, w, mesh))[0] == ("fsdp", "tensor")  # the embed dim whole
+    with shd.training_layout(mesh):  # 4 does not divide 10: the gathered head instead
+        assert shd.vocab_parallel(jnp.zeros((10, 12)), ("vocab", "embed"), 0) is None
+    assert shd.vocab_parallel(w, ("vocab", "embed"), 0) is None  # outside a training layout
+
+
 def test_outside_a_training_layout_nothing_is_constrained():
     x = jnp.ones((3, 5))
     assert shd.gathered(x, ("embed", "mlp")) is x
@@ -70,6 +86,11 @@ def test_the_learners_program_runs_each_row_on_one_chip_only():
     whole = re.findall(rf"\[{rows},{length},{f}\]", txt)
     local = re.findall(rf"\[{rows // 4},{length},{f}\]", txt)
     assert not whole and local, (len(whole), len(local))
+    # the vocabulary-parallel head: every row's logits against a quarter of the vocabulary
+    # (the next-token positions: length - 1), never a row's logits over the whole vocabulary
+    v = CFG.text.vocab_size
+    assert re.search(rf"f32\[{rows},{length - 1},{v // 4}\]", txt)
+    assert not re.search(rf"f32\[{rows // 4},{length - 1},{v}\]", txt)
 
 
 def test_the_sdpo_teacher_pass_and_the_entropy_probe_run_each_row_on_one_chip_only():

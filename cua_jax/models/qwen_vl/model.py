@@ -286,20 +286,34 @@ class QwenVL(nnx.Module):
         return h, RoutingInfo(jnp.stack([lg for lg, _ in infos]), jnp.stack([e for _, e in infos]))
 
     # ----------------------------------------------------------------------------- logits
-    def logits(self, hidden_BTD: jax.Array) -> jax.Array:
+    def logits(self, hidden_BTD: jax.Array, *, vocab_parallel: bool = True) -> jax.Array:
         """f32[B, T, V] (tied: hidden @ embed_tokens.weight.T). In a learner's
-        `shd.training_layout` the rows stay over the batch axes and the head is all-gathered
-        over them in the compute dtype (`shd.gathered`)."""
-        hidden_BTD = shd.constrain(hidden_BTD, _ROWS_BTD)
+        `shd.training_layout` the head is vocabulary-parallel (`shd.vocab_parallel`): every row
+        of the chunk on each chip against its slice of the vocabulary, the logits split over
+        the vocabulary. Where the mesh cannot divide the vocabulary, or `vocab_parallel` is
+        False (a top-k over each row's vocabulary: SDPO's teacher), the rows stay over the
+        batch axes and the head is all-gathered over them (`shd.gathered`)."""
         dt = hidden_BTD.dtype
         if self.config.tie_word_embeddings:
-            w_VD = self.model.language_model.embed_tokens.weight[...]
-            w_VD = shd.gathered(w_VD.astype(dt), ("vocab", "embed"))
-            logits = jnp.einsum("btd,vd->btv", hidden_BTD, w_VD, preferred_element_type=jnp.float32)
+            w, names, eq = (
+                self.model.language_model.embed_tokens.weight[...],
+                ("vocab", "embed"),
+                "vd",
+            )
         else:
-            k_DV = shd.gathered(self.lm_head.kernel[...].astype(dt), ("embed", "vocab"))
-            logits = jnp.einsum("btd,dv->btv", hidden_BTD, k_DV, preferred_element_type=jnp.float32)
-        return shd.constrain(logits.astype(jnp.float32), ("batch", None, "vocab"))
+            w, names, eq = self.lm_head.kernel[...], ("embed", "vocab"), "dv"
+        w = w.astype(dt)
+        split = shd.vocab_parallel(w, names, names.index("vocab")) if vocab_parallel else None
+        if split is not None:
+            w, spec = split
+            hidden_BTD = shd.constrain_spec(hidden_BTD, jax.sharding.PartitionSpec())
+        else:
+            w, spec = shd.gathered(w, names), None
+            hidden_BTD = shd.constrain(hidden_BTD, _ROWS_BTD)
+        logits = jnp.einsum(f"btd,{eq}->btv", hidden_BTD, w, preferred_element_type=jnp.float32)
+        if spec is not None:
+            return shd.constrain_spec(logits, spec)
+        return shd.constrain(logits, ("batch", None, "vocab"))
 
     # ---------------------------------------------------------------------------- forward
     def position_ids_for(
