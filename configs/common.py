@@ -62,8 +62,8 @@ def base_config(family: str) -> ConfigDict:
     # psums; "auto": all_to_all where the rules split the tokens over the expert axis
     c.model.moe_dispatch = "auto"
     # Qwen3.5's chunked gated delta rule: "reference" (jnp), "pallas" (the Pallas TPU kernel,
-    # interpret mode on CPU; its backward is the reference's VJP, recomputed) or "auto" (pallas
-    # on TPU, reference elsewhere)
+    # interpret mode on CPU; a Pallas backward kernel too) or "auto" (pallas on TPU, reference
+    # elsewhere)
     c.model.gated_delta_impl = "reference"
     # the form screens take from the processor to the device: "uint8", the frame's bytes in patch
     # order (8x fewer bytes in episodes, the store, batches and HBM; the model normalizes them on

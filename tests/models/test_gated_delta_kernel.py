@@ -6,11 +6,15 @@ inside a chunk, one on a chunk boundary), and use decay factors and betas near 0
 heads serve 4 value heads; H = 16 != V = 8, so a transposed state cannot pass. Tolerance 1e-5
 absolute (outputs of scale ~0.1-1).
 
-The kernel's gradient (`chunk_gated_delta_rule_trainable`: the reference's VJP, recomputed) and
-its place in the model (`model.gated_delta_impl="pallas"`): the rule's gradients on one device
-and under shard_map on a forced fsdp=2 x tensor=2 mesh, and a tiny Qwen3.5's logits and
-parameter gradients on packed rows, each against the jnp reference path, same tolerance.
+The kernel's gradient (`chunk_gated_delta_rule_trainable`: a Pallas backward kernel over the
+chunks in reverse, from the chunk states the forward saves) and its place in the model
+(`model.gated_delta_impl="pallas"`): the rule's gradients (q, k, v, g, beta, initial state) on
+one device with the same inputs as above and under shard_map on a forced fsdp=2 x tensor=2
+mesh, and a tiny Qwen3.5's logits and parameter gradients on packed rows, each against the jnp
+reference's VJP, same tolerance; the gradient compiled for a TPU is two Mosaic kernels.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +106,27 @@ def test_kernel_compiles_for_a_tpu_ahead_of_time():
     # the state stays in VMEM: no [T, T] or per-chunk [L, L] array goes to HBM
     assert compiled.memory_analysis().temp_size_in_bytes < 1 << 20
 
+    def loss(*a):
+        o, s = ker.chunk_gated_delta_rule_trainable(*a[:5], initial_state=a[5], segment_ids=a[6])
+        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(s * s)
+
+    args = (
+        sds((1, T, M_, H_), jnp.bfloat16),
+        sds((1, T, M_, H_), jnp.bfloat16),
+        sds((1, T, N_, H_), jnp.bfloat16),
+        sds((1, T, N_), jnp.float32),
+        sds((1, T, N_), jnp.float32),
+        sds((1, N_, H_, H_), jnp.float32),
+        sds((1, T), jnp.int32),
+    )
+    grad = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).lower(*args).compile()
+    # forward and backward are both Mosaic kernels (the reference's VJP would be XLA ops)
+    assert grad.as_text().count("tpu_custom_call") == 2
+    # the saved chunk states (N x T/64 x [H, H] f32: 16 MiB) and the gradients' f32 copies;
+    # no per-chunk [L, L] arrays (the reference's VJP: 49 MiB, BENCHMARKS.md)
+    states = N_ * (T // ref.CHUNK) * H_ * H_ * 4
+    assert grad.memory_analysis().temp_size_in_bytes < states + (2 << 20)
+
 
 def _grads(rule, q, k, v, g, beta, s0, seg, chunk):
     """Gradients of a random projection of (o, final state) in q, k, v, g, beta and s0."""
@@ -114,6 +139,29 @@ def _grads(rule, q, k, v, g, beta, s0, seg, chunk):
         return jnp.sum(o * w_o) + jnp.sum(s * w_s)
 
     return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6))))(q, k, v, g, beta, s0)
+
+
+@pytest.mark.parametrize(
+    "T,chunk,gates,segments",
+    [(37, 16, "random", True), (40, 8, "extreme", False)],
+    ids=["T37_L16_segments", "T40_L8_extreme_gates"],
+)
+def test_pallas_backward_equals_the_reference_vjp(T, chunk, gates, segments):
+    """The backward kernel's gradients against `jax.vjp` of the jnp reference: inputs that end
+    mid-chunk with segment changes inside a chunk and on a chunk boundary, or decays and betas
+    near 0 and 1; cotangents on both the outputs and the final state."""
+    q, k, v, g, beta, s0 = (jnp.asarray(x) for x in _inputs(T, gates, seed=T + 1))
+    seg = None
+    if segments:
+        seg = np.stack([np.repeat([1, 2, 3], [5, 11, T - 16]), np.repeat([1, 2, 0], [16, 11, 10])])
+        seg = jnp.asarray(seg.astype(np.int32))
+    pallas = functools.partial(ker.chunk_gated_delta_rule_trainable, interpret=True)
+    loss_p, grads_p = _grads(pallas, q, k, v, g, beta, s0, seg, chunk)
+    loss_r, grads_r = _grads(ref.chunk_gated_delta_rule, q, k, v, g, beta, s0, seg, chunk)
+    assert abs(float(loss_p) - float(loss_r)) <= TOL * max(1.0, abs(float(loss_r)))
+    for name, gp, gr in zip(("q", "k", "v", "g", "beta", "s0"), grads_p, grads_r, strict=True):
+        assert np.abs(np.asarray(gr)).max() > 0.05, name
+        assert np.abs(np.asarray(gp) - np.asarray(gr)).max() <= TOL, name
 
 
 def test_pallas_rule_gradients_equal_the_reference_on_a_mesh():

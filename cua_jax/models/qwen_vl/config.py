@@ -184,8 +184,8 @@ class QwenVLConfig:
     moe_dispatch: str = "auto"
     # Qwen3.5's chunked gated delta rule (prefill and training; decode steps are recurrent):
     # "reference": the jnp form (`gated_delta/reference.py`); "pallas": the Pallas TPU kernel
-    # (`gated_delta/kernel.py`, interpret mode on CPU; its backward is the reference's VJP,
-    # recomputed); "auto": pallas on TPU, reference elsewhere
+    # (`gated_delta/kernel.py`, interpret mode on CPU; forward and backward are Pallas
+    # kernels); "auto": pallas on TPU, reference elsewhere
     gated_delta_impl: str = "reference"
     # The form of the screens a run feeds (the processor's ImageConfig.pixel_dtype), which the
     # compiled programs' abstract inputs and padding follow: "float32", transformers'

@@ -14,8 +14,8 @@ call with T == 1 the recurrent one (decode); either takes the state in and gives
 prefill-then-decode equals one pass over the whole sequence.
 
 Which chunked rule (`make_chunk_rule`, from the model config's `gated_delta_impl`): the jnp
-reference, or the Pallas TPU kernel (`gated_delta/kernel.py`) whose gradient is the reference's
-VJP recomputed in the backward pass (no Pallas backward kernel).
+reference, or the Pallas TPU kernels (`gated_delta/kernel.py`): the forward, and a backward
+kernel that walks the chunks in reverse from the chunk states the forward saved.
 """
 
 from __future__ import annotations
