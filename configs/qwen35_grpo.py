@@ -49,8 +49,10 @@ _TARGETS = (
     r"language_model\.layers\.\d+\.mlp\.(gate|up|down)_proj$",
 )
 FIT = {
-    "27b": {"model.lora_targets": _TARGETS},
+    # the real presets take the Pallas gated delta kernels (forward and backward) on a TPU
+    "27b": {"model.lora_targets": _TARGETS, "model.gated_delta_impl": "auto"},
     "35b-a3b": {
+        "model.gated_delta_impl": "auto",
         "mesh.expert": 4,
         "mesh.fsdp": 1,
         "rl.routing_replay": True,

@@ -217,6 +217,16 @@ def _ragged_all_to_all(*args, axis_name, chunk: int, emulate: bool) -> jax.Array
     return jax.lax.ragged_all_to_all(*args, axis_name=axis_name)
 
 
+_IN_BOUNDS = "promise_in_bounds"
+
+
+def _rows(x: jax.Array, idx: jax.Array, unique: bool = False) -> jax.Array:
+    """x[idx] along axis 0 for indices known to be in bounds (argsort outputs and their
+    quotients): indices clamped ("clip", free for these) rather than filled, so no [rows, D]
+    out-of-bounds select beside each gather."""
+    return jnp.take(x, idx, axis=0, mode="clip", unique_indices=unique)
+
+
 def expert_mlp_all_to_all(
     x_nD: jax.Array,
     w_nK: jax.Array,
@@ -255,7 +265,7 @@ def expert_mlp_all_to_all(
     # 1. this device's rows sorted by expert (padding, id E, last), the counts exchanged
     key_M = jnp.where(e_nK >= 0, e_nK, num_experts).reshape(M)
     order_M = jnp.argsort(key_M, stable=True)
-    xs_MD = jnp.take(x_nD, order_M // K, axis=0)
+    xs_MD = _rows(x_nD, order_M // K)
     cnt_E = jnp.bincount(key_M, length=num_experts + 1)[:num_experts].astype(jnp.int32)
     cnt_PE = jax.lax.all_gather(cnt_E, axis_name)  # [source, expert]
     cnt_PPL = cnt_PE.reshape(P, P, El)  # [source, destination, local expert]
@@ -281,8 +291,8 @@ def expert_mlp_all_to_all(
     lkey_R = jnp.where(seg_R < P * El, seg_R % El, El)  # El: an unused row, sorted last
     order_R = jnp.argsort(lkey_R, stable=True)
     gs_E = jnp.bincount(lkey_R, length=El + 1)[:El].astype(jnp.int32)
-    ys_RD = grouped_mlp(jnp.take(buf_RD, order_R, axis=0), gs_E, p, lora_scale)
-    out_RD = jnp.zeros((R, D), dt).at[order_R].set(ys_RD)
+    ys_RD = grouped_mlp(_rows(buf_RD, order_R, unique=True), gs_E, p, lora_scale)
+    out_RD = jnp.zeros((R, D), dt).at[order_R].set(ys_RD, unique_indices=True, mode=_IN_BOUNDS)
     # 4. outputs back to where their rows came from, weighted and summed per token
     recv_off_P = jnp.cumsum(recv_P) - recv_P
     back_MD = _ragged_all_to_all(
@@ -294,9 +304,14 @@ def expert_mlp_all_to_all(
         send_P,
         **a2a,
     )
-    w_M = jnp.take(w_nK.astype(dt).reshape(M), order_M)
-    y_MD = jnp.where((jnp.take(key_M, order_M) < num_experts)[:, None], back_MD * w_M[:, None], 0)
-    out_nKD = jnp.zeros((M, D), dt).at[order_M].set(y_MD.astype(dt)).reshape(n, K, D)
+    w_M = _rows(w_nK.astype(dt).reshape(M), order_M, unique=True)
+    y_MD = jnp.where(
+        (_rows(key_M, order_M, unique=True) < num_experts)[:, None], back_MD * w_M[:, None], 0
+    )
+    out_nKD = (
+        jnp.zeros((M, D), dt).at[order_M].set(y_MD.astype(dt), unique_indices=True, mode=_IN_BOUNDS)
+    )
+    out_nKD = out_nKD.reshape(n, K, D)
     return jnp.sum(out_nKD.astype(jnp.float32), axis=1)
 
 
