@@ -30,10 +30,11 @@ real RL step", 2026-11-27):
                (replanned 2026-11-28, exit 0)
   2b on v5e-8 (16 GiB chips), --config.rl.tokens_per_chip=8192 --config.rl.row_lengths='(4096,
                8192)' (the least the 15-turn, three-screen samples allow): every program fits
-               the chip since the learner's FSDP training layout (rl_grads 16x4096 13.6 GiB,
-               8x8192 12.8 GiB, est. MFU 43-48%; BENCHMARKS.md "What was in 2b's temporaries on
-               v5e-8"), but the plan exits 1: the KV pool left is 0.39 GiB, under
-               sampler.kv_min_fraction (4 GiB)
+               the chip since the learner's FSDP training layout; with the vocabulary-parallel
+               head the largest learner program is 12.11 GiB without the pool (13.21 before;
+               rl_grads 16x4096 13.6 GiB, 8x8192 12.2 GiB with it, est. MFU 35-40%), but the
+               plan exits 1: the KV pool left is 1.48 GiB (217 pages; 0.39 before), under
+               sampler.kv_min_fraction (4 GiB) (planned 2026-12-04)
   32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4: largest program 80.7 GiB of 95, KV
                pool 12610 pages (49.3 GiB); 118 chunks of 2 x 8192, padding 0.046, est. step
                242 s, est. MFU 64-68% (planned 2026-12-04, screens as bytes, exit 0)
@@ -41,7 +42,9 @@ real RL step", 2026-11-27):
          each chip, attention and embeddings replicated), routing replay: largest program
          80.7 GiB of 95, KV pool 7718 pages (45.2 GiB); 118 chunks of 2 x 8192, padding 0.046,
          est. step 176 s, est. MFU 11-20% (planned 2026-12-04, screens as bytes, exit 0; with
-         fsdp=2 x expert=2 its 8-row text plan did not fit)
+         fsdp=2 x expert=2 its 8-row text plan did not fit; with the rows over expert too,
+         mesh.rules=(("batch", ("data", "fsdp", "expert")),), the all-to-all dispatch's
+         temporaries grow 2.3 GiB a layer: 100 GiB, does not fit, BENCHMARKS.md)
 The KV pool stays resident next to the learner (colocated sampler), its pages sharded over
 `tensor` only: the plan and the run size it from what the learner leaves.
 """
