@@ -48,7 +48,7 @@ def base_config(family: str) -> ConfigDict:
     c.model.preset = "tiny"
     c.model.dtype = "float32"  # activations / compute
     c.model.param_dtype = "float32"
-    c.model.remat = "none"  # "none" | "full" | "dots"
+    c.model.remat = "none"  # "none" | "full" | "dots" | "ordered" (text.remat_call)
     # the learner's attention in query blocks of this many tokens (f32 scores [heads, block, L]
     # instead of [heads, L, L]); 0: dense
     c.model.attn_block = 0

@@ -27,7 +27,7 @@ ENUMS = {
     "model.family": ("qwen2_5_vl", "qwen3_vl", "qwen3_5"),
     "model.dtype": ("float32", "bfloat16"),
     "model.param_dtype": ("float32", "bfloat16"),
-    "model.remat": ("none", "full", "dots"),
+    "model.remat": ("none", "full", "dots", "ordered"),
     "model.attn_impl": ("xla", "splash"),
     "model.moe_dispatch": ("auto", "all_to_all", "all_gather"),  # = qwen_vl.MOE_DISPATCHES
     "model.gated_delta_impl": ("reference", "pallas", "auto"),  # = config.GATED_DELTA_IMPLS

@@ -137,7 +137,7 @@ class Learner:
         lora: LoraConfig | None = None,
         num_substeps: int = 1,
         freeze_vision: bool = False,
-        remat: Literal["none", "full", "dots"] | None = None,
+        remat: Literal["none", "full", "dots", "ordered"] | None = None,
         seq_len_buckets: Sequence[int] = DEFAULT_BUCKETS,
         donate: bool = True,
         banned_token_ids: Sequence[int] = (),

@@ -205,8 +205,9 @@ def test_router_aux_loss_equals_a_numpy_reference(episode):
 def test_expert_parallel_learner_equals_one_device(episode, rows_over):
     """fsdp=2 x expert=2 x tensor=2 (8 devices: rows, routes and experts sharded) == 1 device:
     replayed routes (changed ones, so replay matters), mismatch, aux loss, loss and gradients.
-    "fsdp+expert": the rules split the rows over the expert devices too (the 30b-a3b preset's
-    layout), so the learner's batch is 4-way and its MoE layers dispatch by all-to-all."""
+    "fsdp+expert": the rules split the rows over the expert devices too, so the learner's batch
+    is 4-way and its MoE layers dispatch by all-to-all, each layer rematerialised in the
+    backward order `text.ordered_checkpoint` pins (model.remat="ordered")."""
     from cua_jax import sharding as shd
     from cua_jax.models.qwen_vl import moe
 
@@ -215,11 +216,12 @@ def test_expert_parallel_learner_equals_one_device(episode, rows_over):
     bad, _ = _tampered(samples, cfg.text.num_experts)
     kw = dict(routing_replay=True, router_aux_coef=0.1)
     one = _learner(cfg, **kw)
-    model = qwen_vl.init_random(cfg, seed=0)
     mesh = shd.make_mesh(1, 2, 2, expert=2)
     rules = shd.DEFAULT_RULES
     if rows_over == "fsdp+expert":
         rules = (*shd.DEFAULT_RULES, ("batch", ("data", "fsdp", "expert")))
+        cfg = cfg.replace(remat="ordered")
+    model = qwen_vl.init_random(cfg, seed=0)
     eight = Learner(
         model,
         mesh=mesh,

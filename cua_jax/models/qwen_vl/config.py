@@ -51,7 +51,7 @@ LINEAR_DIMS = (
     "linear_num_value_heads",
 )
 DTYPES = ("float32", "bfloat16")
-REMAT_POLICIES = ("none", "full", "dots")
+REMAT_POLICIES = ("none", "full", "dots", "ordered")
 ATTN_IMPLS = ("xla", "splash")
 MOE_DISPATCHES = ("auto", "all_to_all", "all_gather")
 GATED_DELTA_IMPLS = ("reference", "pallas", "auto")
@@ -167,7 +167,8 @@ class QwenVLConfig:
     # --- run-time options (not HF fields, never exported) ---
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype of activations; logits are always f32
-    remat: str = "none"  # "none" | "full" | "dots" (per decoder layer)
+    # "none" | "full" | "dots" | "ordered" (per decoder layer; text.remat_call)
+    remat: str = "none"
     # full-sequence attention (the learner's) in query blocks of this many tokens, each block's
     # scores recomputed in the backward pass: f32 scores [heads, block, T] instead of [heads,
     # T, T]; 0: dense. The sampler brings its own attention.

@@ -14,7 +14,9 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.sharding import Mesh, PartitionSpec
 
 from cua_jax import sharding as shd
@@ -415,7 +417,9 @@ class TextModel(nnx.Module):
 def remat_call(module: nnx.Module, remat: str, call, *args):
     """`call(module, *args)` (array args), wrapped in `jax.checkpoint` per `remat`: "none" as
     is; "full" keeps only the inputs for the backward; "dots" also keeps matmul outputs without
-    batch dims. The decoder's layers and the vision tower's blocks both go through here."""
+    batch dims; "ordered" keeps only the inputs as "full" does, in the backward order
+    `ordered_checkpoint` pins. The decoder's layers and the vision tower's blocks both go
+    through here."""
     if remat == "none":
         return call(module, *args)
     graphdef, state = nnx.split(module)
@@ -423,8 +427,82 @@ def remat_call(module: nnx.Module, remat: str, call, *args):
     def f(state, *args):
         return call(nnx.merge(graphdef, state), *args)
 
+    if remat == "ordered":
+        return ordered_checkpoint(f)(state, *args)
     policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if remat == "dots" else None
     return jax.checkpoint(f, policy=policy)(state, *args)
+
+
+def _is_primal(x) -> bool:
+    return isinstance(x, CustomVJPPrimal)
+
+
+def _zeros_for(ct):
+    """A cotangent with its symbolic zeros made real (float0 for integer outputs)."""
+
+    def one(c):
+        if not isinstance(c, SymbolicZero):
+            return c
+        if c.aval.dtype == jax.dtypes.float0:
+            return np.zeros(c.aval.shape, jax.dtypes.float0)
+        return jnp.zeros(c.aval.shape, c.aval.dtype)
+
+    return jax.tree.map(one, ct, is_leaf=lambda x: isinstance(x, SymbolicZero))
+
+
+def _barrier(tree):
+    """`jax.lax.optimization_barrier` over the float leaves of `tree` (float0 ones as they are)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    idx = [i for i, x in enumerate(leaves) if getattr(x, "dtype", None) != jax.dtypes.float0]
+    held = jax.lax.optimization_barrier([leaves[i] for i in idx])
+    for i, x in zip(idx, held, strict=True):
+        leaves[i] = x
+    return treedef.unflatten(leaves)
+
+
+def ordered_checkpoint(f: Callable) -> Callable:
+    """`f` rematerialised as `jax.checkpoint(f)` is (only its inputs kept for the backward), with
+    the backward held to the layer's turn by two optimization barriers: the recompute waits for
+    the incoming cotangent, and the parameters' cotangents are made before the input's is handed
+    to the layer below. Under `jax.checkpoint` the TPU compiler was free to move work across
+    layers: it kept each MoE layer's [rows, D] expert-input gathers alive from that layer's
+    backward to the end of the program for the expert LoRA's weight gradients, scheduled last,
+    so a 30B-A3B layer's gradient with all-to-all dispatch grew 2.3-3.7 GiB of temporaries a
+    layer; with the barriers it stays flat (BENCHMARKS.md "MoE rows over the expert devices").
+    Only the perturbed inputs (what the caller differentiates) get cotangents, so frozen base
+    weights cost no weight gradient."""
+    seen: dict = {}
+
+    @jax.custom_vjp
+    def g(*args):
+        return f(*args)
+
+    def fwd(*args):
+        vals = jax.tree.map(lambda p: p.value, args, is_leaf=_is_primal)
+        seen["perturbed"] = jax.tree.map(lambda p: p.perturbed, args, is_leaf=_is_primal)
+        return f(*vals), vals
+
+    def bwd(vals, ct):
+        vals, ct = _barrier((vals, _zeros_for(ct)))
+        flat, treedef = jax.tree.flatten(vals)
+        perturbed = treedef.flatten_up_to(seen["perturbed"])
+        idx = [i for i, p in enumerate(perturbed) if p]
+
+        def h(*diff):
+            full = list(flat)
+            for i, x in zip(idx, diff, strict=True):
+                full[i] = x
+            return f(*treedef.unflatten(full))
+
+        _, vjp = jax.vjp(h, *[flat[i] for i in idx])
+        grads = _barrier(vjp(ct))
+        out = [None] * len(flat)
+        for i, x in zip(idx, grads, strict=True):
+            out[i] = x
+        return tuple(treedef.unflatten(out))
+
+    g.defvjp(fwd, bwd, symbolic_zeros=True)
+    return g
 
 
 def deepstack_add(h_BTD: jax.Array, ds_BTD: jax.Array, mask_BT: jax.Array) -> jax.Array:
