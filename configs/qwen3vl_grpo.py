@@ -21,8 +21,9 @@ chunk, splash attention, remat=full, the KV pool from 85% of HBM). `tools/plan.p
 flag compiles what the run compiles, each chunk program with its screens, the update and the
 decode step, and a batch drawn from the preset's env settings (BENCHMARKS.md "Every preset's
 real RL step", 2026-11-27):
-  2b  v5p-8    full fine-tuning, fsdp=4: largest program 80.7 GiB of 95, KV pool 7319 pages;
-               474 samples in 30 chunks, padding 0.062, est. step 27 s, est. MFU 43-49%
+  2b  v5p-8    full fine-tuning, fsdp=4: largest program 80.7 GiB of 95, KV pool 8503 pages
+               (7319 before the vocabulary-parallel head); 474 samples in 30 chunks, padding
+               0.062, est. step 27 s, est. MFU 47-49% (replanned 2026-12-04, exit 0)
   4b  v5p-8    full fine-tuning, fsdp=4: 80.7 GiB, 4618 pages; 30 chunks, est. step 54 s,
                est. MFU 57-59%
   8b  v5p-8    full fine-tuning, fsdp=2 x tensor=2: 80.7 GiB, 7088 pages (6610 before the
