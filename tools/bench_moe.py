@@ -16,11 +16,11 @@
    "all_to_all"): one MoE block's forward + backward on a mesh with expert=8, tokens arriving
    split over the expert axis ("split") or replicated over it ("replicated", the default rules'
    batch axes without "expert"); from each compiled program's HLO, the collectives with their
-   buffer sizes and a per-device byte model (all-gather (g-1)/g of the result, all-reduce
-   2(g-1)/g, all-to-all (g-1)/g, g the group size); the rows the routing actually sends off
-   device (what `ragged_all_to_all` moves on TPU, where the CPU's dense emulation moves padded
-   buffers); CPU wall time of both. `--ep-tpu v5e-8` also compiles both for that TPU topology
-   (libtpu, ahead of time) to show the ragged-all-to-all and its buffers.
+   buffer sizes and a per-device byte model (`cua_jax.plan.collectives`: all-gather (g-1)/g of
+   the result, all-reduce 2(g-1)/g, all-to-all (g-1)/g, g the group size); the rows the routing
+   actually sends off device (what `ragged_all_to_all` moves on TPU, where the CPU's dense
+   emulation moves padded buffers); CPU wall time of both. `--ep-tpu v5e-8` also compiles both
+   for that TPU topology (libtpu, ahead of time) to show the ragged-all-to-all and its buffers.
 
 Every variant is compiled first (compile times are printed apart); then each round times every
 variant once, in turn, so background load on a shared machine hits them alike; medians of the
@@ -39,6 +39,7 @@ from cua_jax import plan
 from cua_jax import sharding as shd
 from cua_jax.models import qwen_vl
 from cua_jax.models.qwen_vl import moe
+from cua_jax.plan.collectives import hlo_collectives
 from tools import bench_setup
 from tools.bench_forward import forward_pair, hf_dicts, inputs
 
@@ -149,56 +150,6 @@ def bench_dispatch(rounds: int, tokens: int, dim: int, width: int, cases) -> lis
             )
         )
     return rows
-
-
-_COLLECTIVES = (
-    "all-gather",
-    "all-reduce",
-    "all-to-all",
-    "ragged-all-to-all",
-    "reduce-scatter",
-    "collective-permute",
-)
-_DTYPE_BYTES = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
-
-
-def hlo_collectives(text: str) -> list[dict]:
-    """The collectives of a compiled HLO module's text: one dict per instruction with its kind,
-    buffer bytes (an async start's largest array; a variadic op's arrays summed), group size g
-    and the bytes one device moves (the module docstring's model; None for ragged-all-to-all,
-    whose traffic is the rows actually sent, known only at run time)."""
-    import re
-
-    ops = "|".join(sorted(_COLLECTIVES, key=len, reverse=True))
-    inst = re.compile(rf"=\s*(.+?)\s+({ops})(-start)?\(")
-    arr = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
-    out = []
-    for line in text.splitlines():
-        m = inst.search(line)
-        if not m:
-            continue
-        shape, kind, start = m.group(1), m.group(2), m.group(3)
-        sizes = [
-            _DTYPE_BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-            for dt, dims in arr.findall(shape)
-        ]
-        nbytes = max(sizes or [0]) if start or kind == "ragged-all-to-all" else sum(sizes)
-        g = 1
-        if (rg := re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)) is not None:
-            dims = {k: int(v) for k, v in re.findall(r"'(\w+)'=(\d+)", rg.group(1))}
-            for axis in re.findall(r"'(\w+)'", rg.group(2)):
-                g *= dims[axis]
-        elif (rg := re.search(r"replica_groups=\{\{([\d,]+)\}", line)) is not None:
-            g = len(rg.group(1).split(","))
-        elif (rg := re.search(r"replica_groups=\[(\d+),(\d+)\]", line)) is not None:
-            g = int(rg.group(2))
-        elif kind == "collective-permute":
-            g = 2
-        frac = (g - 1) / g if g > 1 else 0.0
-        factor = {"all-reduce": 2 * frac, "collective-permute": 1.0, "reduce-scatter": g - 1}
-        moved = None if kind == "ragged-all-to-all" else factor.get(kind, frac) * nbytes
-        out.append(dict(kind=kind, bytes=nbytes, group=g, moved=moved))
-    return out
 
 
 def _ep_block(E, K, D, F, dtype, devices, tokens, layout, dispatch, abstract):
@@ -313,7 +264,8 @@ def _print_ep(rows, label):
         for c in r["collectives"]:
             k = by.setdefault(c["kind"], [0, 0.0, 0])
             k[0] += 1
-            k[1] += c["moved"] or 0.0
+            # the ragged op's bytes are the routing's (below), measured rather than uniform
+            k[1] += 0.0 if c["kind"] == "ragged-all-to-all" else c["moved"] * c["runs"]
             k[2] += c["bytes"]
         total = sum(v[1] for v in by.values())
         parts = " ".join(

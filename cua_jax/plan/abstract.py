@@ -23,6 +23,7 @@ from cua_jax.data.processor import QwenVLProcessor
 from cua_jax.job import builders
 from cua_jax.job.builders import build_learner
 from cua_jax.models import qwen_vl
+from cua_jax.plan.collectives import moved_bytes
 from cua_jax.plan.hardware import GiB, PlanInputError
 from cua_jax.plan.report import ProgramPlan, with_shardings
 from cua_jax.sampler.steps import ModelDef
@@ -200,6 +201,7 @@ def _compile(fn: Any, args: tuple, prog: ProgramPlan) -> None:
         cost = cost[0]
     prog.flops = float(cost.get("flops", 0.0)) + prog.pallas_flops
     prog.bytes_accessed = float(cost.get("bytes accessed", 0.0)) + prog.pallas_bytes
+    prog.collective_bytes = moved_bytes(compiled.as_text())
 
 
 # ------------------------------------------------------------------------------- the run's shapes

@@ -26,6 +26,9 @@ class Chip:
     hbm_bytes: int
     peak_bf16_flops: float  # per chip, dense bf16
     hbm_bandwidth: float  # bytes / s
+    # bytes / s one chip receives over all its ICI links: half the published bidirectional
+    # figure (0: not published here, no interconnect term in the roofline)
+    ici_bandwidth: float = 0.0
 
 
 # Public figures from Google Cloud's TPU system-architecture pages
@@ -34,11 +37,13 @@ class Chip:
 #   v5e  16 GiB HBM2,  197 TFLOP/s bf16,  819 GB/s
 #   v5p  95 GiB HBM2e, 459 TFLOP/s bf16, 2765 GB/s
 #   v6e  32 GiB HBM,   918 TFLOP/s bf16, 1640 GB/s (Trillium)
+# and bidirectional ICI bandwidth per chip: v5e 400 GB/s, v5p 1200 GB/s, v6e 800 GB/s (v4's is
+# not on its page in that form; left out)
 CHIPS = {
     "v4": Chip("v4", 32 * GiB, 275e12, 1200e9),
-    "v5e": Chip("v5e", 16 * GiB, 197e12, 819e9),
-    "v5p": Chip("v5p", 95 * GiB, 459e12, 2765e9),
-    "v6e": Chip("v6e", 32 * GiB, 918e12, 1640e9),
+    "v5e": Chip("v5e", 16 * GiB, 197e12, 819e9, 200e9),
+    "v5p": Chip("v5p", 95 * GiB, 459e12, 2765e9, 600e9),
+    "v6e": Chip("v6e", 32 * GiB, 918e12, 1640e9, 400e9),
 }
 
 

@@ -64,6 +64,8 @@ class ProgramPlan:
     code_bytes: int = 0
     flops: float = 0.0  # XLA's cost analysis + hand count of Pallas calls
     bytes_accessed: float = 0.0
+    # bytes one device moves over the interconnect, by collective kind (`plan.collectives`)
+    collective_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
     pallas_flops: float = 0.0  # the hand-counted part
     pallas_bytes: float = 0.0
     model_flops: float = 0.0  # the useful FLOPs (MFU numerator)
@@ -92,11 +94,20 @@ class ProgramPlan:
         return own + self.code_bytes + sum(self.resident.values())
 
     @property
+    def ici_s(self) -> float:
+        """Seconds the program's collectives take at the chip's ICI bandwidth (0: unknown)."""
+        bw = self.chip.ici_bandwidth
+        return sum(self.collective_bytes.values()) / bw if bw else 0.0
+
+    @property
     def roofline_s(self) -> float:
+        """The slowest of compute, HBM traffic and interconnect traffic, each at its peak."""
         if not (self.chip.peak_bf16_flops and self.chip.hbm_bandwidth):
             return 0.0  # a device without published figures
         return max(
-            self.flops / self.chip.peak_bf16_flops, self.bytes_accessed / self.chip.hbm_bandwidth
+            self.flops / self.chip.peak_bf16_flops,
+            self.bytes_accessed / self.chip.hbm_bandwidth,
+            self.ici_s,
         )
 
     @property
@@ -208,6 +219,16 @@ def fmt_bytes(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.2f} MiB"
 
 
+def _collectives_text(p: ProgramPlan) -> str:
+    """The program's interconnect traffic a device, by kind, and its time at the ICI peak."""
+    if not p.collective_bytes:
+        return "no collectives; "
+    kinds = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(p.collective_bytes.items()))
+    t = f" ({p.ici_s * 1e3:.2f} ms at the ICI peak)" if p.ici_s else ""
+    total = fmt_bytes(sum(p.collective_bytes.values()))
+    return f"moved over the interconnect {total}{t}: {kinds}; "
+
+
 def format_plan(plan: Plan) -> str:
     """Human-readable tables: one per program, then the verdict."""
     topo, chip = plan.topology, plan.topology.chip
@@ -255,6 +276,7 @@ def format_plan(plan: Plan) -> str:
                 "",
                 f"FLOPs/step {p.flops:.3e} (Pallas, by hand: {p.pallas_flops:.3e}); bytes "
                 f"accessed {p.bytes_accessed:.3e} (Pallas: {p.pallas_bytes:.3e}); "
+                + _collectives_text(p)
                 + (
                     f"roofline {p.roofline_s * 1e3:.2f} ms; "
                     + (
@@ -270,8 +292,9 @@ def format_plan(plan: Plan) -> str:
             ]
     lines += [
         "",
-        "| program | kind | rows x length | screens | peak per device | fits | est. MFU |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| program | kind | rows x length | screens | peak per device | fits | ICI moved "
+        "| est. MFU |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     misfits = plan.misfits()
     for p in plan.programs:
@@ -279,7 +302,8 @@ def format_plan(plan: Plan) -> str:
         mfu = f"{p.mfu:.1%}" if p.compile_error is None and p.model_flops and p.roofline_s else "-"
         lines.append(
             f"| {p.name} | {p.kind or '-'} | {batch} | {p.screens or '-'} | "
-            f"{fmt_bytes(p.total_bytes)} | {'NO' if p in misfits else 'yes'} | {mfu} |"
+            f"{fmt_bytes(p.total_bytes)} | {'NO' if p in misfits else 'yes'} | "
+            f"{fmt_bytes(sum(p.collective_bytes.values()))} | {mfu} |"
         )
     if "token_budget" in s:
         lines.append(f"\ntoken budget sized from memory: {s['token_budget']}")
@@ -338,7 +362,14 @@ def plan_json(plan: Plan, preset: str) -> dict[str, Any]:
                 "bytes": p.total_bytes,
                 "fits": p.compile_error is None and p.total_bytes <= limit,
                 "est_mfu": p.mfu if p.compile_error is None and p.model_flops else None,
+                "temp_bytes": p.temp_bytes,
+                "flops": p.flops,
+                "bytes_accessed": p.bytes_accessed,
+                "collective_bytes": dict(p.collective_bytes),
+                "ici_s": p.ici_s,
+                "roofline_s": p.roofline_s,
             }
             for p in plan.programs
         ],
+        "est_step_s": step_seconds(plan) or None,
     }
