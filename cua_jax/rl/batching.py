@@ -6,6 +6,12 @@ screens than its budget.
     batch = pack_chunks(samples, shape, chunks, image_token_id=..., merge=2, substeps=1,
                         devices=4, screen_patches=unit, **pack_kwargs)
 
+Screens of several sizes in one batch (envs at other resolutions than the run's viewport) are
+bucketed, not replicated: `screen_buckets` sorts the samples by their screens' grid and
+`pack_chunks_by_screen` packs each size into chunks of its own (`PackedBatch.chunk_grids`), so
+every chunk's screens are of one size and its (micro-batch, device) groups are laid out and
+sharded as the run's own size's are; a size other than the run's is another compile.
+
 The learner (`Learner.pack`) and the plan (`cua_jax.plan`, padding share of a preset's batch)
 both pack this way. A chunk is one call of the learner's gradient program; its rows are laid out
 as `row_groups` says (micro-batch j = r % S, device d = r // (R / B)).
@@ -20,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from cua_jax.rl.packing import PackedBatch, pack, row_patches
+from cua_jax.rl.packing import PackedBatch, concat_rows, pack, row_patches
+from cua_jax.rl.shapes import first_fit_rows
 from cua_jax.rl.trajectory import Sample
 
 
@@ -133,4 +140,71 @@ def pack_chunks(
     batch = permute_rows(batch, perm, patches_R)
     batch.patch_budget, batch.chunks = shape.patches, k
     batch.group_screens = shape.group_screens
+    return batch
+
+
+def sample_grid(s: Sample) -> tuple[int, int, int] | None | str:
+    """The one screen grid of a sample's images, None for a text-only sample, "mixed" when its
+    images are of several sizes."""
+    if s.image_grid_thw is None or not len(s.image_grid_thw):
+        return None
+    grids = {tuple(int(v) for v in g) for g in np.asarray(s.image_grid_thw).reshape(-1, 3)}
+    return grids.pop() if len(grids) == 1 else "mixed"
+
+
+def screen_buckets(
+    samples: Sequence[Sample], grid: tuple[int, int, int] | None
+) -> list[tuple[tuple[int, int, int] | None, list[Sample]]]:
+    """`samples` by the size of their screens: (grid, samples) pairs, the run's `grid` first
+    (text-only samples join it, or the first bucket), then other sizes by first appearance; a
+    sample whose own screens are of several sizes goes to a bucket of grid None (laid out flat).
+    One pair when every screen is of one size."""
+    by: dict = {}
+    text = []
+    for s in samples:
+        g = sample_grid(s)
+        if g is None:
+            text.append(s)
+        else:
+            by.setdefault(None if g == "mixed" else g, []).append(s)
+    if len(by) <= 1:
+        return [(next(iter(by), grid), list(samples))]
+    keys = sorted(by, key=lambda g: g != grid)  # stable: the run's grid first
+    out = [(g, by[g]) for g in keys]
+    if text:
+        if out and out[0][0] == grid:
+            out[0][1].extend(text)
+        elif out:
+            out[0] = (out[0][0], out[0][1] + text)
+        else:
+            out = [(grid, text)]
+    return out
+
+
+def pack_chunks_by_screen(
+    buckets: Sequence[tuple[tuple[int, int, int] | None, Sequence[Sample]]],
+    shape: Any,
+    *,
+    units: Any,
+    **chunk_kwargs: Any,
+) -> PackedBatch:
+    """A batch of screens of several sizes (`screen_buckets`): each bucket's samples in chunks
+    of `shape` of their own (`pack_chunks`, at least as many as their rows need; a group's
+    budget is the shape's in patches, so a larger screen fits fewer a group), one after the
+    other, each chunk's grid in `chunk_grids`. `units(samples)` is the loss aggregation's count
+    of them (`BatchPacker.loss_units`): each bucket's loss weights, normalised over its own
+    samples by `pack`, are scaled to its share, so the batch's weights are the whole batch's."""
+    total = sum(units(b) for _, b in buckets)
+    parts = []
+    for grid, smp in buckets:
+        rows = first_fit_rows([s.length for s in smp], shape.length)
+        part = pack_chunks(smp, shape, max(1, -(-rows // shape.rows)), **chunk_kwargs)
+        if total:
+            part.loss_weights = (part.loss_weights * np.float32(units(smp) / total)).astype(
+                np.float32
+            )
+        part.chunk_grids = (grid,) * part.chunks
+        parts.append(part)
+    batch = concat_rows(parts)
+    batch.patch_budget, batch.group_screens = shape.patches, shape.group_screens
     return batch

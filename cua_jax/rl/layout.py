@@ -1,11 +1,12 @@
 """Where a packed batch goes on the learner's mesh (`BatchLayout`): its token rows over the
 batch axes (the mesh axes the rules' logical "batch" names: data x fsdp by default, data x fsdp
 x expert when a MoE preset splits its rows over the expert devices too), a micro-batch's rows
-kept on their device; its screens either grouped
-by (micro-batch, device) and sharded (`cua_jax.rl.image_groups`: one screen size, a shape-set
-batch) or the flat layout, replicated (screens of mixed sizes; multi-host batches that are not
-token-budget chunks). Multi-host: each process gives its own rows and screen groups
-(`jax.make_array_from_process_local_data`).
+kept on their device; its screens either grouped by (micro-batch, device) and sharded
+(`cua_jax.rl.image_groups`: a shape-set batch whose screens are of one size, the set's or, for a
+token-budget chunk of screens of another size, the chunk's own: `BatchLayout.batch_grid`) or the
+flat layout, replicated (a sample whose own screens are of several sizes; multi-host batches
+that are not token-budget chunks, or whose screens are of several sizes). Multi-host: each
+process gives its own rows and screen groups (`jax.make_array_from_process_local_data`).
 
 The learner (`cua_jax.rl.learner`) and the programs that read its batches (SDPO's teacher pass,
 Entropulse, `tools/plan.py`) share one layout: `learner.layout`.
@@ -184,10 +185,18 @@ class BatchLayout:
         return int(np.prod(grid)) // self.config.vision.spatial_merge_size**2
 
     def screens_per_row(self, batch: PackedBatch) -> np.ndarray:
-        """Screens of the shape set's size each row of `batch` holds (0 without images)."""
+        """Screens each row of `batch` holds (0 without images), of its size (`batch_grid`)."""
         if batch.pixel_values is None:
             return np.zeros(batch.shape[0], np.int64)
-        return image_groups.screens_per_row(batch, self.config.image_token_id, self.screen_tokens())
+        tokens = self.screen_tokens(self.batch_grid(batch))
+        return image_groups.screens_per_row(batch, self.config.image_token_id, tokens)
+
+    def batch_grid(self, batch: PackedBatch) -> tuple[int, int, int] | None:
+        """The screen grid `batch`'s groups are laid out in: a chunk's own size when the
+        packer bucketed screens of several sizes, else the shape set's."""
+        if batch.chunk_grids and batch.chunks == 1:
+            return batch.chunk_grids[0]  # None: a chunk of samples whose screens are mixed
+        return self.shapes.grid if self.shapes is not None else None
 
     def groupable(self, batch: PackedBatch) -> bool:
         """Whether `batch`'s screens can be grouped by micro-batch and device (`image_groups`):
@@ -196,9 +205,10 @@ class BatchLayout:
             return False
         if self.processes > 1 and not batch.group_screens:  # multi-host: token-budget batches
             return False
-        if self.shapes.grid is None or not self.group_images:
+        grid = self.batch_grid(batch)
+        if grid is None or not self.group_images:
             return False
-        return batch.pixel_values is None or image_groups.uniform_screens(batch, self.shapes.grid)
+        return batch.pixel_values is None or image_groups.uniform_screens(batch, grid)
 
     def screen_layout(
         self, length: int, budget: int, substeps: int, grid=None, per_group: int = 0
@@ -248,9 +258,13 @@ class BatchLayout:
             return None
         # a token-budget chunk's groups hold group_screens each at the step's micro-batching;
         # fewer micro-batches (a log-prob pass: one) merge num_substeps / substeps of them
-        per_group = batch.group_screens * self.num_substeps // substeps
+        grid = self.batch_grid(batch)
+        # a chunk of another screen size than the shape set's: its group holds the patches of
+        # group_screens of the set's screens, as that many of its own as they make
+        own = batch.group_screens * int(np.prod(self.shapes.grid)) // int(np.prod(grid))
+        per_group = own * self.num_substeps // substeps
         per_group, unit, meta = self.screen_layout(
-            batch.shape[1], batch.patch_budget, substeps, per_group=per_group
+            batch.shape[1], batch.patch_budget, substeps, grid=grid, per_group=per_group
         )
         n = self.processes  # multi-host: this process's rows, on its block of the devices
         devices = self.batch_parallel // n

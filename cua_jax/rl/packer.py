@@ -126,18 +126,23 @@ class BatchPacker:
             blank = self.blank_batch(dataclasses.replace(shape, rows=rows))
             blank.chunks = k
             return blank
+        chunk_kw = dict(
+            image_token_id=self.config.image_token_id,
+            merge=self.config.vision.spatial_merge_size,
+            substeps=self.layout.num_substeps,
+            devices=devices,
+            screen_patches=int(np.prod(self.shapes.grid)) if self.shapes.grid else 1,
+            **kw,
+        )
+        # screens of several sizes: one size a chunk (one process; multi-host shares take the
+        # flat layout for them)
+        buckets = batching.screen_buckets(samples, self.shapes.grid)
         try:
-            return batching.pack_chunks(
-                samples,
-                shape,
-                k,
-                image_token_id=self.config.image_token_id,
-                merge=self.config.vision.spatial_merge_size,
-                substeps=self.layout.num_substeps,
-                devices=devices,
-                screen_patches=int(np.prod(self.shapes.grid)) if self.shapes.grid else 1,
-                **kw,
-            )
+            if len(buckets) > 1 and self.layout.processes == 1:
+                return batching.pack_chunks_by_screen(
+                    buckets, shape, units=self.loss_units, **chunk_kw
+                )
+            return batching.pack_chunks(samples, shape, k, **chunk_kw)
         except batching.ChunkError as e:
             raise shapes_lib.ShapeError(str(e)) from None
 

@@ -49,6 +49,10 @@ class PackedBatch:
     # (`Learner._chunked_step`). `patch_budget` and `group_screens` are a chunk's.
     chunks: int = 1
     group_screens: int = 0  # > 0: screens of one (micro-batch, device) group of a chunk
+    # Screens of mixed sizes (`cua_jax.rl.batching.pack_chunks_by_screen`): each chunk's one
+    # screen grid (t, h, w), None for a chunk whose screens are not of one size; () when every
+    # chunk's screens are the shape set's size
+    chunk_grids: tuple = ()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -139,9 +143,44 @@ def split_chunks(batch: PackedBatch, row_patches_R: np.ndarray) -> list[PackedBa
                 image_grid_thw=grid_c,
                 routes=None if batch.routes is None else batch.routes[rows],
                 chunks=1,
+                chunk_grids=batch.chunk_grids[c : c + 1],
             )
         )
     return out
+
+
+def concat_rows(parts: Sequence[PackedBatch]) -> PackedBatch:
+    """The batches' rows one after the other (one row length), their images in row order and
+    their chunks added up; loss weights as they are (the caller scales them to the whole)."""
+    lengths = {p.shape[1] for p in parts}
+    if len(lengths) != 1:
+        raise ValueError(f"batches of row lengths {sorted(lengths)} cannot be concatenated")
+
+    def cat(name: str, axis: int = 0):
+        arrs = [getattr(p, name) for p in parts]
+        if all(a is None for a in arrs):
+            return None
+        return np.concatenate([a for a in arrs if a is not None], axis=axis)
+
+    routes = [p.routes for p in parts]
+    if any(r is None for r in routes) and not all(r is None for r in routes):
+        raise ValueError("batches with and without routes cannot be concatenated")
+    return dataclasses.replace(
+        parts[0],
+        input_ids=cat("input_ids"),
+        segment_ids=cat("segment_ids"),
+        position_ids=cat("position_ids", axis=1),
+        loss_mask=cat("loss_mask"),
+        behaviour_logprobs=cat("behaviour_logprobs"),
+        advantages=cat("advantages"),
+        loss_weights=cat("loss_weights"),
+        pixel_values=cat("pixel_values"),
+        image_grid_thw=cat("image_grid_thw"),
+        num_samples=sum(p.num_samples for p in parts),
+        routes=cat("routes"),
+        chunks=sum(p.chunks for p in parts),
+        chunk_grids=tuple(g for p in parts for g in (p.chunk_grids or (None,) * p.chunks)),
+    )
 
 
 def pick_bucket(length: int, buckets: Sequence[int]) -> int:
