@@ -16,9 +16,11 @@ time inside its scan (the tower's activations are one micro-batch's).
 
 `balance_rows` permutes a packed batch's rows so its screens spread over the groups, at most one
 row's screens apart; a group's budget (`group_budget`) is the shape's screens over S x B plus
-the screens one row of the shape can hold, so every batch the shape accepts fits. A batch whose
-groups still overflow (rows not balanced by `Learner.pack`), or whose screens are not all of the
-shape set's one size, takes the flat replicated layout instead (`group_pixels` returns None;
+the screens one row of the shape can hold, so every batch the shape accepts fits. A token-budget
+chunk of screens of another size than the set's (the packer buckets sizes, one a chunk:
+`cua_jax.rl.batching.pack_chunks_by_screen`) is grouped the same way at its own size. A batch
+whose groups still overflow (rows not balanced by `Learner.pack`), or whose screens are not of
+one size, takes the flat replicated layout instead (`group_pixels` returns None;
 `BatchLayout.device_batch` logs it: a new compile).
 """
 

@@ -22,7 +22,7 @@ from cua_jax.rl import batching
 from cua_jax.rl import shapes as shapes_lib
 from cua_jax.rl.advantages import group_advantages
 from cua_jax.rl.layout import BatchLayout, gather_images, shape_bucket
-from cua_jax.rl.packing import PackedBatch, pack, pick_bucket
+from cua_jax.rl.packing import PackedBatch, concat_rows, pack, pick_bucket
 from cua_jax.rl.trajectory import (
     MIN_LIVE_EPISODES,
     Sample,
@@ -180,6 +180,11 @@ class BatchPacker:
             shapes[i], rows=shapes[i].rows // n, patches=shapes[i].patches // n
         )
         devices = self.layout.batch_parallel // n
+        grids = self.agreed_grids(samples)
+        if len(grids) > 1:  # screens of several sizes: one size a chunk, on every process
+            batch = self.share_by_screen(samples, grids, share, kw, devices)
+            batch.patch_budget = shapes[i].patches
+            return batch
         error = None
         try:
             batch = self.chunks_of(samples, share, k, kw, devices)
@@ -194,6 +199,61 @@ class BatchPacker:
         units = multihost.allgather_ints([self.loss_units(samples)])[:, 0]
         self.scale_to_share(batch, units)
         batch.patch_budget = shapes[i].patches
+        return batch
+
+    def agreed_grids(self, samples) -> list[tuple[int, int, int] | None]:
+        """The screen sizes of every process's samples (multi-host), the run's first, then in
+        sorted order, the same list on every process; a sample whose own screens are of
+        several sizes on any process is a ShapeError on all of them."""
+        mine = [g for g, _ in batching.screen_buckets(samples, self.shapes.grid)]
+        count = int(multihost.allgather_ints([len(mine)]).max())
+        flat = [v for g in mine for v in (g or (0, 0, 0))] + [-1] * 3 * (count - len(mine))
+        every = multihost.allgather_ints(flat).reshape(-1, 3)
+        found = {tuple(int(v) for v in g) for g in every if g[0] >= 0}
+        if (0, 0, 0) in found:
+            raise shapes_lib.ShapeError(
+                "a sample's own screens are of several sizes: a multi-host token-budget batch "
+                "takes screens of one size a sample"
+            )
+        return sorted(found, key=lambda g: (g != tuple(self.shapes.grid), g))
+
+    def share_by_screen(self, samples, grids, share, kw: dict, devices: int) -> PackedBatch:
+        """This process's share of a batch of screens of several sizes (multi-host): for each
+        of the agreed `grids`, its samples of that size in as many chunks of `share` as the
+        neediest process's take (blank chunks where it has none), so chunk c is of one size
+        on every process; loss weights scaled to each part's share of the job's units."""
+        by = {g: smp for g, smp in batching.screen_buckets(samples, self.shapes.grid)}
+        parts_of = [by.get(g, []) for g in grids]
+        need = []
+        for smp in parts_of:
+            rows = shapes_lib.first_fit_rows([x.length for x in smp], share.length) if smp else 0
+            need.append(-(-rows // share.rows))
+        ks = multihost.allgather_ints(need).max(axis=0)
+        total = float(multihost.allgather_ints([self.loss_units(samples)]).sum())
+
+        def pack_all(ks):
+            out, error = [], None
+            for smp, k in zip(parts_of, ks, strict=True):
+                try:
+                    out.append(self.chunks_of(smp, share, max(int(k), 1), kw, devices))
+                except shapes_lib.ShapeError as e:  # every process raises, none is left waiting
+                    error = e
+                    out.append(None)
+            got = [-1 if p is None else p.chunks for p in out]
+            return out, error, multihost.allgather_ints(got)
+
+        parts, error, got = pack_all(np.maximum(ks, 1))
+        if (got < 0).any():
+            raise error or shapes_lib.ShapeError("another process's screens fit no chunk")
+        if (got.max(axis=0) > got[multihost.process_index()]).any():  # another needed more
+            parts, error, got = pack_all(got.max(axis=0))
+        for part, smp, g in zip(parts, parts_of, grids, strict=True):
+            if total and smp:
+                share_w = np.float32(self.loss_units(smp) / total)
+                part.loss_weights = (part.loss_weights * share_w).astype(np.float32)
+            part.chunk_grids = (g,) * part.chunks
+        batch = concat_rows(parts)
+        batch.group_screens = share.group_screens
         return batch
 
     def agreed_shape(self, samples, mode: str) -> shapes_lib.Shape | None:

@@ -4,8 +4,9 @@ share (every process_count-th sample); prints the steps' metrics as one JSON lin
 
     python -m tests.multihost.global_batch_worker AGG_MODE:VARIANT [AGG_MODE:VARIANT ...]
 
-Each VARIANT (plain, shapes, sdpo, entropulse, budget) builds its own learner from the same
-initial params and prints `RESULT AGG_MODE:VARIANT {json}`; one process start serves them all.
+Each VARIANT (plain, shapes, sdpo, entropulse, budget, budget_mixed) builds its own learner from
+the same initial params and prints `RESULT AGG_MODE:VARIANT {json}`; one process start serves
+them all. `budget_mixed` is `budget` with screens of two sizes.
 
 With `shapes`, the learner has a strict shape set (one RL shape: 8 rows x 512 tokens, 8
 screens of 4x6 patches), compiled ahead by `learner.warmup("rl")`; the result then also holds
@@ -27,7 +28,9 @@ import numpy as np
 from launch.process import maybe_initialize_distributed
 
 
-def samples(cfg, n=8, seed=0):
+def samples(cfg, n=8, seed=0, wide=False):
+    """`n` samples, every odd one with a 4x6-patch screenshot (`wide`: every fourth one's is
+    4x8 instead, a second screen size in the batch)."""
     from cua_jax.rl.trajectory import Sample, rope_position_fn
 
     rng = np.random.default_rng(seed)
@@ -38,7 +41,7 @@ def samples(cfg, n=8, seed=0):
         text = rng.integers(16, 1000, 20 + 7 * i).astype(np.int32)
         pv = grid = None
         if i % 2:  # a 4x6-patch screenshot: 6 merged image tokens after the first 5 tokens
-            grid = np.array([[1, 4, 6]], np.int32)
+            grid = np.array([[1, 4, 8 if wide and i % 4 == 3 else 6]], np.int32)
             k = int(grid.prod()) // v.spatial_merge_size**2
             ids = np.concatenate(
                 [
@@ -158,7 +161,7 @@ def run_variant(agg, variant):
         m = pulse.after_step(1, learner, groups)
         keys = ("entropy_before", "entropy_after", "sft_loss_first", "sft_loss_last")
         return {f"entropulse/{k}": m[f"entropulse/{k}"] for k in keys}
-    if variant == "budget":
+    if variant in ("budget", "budget_mixed"):
         from cua_jax.rl.image_groups import ImageGroups
         from cua_jax.rl.shapes import Shape, ShapeSet
 
@@ -168,18 +171,24 @@ def run_variant(agg, variant):
         learner.shapes = ShapeSet(
             rl=(shape,), sft=(shape,), grid=(1, 4, 6), strict=True, tokens_per_chip=256
         )
-        mine = samples(learner.config, n=16)[jax.process_index() :: jax.process_count()]
+        wide = variant == "budget_mixed"  # screens of two sizes: one size a chunk
+        mine = samples(learner.config, n=16, wide=wide)
+        mine = mine[jax.process_index() :: jax.process_count()]
         for k in range(2):
             batch = learner.pack(mine, mode="rl")
-            part, _ = learner.chunks(batch)[0]
-            _, images = learner.layout.device_batch(part, learner.num_substeps)
+            grouped, shards = True, set()
+            for part, _ in learner.chunks(batch):
+                _, images = learner.layout.device_batch(part, learner.num_substeps)
+                grouped &= isinstance(images, ImageGroups)
+                if isinstance(images, ImageGroups):  # each device holds only its own group
+                    shard = images.pixel_values.addressable_shards[0].data
+                    shards.add(tuple(shard.shape[:2]))
             m = learner.train_step(batch)
             out.update({f"rl{k}/{key}": m[key] for key in ("loss", "grad_norm", "num_tokens")})
-            out[f"rl{k}/grouped"] = isinstance(images, ImageGroups)
+            out[f"rl{k}/grouped"] = grouped
             out[f"rl{k}/chunks_gt_1"] = batch.chunks > 1
-            if isinstance(images, ImageGroups):  # each device holds only its own group
-                shard = images.pixel_values.addressable_shards[0].data
-                out[f"rl{k}/screen_shard"] = list(shard.shape[:2])
+            out[f"rl{k}/screen_shard"] = sorted(list(s) for s in shards)
+            out[f"rl{k}/chunk_grids"] = sorted({str(g) for g in batch.chunk_grids})
         return out
     with_shapes = variant == "shapes"
     if with_shapes:

@@ -34,6 +34,7 @@ SPECS = (
     "token-mean:shapes",
     *(("token-mean:sdpo", "token-mean:entropulse") if LONG else ()),
     "token-mean:budget",
+    "token-mean:budget_mixed",
 )
 long_only = pytest.mark.skipif(
     not LONG, reason="a learner more in each of three processes (~1-2 min): CUA_LONG_TESTS=1"
@@ -149,7 +150,24 @@ def test_two_processes_take_a_token_budget_step_with_their_own_screens(jobs):
     for k in range(2):
         for r in (one, *two):
             assert r[f"rl{k}/grouped"] and r[f"rl{k}/chunks_gt_1"]
-            assert r[f"rl{k}/screen_shard"] == [1, 1]  # a device: one micro-batch, one group
+            assert r[f"rl{k}/screen_shard"] == [[1, 1]]  # a device: one micro-batch, one group
+    for k in ("rl0/loss", "rl0/grad_norm", "rl0/num_tokens", "rl1/loss", "rl1/grad_norm"):
+        assert two[0][k] == pytest.approx(one[k], rel=2e-4, abs=1e-6), k
+        assert two[1][k] == pytest.approx(one[k], rel=2e-4, abs=1e-6), k
+
+
+def test_two_processes_bucket_screens_of_two_sizes(jobs):
+    """Screens of two sizes (4x6 and 4x8 patches) in a token-budget batch on 2 processes x 2
+    devices: the processes agree on the sizes and on each size's chunk count, every chunk's
+    screens are of one size, grouped and sharded (each device its own group, never the
+    replicated flat layout), and the loss, gradient norm and token count of two steps are the
+    1-process, 4-device job's."""
+    one, two = _variant(jobs, "token-mean:budget_mixed")
+    for k in range(2):
+        for r in (one, *two):
+            assert r[f"rl{k}/grouped"] and r[f"rl{k}/chunks_gt_1"]
+            assert r[f"rl{k}/chunk_grids"] == ["(1, 4, 6)", "(1, 4, 8)"]
+            assert r[f"rl{k}/screen_shard"] == [[1, 1]]
     for k in ("rl0/loss", "rl0/grad_norm", "rl0/num_tokens", "rl1/loss", "rl1/grad_norm"):
         assert two[0][k] == pytest.approx(one[k], rel=2e-4, abs=1e-6), k
         assert two[1][k] == pytest.approx(one[k], rel=2e-4, abs=1e-6), k
