@@ -412,7 +412,9 @@ _REAL = {
     "7b": (2, 0, 8, 64),
     "8b": (2, 0, 8, 64),
     "32b": (4, 64, 8, 64),
-    "72b": (8, 64, 8, 32),
+    # 72b on v5p-16 (2 hosts of 4 chips): tensor=4 in a host, fsdp=2 over the hosts (each
+    # host's process packs its own rows, so the batch axes must split between them)
+    "72b": (4, 64, 8, 32),
     "30b-a3b": (1, 32, 8, 64),  # Qwen3-VL-MoE: LoRA rank 32 as the cua_rl recipe
 }
 

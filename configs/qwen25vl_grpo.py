@@ -25,9 +25,9 @@ flag compiles what the run compiles (BENCHMARKS.md "Every preset's real RL step"
                pool 11581 pages (45.2 GiB); 474 samples in 156 chunks of 1 x 16384, padding
                0.144, est. step 336 s, est. MFU 59-62% (planned 2026-12-04, screens as bytes,
                exit 0)
-  72b v5p-16   LoRA rank 64 on bf16 weights, tensor=8 (2 hosts): not yet planned with the
-               token budget
-Qwen2.5-VL's vision MLP (3420 wide) stays whole over tensor=8 (configs/common.py).
+  72b v5p-16   LoRA rank 64 on bf16 weights, fsdp=2 (one a host) x tensor=4: not yet planned
+               with the token budget (with tensor=8 the rows' batch axes were 1, which the
+               two hosts' processes cannot split: the plan and the run refuse it)
 """
 
 from configs import common

@@ -104,6 +104,7 @@ from cua_jax.plan.sampler_programs import (
     sampler_pool_cut,
     size_kv_pool,
 )
+from cua_jax.rl.layout import process_rows_problem
 from cua_jax.sampler.kv_cache import kv_pages_for_budget, kv_pool_bytes_per_device
 from cua_jax.sampler.steps import linear_state_bytes_per_device, linear_state_rows
 
@@ -201,6 +202,10 @@ def make_plan(
     except ValueError as e:
         raise PlanInputError(f"mesh does not fit {topo.name} ({len(devices)} chips): {e}") from e
     rules = tuple(shd.DEFAULT_RULES) + tuple(tuple(r) for r in m.rules)
+    # a multi-host slice runs one process a host, each packing its own rows (`BatchLayout`)
+    problem = process_rows_problem(mesh, rules, topo.num_hosts)
+    if problem:
+        raise PlanInputError(f"{topo.name} runs {topo.num_hosts} processes: {problem}")
     try:
         ab = build_abstract(config, cfg, mesh, rules)
     except ValueError as e:  # a dimension the mesh cannot divide

@@ -76,12 +76,9 @@ class BatchLayout:
         # Multi-host: each process packs its own rows (`BatchPacker.pack`), and they become its
         # devices' blocks of the global batch, so every process must own whole row blocks.
         self.processes = jax.process_count()
-        if self.batch_parallel % self.processes:
-            raise ValueError(
-                f"mesh {' x '.join(named) or 'batch axes'} = {self.batch_parallel} must be a "
-                f"multiple of the {self.processes} processes (each process contributes its own "
-                "batch rows); shard the batch over more devices (mesh.fsdp or mesh.data)"
-            )
+        problem = process_rows_problem(mesh, rules, self.processes)
+        if problem:
+            raise ValueError(problem)
         # Rows shard over the batch axes. Micro-batch s holds rows i * S + s, so splitting
         # [R] -> [mb, S] -> [S, mb] keeps each device's rows on that device.
         self.row_sh = NamedSharding(mesh, P(batch_axes, None))
@@ -319,6 +316,20 @@ class BatchLayout:
     def rows_sharding(self, ndim: int) -> NamedSharding:
         """Arrays with a leading row axis shard their rows like the batch's."""
         return NamedSharding(self.mesh, P(*self.row_sh.spec[:1], *([None] * (ndim - 1))))
+
+
+def process_rows_problem(mesh: Mesh, rules: shd.Rules, processes: int) -> str | None:
+    """Why `processes` processes cannot each give their own rows of a batch on `mesh` (the batch
+    axes the rules name do not split into one block a process), or None."""
+    named = tuple(a for a in shd.batch_axes(rules) if a in mesh.axis_names)
+    batch_parallel = int(np.prod([mesh.shape[a] for a in named]))
+    if batch_parallel % processes == 0:
+        return None
+    return (
+        f"mesh {' x '.join(named) or 'batch axes'} = {batch_parallel} must be a multiple of the "
+        f"{processes} processes (each process contributes its own batch rows); shard the batch "
+        "over more devices (mesh.fsdp or mesh.data)"
+    )
 
 
 def gather_images(

@@ -189,6 +189,10 @@ def test_a_preset_far_too_big_exits_1_with_one_line():
             "mesh does not fit v5p-16 (8 chips): mesh data=1 x fsdp=3 x expert=1 x tensor=2 "
             "needs 6 devices, have 8",
         ),
+        (  # two hosts, one process each: the rows' batch axes must split between them
+            ["--topology=v5p-16", "--config.mesh.fsdp=1", "--config.mesh.tensor=8"],
+            "v5p-16 runs 2 processes: mesh data x fsdp = 1 must be a multiple of the 2 processes",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, expected):
