@@ -287,6 +287,9 @@ def base_config(family: str) -> ConfigDict:
     # episodes spread over them and the local pool (env.concurrency envs)
     c.env.browser_endpoints = ()
     c.env.browser_token = _str()  # their bearer token (default $CUA_BROWSER_TOKEN)
+    # how they send screens: "frame" (raw pixels, zstd: a fifth of a PNG's decode CPU on the
+    # trainer, envs/screenshots.py) | "png" (the browser's own; smaller for photo-like pages)
+    c.env.host_screens = "frame"
     c.env.page_memory_mb = 0  # per-page JavaScript heap cap of local browsers (0: V8's default)
     # kind="browser": "" (the local pool and env.browser_endpoints) | "ray": browser hosts as
     # Ray actors, found in the cluster with no endpoint list, placed by the `browser_host`

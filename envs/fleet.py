@@ -103,6 +103,7 @@ class BrowserFleet:
       acquire_timeout_s: how long ``acquire`` waits for a free env while no host is up.
       idle_lease_s: the longest an env between episodes keeps its lease for the next one (at
         most half the host's lease time-out; 0: every episode leases and closes its own).
+      screens: how remote hosts send screens, "frame" or "png" (`RemoteBrowserEnv`).
     """
 
     _finds_hosts = False  # a subclass that discovers its hosts may start with none
@@ -119,6 +120,7 @@ class BrowserFleet:
         request_timeout_s: float = 60.0,
         acquire_timeout_s: float = 300.0,
         idle_lease_s: float = 30.0,
+        screens: str = "frame",
     ):
         if local is None and not endpoints and not self._finds_hosts:
             raise ValueError("a BrowserFleet needs a local pool or at least one endpoint")
@@ -132,6 +134,7 @@ class BrowserFleet:
         if idle_lease_s < 0:
             raise ValueError(f"idle_lease_s={idle_lease_s} must be >= 0")
         self.idle_lease_s = idle_lease_s
+        self.screens = screens  # how remote hosts send screens (`RemoteBrowserEnv`)
         self.hosts: dict[str, HostState] = {}
         if local is not None:
             self.hosts[LOCAL] = HostState(LOCAL, len(local))
@@ -447,6 +450,7 @@ class BrowserFleet:
             self.viewport,
             session=self._session,
             timeout_s=self.request_timeout_s,
+            screens=self.screens,
         )
         try:
             await env.lease()  # a failed lease is no episode's fault: the host is taken out

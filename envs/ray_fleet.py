@@ -412,6 +412,7 @@ class RayFleet(BrowserFleet):
         health_interval_s: float = 5.0,
         request_timeout_s: float = 60.0,
         acquire_timeout_s: float = 300.0,
+        screens: str = "frame",
     ):
         if kind not in KINDS:
             raise ValueError(f"RayFleet kind={kind!r}: use one of {KINDS} (desktops: not yet)")
@@ -428,6 +429,7 @@ class RayFleet(BrowserFleet):
             health_interval_s=health_interval_s,
             request_timeout_s=request_timeout_s,
             acquire_timeout_s=acquire_timeout_s,
+            screens=screens,
         )
         self.address = address
         self.kind = kind
@@ -612,6 +614,7 @@ def fleet_from_config(ec: Any, local: Any = None) -> RayFleet:
         local=local,
         token=ec.get("browser_token") or os.environ.get("CUA_BROWSER_TOKEN"),
         viewport=(int(ec.viewport_width), int(ec.viewport_height)),
+        screens=ec.get("host_screens", "frame"),
     )
 
 

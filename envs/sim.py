@@ -45,7 +45,14 @@ from aiohttp import web
 from cua_jax import actions as A
 from cua_jax.env_api import Task
 from envs.browser import BrowserPool, suite
-from envs.browser.remote import OBS_CONTENT_TYPE, PROTOCOL_VERSION, encode_png, pack_obs
+from envs.browser.remote import (
+    OBS_CONTENT_TYPE,
+    PROTOCOL_VERSION,
+    SCREEN_FORMATS,
+    encode_png,
+    pack_obs,
+    screen_frame,
+)
 
 PROFILE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sim_profile_browser.json")
 
@@ -147,6 +154,7 @@ class _SimEnv:
     seed: int
     steps: int = 0
     budget: int = 3
+    screens: str = "png"  # the lease's screen format (`envs.browser.remote.SCREEN_FORMATS`)
 
 
 class SimServer:
@@ -183,6 +191,8 @@ class SimServer:
         self.name = name or secrets.token_hex(4)
         self.rng = random.Random(seed)
         self.bank = _screen_bank(self.profile.viewport, self.profile.screenshot_bytes, seed)
+        # the same screens as frames, for leases that ask for them (what a browser host sends)
+        self.frames = [screen_frame(b) for b in self.bank]
         self.leases: dict[str, _SimEnv] = {}
         self.calls = 0
         self.leased = 0  # leases granted so far
@@ -212,7 +222,8 @@ class SimServer:
         return samples[self.rng.randrange(len(samples))]
 
     def _obs(self, env: _SimEnv, header: dict[str, Any]) -> web.Response:
-        image = self.bank[self.rng.randrange(len(self.bank))]
+        bank = self.frames if env.screens == "frame" else self.bank
+        image = bank[self.rng.randrange(len(bank))]
         header = {
             "instruction": env.task.get("instruction", ""),
             "text": None,
@@ -246,10 +257,14 @@ class SimServer:
     async def lease(self, request: web.Request) -> web.Response:
         if len(self.leases) >= self.capacity:
             return _error(f"all {self.capacity} envs of this host are leased", 503)
+        data = await request.json() if request.can_read_body else {}
+        screens = data.get("screens", "png") if isinstance(data, dict) else "png"
+        if screens not in SCREEN_FORMATS:
+            return _error(f"screens must be one of {SCREEN_FORMATS}, got {screens!r:.50}", 400)
         key = secrets.token_urlsafe(9)
-        self.leases[key] = _SimEnv({}, 0)
+        self.leases[key] = _SimEnv({}, 0, screens=screens)
         self.leased += 1
-        return web.json_response({"env": key, "lease_s": 120.0})
+        return web.json_response({"env": key, "lease_s": 120.0, "screens": screens})
 
     async def reset(self, request: web.Request) -> web.Response:
         env = self._env(request)

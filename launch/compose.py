@@ -80,6 +80,7 @@ def _browser_factory(ec):
             token=ec.get("browser_token") or os.environ.get("CUA_BROWSER_TOKEN"),
             viewport=(ec.viewport_width, ec.viewport_height),
             request_timeout_s=3 * ec.step_timeout_s,
+            screens=ec.get("host_screens", "frame"),
         )
 
     return env_factory

@@ -48,6 +48,7 @@ import numpy as np
 
 from cua_jax.data.processor import QwenVLProcessor
 from cua_jax.rl.rollout import AgentLoop, RolloutSettings
+from envs.browser.remote import SCREEN_FORMATS
 from envs.fleet import BrowserFleet
 from envs.ray_fleet import RayFleet, host_actor_options
 from envs.sim import LatencyProfile, ScriptedEngine, sim_task
@@ -175,10 +176,13 @@ async def run_level(args, n: int, proc_: QwenVLProcessor, profile: LatencyProfil
             viewport=profile.viewport,
             discover_interval_s=5.0,
             namespace=f"bench{n}",
+            screens=args.screens,
         )
     else:
         sim, eps = start_sim_hosts(hosts, args.capacity)
-        fleet = BrowserFleet(None, eps, viewport=profile.viewport, acquire_timeout_s=600)
+        fleet = BrowserFleet(
+            None, eps, viewport=profile.viewport, acquire_timeout_s=600, screens=args.screens
+        )
     settings = RolloutSettings(
         max_turns=args.steps + 1, system_prompt="compact", prompt_threads=args.prompt_threads
     )
@@ -308,6 +312,12 @@ def main() -> None:
         help="the screens' form in episodes (model.pixel_dtype; uint8 is the presets')",
     )
     p.add_argument("--prompt-threads", type=int, default=1, help="RolloutSettings'")
+    p.add_argument(
+        "--screens",
+        choices=SCREEN_FORMATS,
+        default="frame",
+        help="how the hosts send screens (env.host_screens): zstd frames or PNGs",
+    )
     p.add_argument("--ray", action="store_true", help="hosts as Ray actors on a local Ray")
 
     p.add_argument("--json", default=None, help="write the rows to this file")
@@ -323,7 +333,8 @@ def main() -> None:
     )
     print(
         f"profile: {profile.source}; think {args.think_s} s, {args.steps} steps, screens "
-        f"{w}x{h} as {args.pixel_dtype}, processor max_pixels {max_pixels}",
+        f"{w}x{h} as {args.pixel_dtype}, processor max_pixels {max_pixels}, hosts send "
+        f"{args.screens}s",
         flush=True,
     )
     rows = []

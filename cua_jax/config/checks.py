@@ -44,6 +44,7 @@ ENUMS = {
     "env.kind": ("browser", "vm"),
     "env.action_format": ("qwen25vl", "qwen3vl", "qwen35", "pyautogui"),
     "env.system_prompt": ("tools", "compact"),
+    "env.host_screens": ("frame", "png"),
     "sampler.backend": ("auto", "tpu", "gpu", "interpret", "reference"),
 }
 

@@ -42,7 +42,7 @@ from cua_jax.env_api import (
     StepResult,
     Task,
 )
-from envs.screenshots import decode_screenshot
+from envs.screenshots import decode_screenshot, encode_frame
 from envs.tasks import check_task_fields
 
 OBS_CONTENT_TYPE = "application/x-cua-obs"
@@ -100,6 +100,18 @@ def encode_png(img: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+# How a host's observations carry the screen (the lease's "screens"): the browser's PNG, or a
+# frame (`envs.screenshots.encode_frame`), which the trainer decodes in a fifth of the CPU
+SCREEN_FORMATS = ("png", "frame")
+
+
+def screen_frame(screen: bytes | np.ndarray) -> bytes:
+    """A screen (encoded image bytes, or u8[H, W, 3]) as a frame."""
+    if isinstance(screen, bytes | bytearray | memoryview):
+        screen = decode_screenshot(bytes(screen))
+    return encode_frame(screen)
+
+
 def _jsonable(v: Any) -> Any:
     if isinstance(v, np.generic):
         return v.item()
@@ -129,6 +141,9 @@ class RemoteBrowserEnv:
       session: a shared ``aiohttp.ClientSession`` (one per host is plenty); made when None.
       timeout_s: the longest one call may take (a reset loads a page; a step waits for it).
       on_fault: called with (endpoint, reason) when the host fails to answer.
+      screens: how the host sends screens, "frame" (`envs.screenshots.encode_frame`: a fifth of
+        a PNG's decode CPU here) or "png"; a host that predates frames sends PNGs, which
+        decode all the same.
     """
 
     def __init__(
@@ -140,7 +155,11 @@ class RemoteBrowserEnv:
         session: aiohttp.ClientSession | None = None,
         timeout_s: float = 60.0,
         on_fault: Callable[[str, str], None] | None = None,
+        screens: str = "frame",
     ):
+        if screens not in SCREEN_FORMATS:
+            raise ValueError(f"screens={screens!r} is not one of {SCREEN_FORMATS}")
+        self.screens = screens
         self.endpoint = endpoint
         self.base_url = endpoint if "://" in endpoint else f"http://{endpoint}"
         self.token = token
@@ -205,7 +224,9 @@ class RemoteBrowserEnv:
 
     async def lease(self) -> None:
         """Takes an env on the host (``HostUnavailable`` when it is full or down)."""
-        status, body, _ = await self._post("/envs", {"viewport": list(self.viewport)})
+        status, body, _ = await self._post(
+            "/envs", {"viewport": list(self.viewport), "screens": self.screens}
+        )
         if status != 200:
             raise self._fail("/envs", status, body)
         answer = json.loads(body)

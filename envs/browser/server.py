@@ -16,7 +16,11 @@ isolation on the client, with the pages served from its memory):
                                  keeps between episodes is not one): 503 (with "message") when the
                                  browser cannot open a page, or one has been opening for
                                  over --health-timeout-s (a wedged browser stays connected)
-    POST /envs                   {"viewport": [w, h]} -> {"env": id, "lease_s"} (503: full)
+    POST /envs                   {"viewport": [w, h][, "screens": "png" | "frame"]} ->
+                                 {"env": id, "lease_s", "screens"} (503: full); "frame": the
+                                 observations' screens as `envs.screenshots.encode_frame`
+                                 frames (this host decodes the browser's PNG and compresses
+                                 the pixels: cheaper for the trainer to decode)
     POST /envs/{id}/reset        {"task": Task.to_dict(), "seed"} -> observation
     POST /envs/{id}/step         {"action": actions.action_to_dict(a)} -> observation + result
     POST /envs/{id}/evaluate     -> {"score"} (422 {"message"}: EnvError)
@@ -67,8 +71,10 @@ from envs.browser.host import BrowserHost
 from envs.browser.remote import (
     OBS_CONTENT_TYPE,
     PROTOCOL_VERSION,
+    SCREEN_FORMATS,
     encode_png,
     pack_obs,
+    screen_frame,
     task_from_dict,
 )
 from envs.vm.server_http import (
@@ -109,6 +115,7 @@ class _Lease:
     deadline: float
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     in_episode: bool = False  # reset, not evaluated yet
+    screens: str = "png"  # how observations carry the screen: "png" or "frame"
 
 
 class BrowserServer:
@@ -211,6 +218,9 @@ class BrowserServer:
         if len(self.leases) >= self.capacity:
             return error(f"all {self.capacity} envs of this host are leased", 503)
         vp = data.get("viewport", [1280, 720])
+        screens = data.get("screens", "png")
+        if screens not in SCREEN_FORMATS:
+            return error(f"screens must be one of {SCREEN_FORMATS}, got {screens!r:.50}", 400)
         try:
             vp = tuple(vp)
             same = [e for e in self.idle if e.viewport == vp]
@@ -222,8 +232,8 @@ class BrowserServer:
         except (TypeError, ValueError) as e:
             return error(f"bad viewport {vp!r}: {e}", 400)
         key = secrets.token_urlsafe(12)
-        self.leases[key] = _Lease(env, time.monotonic() + self.lease_s)
-        return web.json_response({"env": key, "lease_s": self.lease_s})
+        self.leases[key] = _Lease(env, time.monotonic() + self.lease_s, screens=screens)
+        return web.json_response({"env": key, "lease_s": self.lease_s, "screens": screens})
 
     def _lease_of(self, request: web.Request) -> _Lease:
         le = self.leases.get(request.match_info["env"])
@@ -235,9 +245,16 @@ class BrowserServer:
         le.deadline = time.monotonic() + self.lease_s
         return le
 
-    def _obs_response(self, env: BrowserEnv, obs: Any, header: dict[str, Any]) -> web.Response:
+    async def _obs_response(self, le: _Lease, obs: Any, header: dict[str, Any]) -> web.Response:
+        env = le.env
         raw = env.last_screenshot_bytes
-        image = raw if raw is not None and obs is env._last_obs else encode_png(obs.screenshot)
+        if le.screens == "frame":  # the pixels, compressed, off this host's event loop
+            pixels = raw if raw is not None and obs is env._last_obs else obs.screenshot
+            image = await asyncio.to_thread(screen_frame, pixels)
+        elif raw is not None and obs is env._last_obs:
+            image = raw
+        else:
+            image = encode_png(obs.screenshot)
         header = {"instruction": obs.instruction, "text": obs.text, "info": obs.info, **header}
         return web.Response(body=pack_obs(header, image), content_type=OBS_CONTENT_TYPE)
 
@@ -258,7 +275,7 @@ class BrowserServer:
             except EnvError as e:
                 return error(str(e), 422)
             le.in_episode = True
-            return self._obs_response(le.env, obs, {})
+            return await self._obs_response(le, obs, {})
 
     async def step(self, request: web.Request) -> web.Response:
         le = self._lease_of(request)
@@ -266,8 +283,8 @@ class BrowserServer:
         action = A.action_from_dict(data.get("action"))
         async with le.lock:
             res = await le.env.step(action)
-            return self._obs_response(
-                le.env, res.observation, {"done": res.done, "reward": res.reward, "info": res.info}
+            return await self._obs_response(
+                le, res.observation, {"done": res.done, "reward": res.reward, "info": res.info}
             )
 
     async def evaluate(self, request: web.Request) -> web.Response:

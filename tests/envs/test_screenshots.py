@@ -1,5 +1,6 @@
 """`envs.screenshots.decode_screenshot` against Pillow, the reference, on every PNG layout a
-screen can come in (and JPEG, which goes to Pillow itself): the same u8[H, W, 3] pixels."""
+screen can come in (and JPEG, which goes to Pillow itself): the same u8[H, W, 3] pixels; a host's
+frame (`encode_frame`) round-trips, and a malformed one is a clear error."""
 
 import io
 
@@ -8,7 +9,7 @@ import pytest
 from PIL import Image
 
 from envs import screenshots
-from envs.screenshots import decode_screenshot, decode_with_pillow
+from envs.screenshots import FRAME_MAGIC, decode_screenshot, decode_with_pillow, encode_frame
 
 
 def _image(mode: str) -> Image.Image:
@@ -66,3 +67,20 @@ def test_a_broken_png_is_pillows_error():
     data = _encode(_image("RGB"))
     with pytest.raises(OSError):
         decode_screenshot(data[:60])
+
+
+def test_a_frame_round_trips_and_a_malformed_one_is_a_clear_error():
+    rng = np.random.default_rng(0)
+    img = np.full((48, 64, 3), 245, np.uint8)
+    img[10:20, 5:40] = rng.integers(0, 256, (10, 35, 3), np.uint8)
+    frame = encode_frame(img)
+    assert frame[:4] == FRAME_MAGIC and len(frame) < img.nbytes
+    out = decode_screenshot(frame)
+    assert out.dtype == np.uint8 and out.shape == img.shape and np.array_equal(out, img)
+    assert out.flags.c_contiguous and out.flags.writeable
+    with pytest.raises(ValueError, match="shorter than its header"):
+        decode_screenshot(frame[:8])
+    with pytest.raises(ValueError, match="a screen frame of 64x48"):
+        decode_screenshot(frame[:-5])
+    with pytest.raises(ValueError, match=r"u8\[H, W, 3\] RGB"):
+        encode_frame(img[..., 0])

@@ -19,9 +19,10 @@ import pytest
 from cua_jax import actions as A
 from cua_jax.env_api import INFO_ERROR, EnvError
 from envs.browser import BrowserPool, suite
-from envs.browser.remote import HostUnavailable, RemoteBrowserEnv
+from envs.browser.remote import HostUnavailable, RemoteBrowserEnv, unpack_obs
 from envs.browser.server import start_host_process
 from envs.fleet import LOCAL, BrowserFleet
+from envs.screenshots import FRAME_MAGIC
 
 TOKEN = "test-token-123"
 VIEWPORT = (320, 240)
@@ -82,19 +83,38 @@ def test_remote_env_runs_oracle_episodes_and_api_actions(host, run):
 
 
 def test_remote_screens_equal_local_screens(host, run):
-    """The same task and seed, rendered by the remote host and by a local browser."""
+    """The same task and seed, rendered by the remote host and by a local browser: the host's
+    screens as frames (the default) and as PNGs are the local screen's pixels; the frame's
+    body is a frame; an unknown screen format is a 400 naming the choices."""
 
     async def go():
         task = suite.make_task("click-color", 11)
-        async with RemoteBrowserEnv(host, TOKEN, VIEWPORT) as remote:
-            r = await remote.reset(task)
+        remote = {}
+        for screens in ("frame", "png"):
+            async with RemoteBrowserEnv(host, TOKEN, VIEWPORT, screens=screens) as env:
+                remote[screens] = await env.reset(task)
         async with BrowserPool(1, viewport=VIEWPORT) as pool, pool.acquire() as env:
             local = await env.reset(task)
-        return r, local
+        async with aiohttp.ClientSession() as s:
+            head = {"Authorization": f"Bearer {TOKEN}"}
+            async with s.post(f"http://{host}/envs", json={"screens": "frame"}, headers=head) as r:
+                key = (await r.json())["env"]
+            async with s.post(
+                f"http://{host}/envs/{key}/reset", json={"task": task.to_dict()}, headers=head
+            ) as r:
+                _, image = unpack_obs(await r.read())
+            async with s.post(f"http://{host}/envs/{key}/close", json={}, headers=head):
+                pass
+            async with s.post(f"http://{host}/envs", json={"screens": "jpeg"}, headers=head) as r:
+                bad = (r.status, (await r.json())["message"])
+        return remote, local, image, bad
 
-    r, local = run(go())
-    assert r.instruction == local.instruction
-    assert np.array_equal(r.screenshot, local.screenshot)
+    remote, local, image, bad = run(go())
+    for r in remote.values():
+        assert r.instruction == local.instruction
+        assert np.array_equal(r.screenshot, local.screenshot)
+    assert image[:4] == FRAME_MAGIC
+    assert bad == (400, "screens must be one of ('png', 'frame'), got 'jpeg'")
 
 
 def test_miniwob_pages_come_from_the_host(host, run):
