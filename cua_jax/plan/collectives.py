@@ -11,8 +11,11 @@ algorithms, what the device receives):
 - all-gather: (g-1)/g of the gathered result; all-to-all: (g-1)/g of its buffer;
 - all-reduce: 2(g-1)/g (a reduce-scatter then an all-gather); reduce-scatter: (g-1) x its
   scattered result; collective-permute: its buffer;
-- ragged-all-to-all: (g-1)/g of its input buffer, the rows it sends (exact for a router that
-  spreads rows evenly over the devices; its output buffer is only the worst case's bound).
+- ragged-all-to-all: (g-1)/g of the smaller of its input and output buffers. A dispatch sends
+  a device's own rows (its input, n x K of them) into a worst-case receive buffer (its output,
+  g x n x K rows); the return trip sends from that receive buffer back into the n x K rows: on
+  both trips the smaller buffer is the rows moved (exact for a router that spreads the rows
+  evenly over the devices).
 """
 
 from __future__ import annotations
@@ -140,7 +143,7 @@ def hlo_collectives(text: str) -> list[dict]:
             # its first operand is the send buffer; compiled text may name it without its shape
             first = operands.split(",")[0].strip()
             sent = _array_bytes(first) or _array_bytes(shapes.get(first.lstrip("%"), ""))
-            moved = frac * (sent[0] if sent else nbytes)
+            moved = frac * min(sent[0] if sent else nbytes, nbytes)
         else:
             factor = {"all-reduce": 2 * frac, "collective-permute": 1.0, "reduce-scatter": g - 1}
             moved = factor.get(kind, frac) * nbytes

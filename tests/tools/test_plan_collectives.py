@@ -1,6 +1,7 @@
 """The plan's interconnect bytes (`cua_jax.plan.collectives`) against hand counts: a psum inside
-a scan runs once per step of the loop; a ragged all-to-all moves (g-1)/g of its send buffer, not
-of its worst-case receive buffer; the per-device bytes reach the program's plan and roofline."""
+a scan runs once per step of the loop; a ragged all-to-all moves (g-1)/g of the rows it sends,
+not of its worst-case receive buffer, on the way there and back; the per-device bytes reach the
+program's plan and roofline."""
 
 import jax
 import jax.numpy as jnp
@@ -53,9 +54,12 @@ def test_ragged_all_to_all_moves_its_send_buffer_and_reaches_the_roofline():
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P("e")))
 
     counts = tuple(arg((64,), jnp.int32) for _ in range(4))
-    args = (arg((8 * 1024, 256), jnp.bfloat16), arg((8 * 8192, 256), jnp.bfloat16), *counts)
+    rows, bound = arg((8 * 1024, 256), jnp.bfloat16), arg((8 * 8192, 256), jnp.bfloat16)
+    # the return trip: from the worst-case receive buffer back into the 1,024 rows
+    back = jax.jit(g).lower(bound, rows, *counts).compile().as_text()
+    assert moved_bytes(back) == {"ragged-all-to-all": 7 / 8 * 1024 * 256 * 2}
     prog = plan.ProgramPlan("ragged", topo.chip, {}, {})
-    plan.abstract._compile(jax.jit(g), args, prog)
+    plan.abstract._compile(jax.jit(g), (rows, bound, *counts), prog)
     # each device sends its 1,024 x 256 bf16 rows, 7/8 of them to other devices
     assert prog.collective_bytes == {"ragged-all-to-all": 7 / 8 * 1024 * 256 * 2}
     assert prog.ici_s == pytest.approx(7 / 8 * 1024 * 256 * 2 / topo.chip.ici_bandwidth)
