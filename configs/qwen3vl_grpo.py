@@ -40,12 +40,12 @@ real RL step", 2026-11-27):
                pool 12610 pages (49.3 GiB); 118 chunks of 2 x 8192, padding 0.046, est. step
                242 s, est. MFU 64-68% (planned 2026-12-04, screens as bytes, exit 0)
   30b-a3b v5p-8  LoRA rank 32 (attention + experts) on bf16 weights, expert=4 (32 experts on
-         each chip, attention and embeddings replicated), routing replay: largest program
-         80.7 GiB of 95, KV pool 7718 pages (45.2 GiB); 118 chunks of 2 x 8192, padding 0.046,
-         est. step 176 s, est. MFU 11-20% (planned 2026-12-04, screens as bytes, exit 0; with
-         fsdp=2 x expert=2 its 8-row text plan did not fit; with the rows over expert too,
-         mesh.rules=(("batch", ("data", "fsdp", "expert")),), the all-to-all dispatch's
-         temporaries grow 2.3 GiB a layer: 100 GiB, does not fit, BENCHMARKS.md)
+         each chip, attention and embeddings replicated), the rows over expert too (the MoE
+         blocks dispatch by all-to-all), remat="ordered", routing replay: largest program
+         80.7 GiB of 95, KV pool 5947 pages (34.9 GiB); 474 samples in 30 chunks of 8 x 8192,
+         padding 0.062, est. step 130 s, est. MFU 15-26% (planned 2026-12-04, exit 0; with the
+         rows over data x fsdp only and jax.checkpoint remat: 7718 pages, est. step 176 s, est.
+         MFU 11-20%; rows over expert with jax.checkpoint: 100 GiB, does not fit; BENCHMARKS.md)
 The KV pool stays resident next to the learner (colocated sampler), its pages sharded over
 `tensor` only: the plan and the run size it from what the learner leaves.
 """
@@ -58,11 +58,16 @@ TOPOLOGY = {"2b": "v5p-8", "4b": "v5p-8", "8b": "v5p-8", "32b": "v5p-8", "30b-a3
 # Overrides of configs/common.py's apply_real that make each preset fit TOPOLOGY (tools/plan.py)
 FIT = {
     # MoE: the experts split over expert=4 (32 on each device), attention and embeddings
-    # replicated (with FSDP over 2, 66-72 GiB of temporaries whatever the micro-batching);
+    # replicated (with FSDP over 2, 66-72 GiB of temporaries whatever the micro-batching), the
+    # rows split over expert too (each chip its own rows outside the MoE blocks, tokens to their
+    # experts by all-to-all), each layer's remat ordered (remat="ordered": the all-to-all's
+    # weight gradients otherwise keep every layer's gathered rows live, 2.3 GiB a layer);
     # LoRA on the expert stacks too (cua_jax.models.lora.MOE_TARGETS), routing replay on
     "30b-a3b": {
         "mesh.expert": 4,
         "mesh.fsdp": 1,
+        "mesh.rules": (("batch", ("data", "fsdp", "expert")),),
+        "model.remat": "ordered",
         "rl.routing_replay": True,
         "model.lora_targets": (
             r"language_model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj$",
