@@ -287,7 +287,7 @@ def base_config(family: str) -> ConfigDict:
     # episodes spread over them and the local pool (env.concurrency envs)
     c.env.browser_endpoints = ()
     c.env.browser_token = _str()  # their bearer token (default $CUA_BROWSER_TOKEN)
-    # how they send screens: "frame" (raw pixels, zstd: a fifth of a PNG's decode CPU on the
+    # how they send screens: "frame" (raw pixels, zstd: 2-4x less decode CPU than a PNG on the
     # trainer, envs/screenshots.py) | "png" (the browser's own; smaller for photo-like pages)
     c.env.host_screens = "frame"
     c.env.page_memory_mb = 0  # per-page JavaScript heap cap of local browsers (0: V8's default)

@@ -101,7 +101,8 @@ def encode_png(img: np.ndarray) -> bytes:
 
 
 # How a host's observations carry the screen (the lease's "screens"): the browser's PNG, or a
-# frame (`envs.screenshots.encode_frame`), which the trainer decodes in a fifth of the CPU
+# frame (`envs.screenshots.encode_frame`), which the trainer decodes in a quarter to a half of
+# the CPU
 SCREEN_FORMATS = ("png", "frame")
 
 
@@ -141,8 +142,8 @@ class RemoteBrowserEnv:
       session: a shared ``aiohttp.ClientSession`` (one per host is plenty); made when None.
       timeout_s: the longest one call may take (a reset loads a page; a step waits for it).
       on_fault: called with (endpoint, reason) when the host fails to answer.
-      screens: how the host sends screens, "frame" (`envs.screenshots.encode_frame`: a fifth of
-        a PNG's decode CPU here) or "png"; a host that predates frames sends PNGs, which
+      screens: how the host sends screens, "frame" (`envs.screenshots.encode_frame`: a quarter
+        to a half of a PNG's decode CPU here) or "png"; a host that predates frames sends PNGs, which
         decode all the same.
     """
 
