@@ -143,8 +143,8 @@ class RemoteBrowserEnv:
       timeout_s: the longest one call may take (a reset loads a page; a step waits for it).
       on_fault: called with (endpoint, reason) when the host fails to answer.
       screens: how the host sends screens, "frame" (`envs.screenshots.encode_frame`: a quarter
-        to a half of a PNG's decode CPU here) or "png"; a host that predates frames sends PNGs, which
-        decode all the same.
+        to a half of a PNG's decode CPU here) or "png"; a host that predates frames sends PNGs,
+        which decode all the same.
     """
 
     def __init__(
