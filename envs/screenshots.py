@@ -1,8 +1,9 @@
 """Screenshot bytes -> ``u8[H, W, 3]`` RGB, the observation every env returns.
 
 An env host may send a screen as a *frame* instead of a PNG (`encode_frame`: a 12-byte header,
-then the RGB pixels compressed by zstd at level 1): on the built-in pages at 640x480 that is
-5 kB against PNG's 8 kB and decodes in 0.07 ms against 0.28 (BENCHMARKS "Screens as frames"),
+then the RGB pixels compressed by zstd at level 1): on Chromium screens of the built-in pages
+(640x480 and 1280x720) that is 3-8 kB against PNG's 6-14 kB, and it decodes in 0.05-0.17 ms
+against 0.19-0.79 (3.4-5.8x less CPU; `tools/bench_decode.py`, BENCHMARKS "Screens as frames"),
 and decode is CPU the one trainer process spends on every turn of a fleet. A host compresses
 a frame in about 0.2 ms after decoding the browser's PNG itself: hosts are many, the trainer
 is one. `decode_screenshot` takes either, by its first bytes.

@@ -6,6 +6,11 @@ Takes real screens first: Chromium screenshots (PNG) of built-in task pages at e
 plus any --files (a VM desktop's PNG, say). For each screen it times both decoders on the same
 bytes in alternating rounds (CPU time of this process, so a busy machine slows both alike),
 checks they give the same pixels, and prints the median CPU ms per decode and the ratio.
+
+Then the same screens as host frames (`envs.screenshots.encode_frame`, what a browser host sends
+with `env.host_screens="frame"`): bytes and CPU ms per decode against the PNG's, and a frame's
+decode handed to the remote envs' decode thread (`envs.browser.remote.decode_executor`, as a
+PNG is) against inline on the event loop, 64 at a time, CPU ms per decode of the whole process.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import time
 import numpy as np
 
 from envs.browser import BrowserPool, suite
-from envs.screenshots import decode_screenshot, decode_with_pillow
+from envs.browser.remote import decode_executor
+from envs.screenshots import decode_screenshot, decode_with_pillow, encode_frame
 from tools import bench_setup
 
 TEMPLATES = ("click-button", "nav-tabs", "radio-pick")
@@ -73,6 +79,54 @@ def main() -> None:
         med = bench_setup.timed_rounds(fns, args.rounds, clock=time.process_time)
         ma, mb = (med[fn] / args.decodes * 1e3 for fn in sides)
         print(f"| {name} | {len(data)} | {ma:.2f} | {mb:.2f} | {ma / mb:.1f}x |")
+
+    print("\n| screen | PNG bytes | frame bytes | PNG ms | frame ms | PNG / frame |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    frames = {}
+    for name, data in screens.items():
+        frame = frames[name] = encode_frame(decode_screenshot(data))
+        if not np.array_equal(decode_screenshot(frame), decode_screenshot(data)):
+            raise SystemExit(f"{name}: the frame's pixels are not the PNG's")
+        fns = {
+            k: repeated(decode_screenshot, b, args.decodes)
+            for k, b in (("png", data), ("f", frame))
+        }
+        med = bench_setup.timed_rounds(fns, args.rounds, clock=time.process_time)
+        ma, mb = (med[k] / args.decodes * 1e3 for k in ("png", "f"))
+        print(f"| {name} | {len(data)} | {len(frame)} | {ma:.3f} | {mb:.3f} | {ma / mb:.1f}x |")
+
+    print("\n| frames | on the decode thread, ms | inline on the loop, ms | thread / inline |")
+    print("| --- | --- | --- | --- |")
+    got = {"thread": [], "inline": []}
+    for _ in range(args.rounds):
+        for mode in got:
+            got[mode].append(asyncio.run(loop_decodes(list(frames.values()), mode, args.decodes)))
+    a, b = (float(np.median(got[m])) for m in ("thread", "inline"))
+    print(
+        f"| {len(frames)} screens, {args.decodes * len(frames)} a round | {a:.3f} | {b:.3f} "
+        f"| {a / b:.1f}x |"
+    )
+
+
+async def loop_decodes(frames: list[bytes], mode: str, n: int, at_once: int = 64) -> float:
+    """CPU ms of this process per decode of `frames` (each `n` times), `at_once` in flight:
+    on the decode executor (`mode="thread"`) or inline on the event loop."""
+    loop = asyncio.get_running_loop()
+    ex = decode_executor()
+    gate = asyncio.Semaphore(at_once)
+
+    async def one(b: bytes) -> None:
+        async with gate:
+            if mode == "inline":
+                decode_screenshot(b)
+            else:
+                await loop.run_in_executor(ex, decode_screenshot, b)
+            await asyncio.sleep(0)
+
+    jobs = [b for b in frames for _ in range(n)]
+    c0 = time.process_time()
+    await asyncio.gather(*(one(b) for b in jobs))
+    return (time.process_time() - c0) / len(jobs) * 1e3
 
 
 if __name__ == "__main__":
