@@ -284,7 +284,9 @@ def make_plan(
             set_sampler_cache(out, kv_bytes + state_bytes)
             pool_note += f"; cut to {num_pages} pages for the sampler's own scratch ({names})"
         min_frac = float(sc.get("kv_min_fraction", 0.0) or 0.0)
-        problem = kv_pool_problem(cfg, sc, num_pages, tensor, hbm, min_frac)
+        mc = config.model
+        vision_trained = not mc.get("freeze_vision", False) and not mc.get("lora_rank", 0)
+        problem = kv_pool_problem(cfg, sc, num_pages, tensor, hbm, min_frac, vision_trained)
         if problem:
             problems.append(problem)
     out += sampler

@@ -272,15 +272,24 @@ def sampler_pool_cut(sampler: list[ProgramPlan], hbm: int, frac: float, per_page
 
 
 def kv_pool_problem(
-    cfg: qwen_vl.QwenVLConfig, sc: Any, pages: int, tensor: int, hbm: int, min_frac: float
+    cfg: qwen_vl.QwenVLConfig,
+    sc: Any,
+    pages: int,
+    tensor: int,
+    hbm: int,
+    min_frac: float,
+    vision_trained: bool = False,
 ) -> str:
     """Why a run stops at start with the pool of `pages` a device sized from memory, as
     `builders.kv_pages` refuses it: less than `min_frac` (sampler.kv_min_fraction) of `hbm`, or
-    not one sequence of sampler.max_seq_len past the scratch page 0; "" when neither."""
+    not one sequence of sampler.max_seq_len past the scratch page 0; "" when neither.
+    `vision_trained` (full fine-tuning of the vision tower too) adds model.freeze_vision to what
+    to change: the tower's gradients, optimizer state and saved activations leave the learner."""
     pool = kv_pool_bytes_per_device(cfg, pages, sc.page_size, cfg.dtype, tensor)
+    freeze = "--config.model.freeze_vision=True, " if vision_trained else ""
     fix = (
-        "lower --config.rl.tokens_per_chip or --config.sampler.kv_min_fraction, a larger "
-        "--config.mesh.tensor (K/V and activations split over it), or a larger topology"
+        f"{freeze}lower --config.rl.tokens_per_chip or --config.sampler.kv_min_fraction, a "
+        "larger --config.mesh.tensor (K/V and activations split over it), or a larger topology"
     )
     if pool < min_frac * hbm:
         return (

@@ -128,3 +128,12 @@ def test_a_pool_a_run_would_refuse_is_a_plan_problem(pages, min_frac, expected):
     assert (expected in why) if expected else why == ""
     plan = plan_lib.Plan(plan_lib.TOPOLOGIES["v5e-8"], {}, 0.1, [], {}, [why] if why else [])
     assert plan.fits == (not expected) and plan.reason() == why
+
+
+def test_a_pool_too_small_names_freezing_a_trained_vision_tower():
+    c = qwen3vl_grpo.get_config("2b")
+    cfg = plan_lib.model_config(c)
+    trained = plan_lib.kv_pool_problem(cfg, c.sampler, 100, 1, 16 * GiB, 0.25, True)
+    frozen = plan_lib.kv_pool_problem(cfg, c.sampler, 100, 1, 16 * GiB, 0.25, False)
+    assert "--config.model.freeze_vision=True, lower --config.rl.tokens_per_chip" in trained
+    assert "freeze_vision" not in frozen and "lower --config.rl.tokens_per_chip" in frozen
