@@ -95,3 +95,42 @@ def test_mixed_screens_are_bucketed_and_sharded_and_equal_one_device(mesh4):
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+def test_a_sample_of_two_screen_sizes_goes_flat_and_still_equals_one_device(mesh4):
+    """An episode whose screens change size mid-way (one sample of a 4x4 and a 4x8 screen) is
+    the one case left flat: its chunk takes the replicated layout; the step still equals one
+    device's."""
+    rng = np.random.default_rng(5)
+    groups = mixed_groups(seed=5, n_groups=2)
+    t0 = Turn(
+        _prompt(rng, GRID),
+        rng.integers(0, 200, 4),
+        -rng.random(4),
+        pixel_values=rng.normal(size=(16, PATCH_DIM)).astype(np.float32),
+        image_grid_thw=np.array([GRID]),
+    )
+    t1 = Turn(
+        np.r_[t0.full_ids, _prompt(rng, WIDE)],
+        rng.integers(0, 200, 3),
+        -rng.random(3),
+        pixel_values=rng.normal(size=(32, PATCH_DIM)).astype(np.float32),
+        image_grid_thw=np.array([WIDE]),
+        extends_previous=True,
+    )
+    groups[0][0] = Trajectory("task", "g0", [t0, t1], reward=0.9)
+    budget = _budget_learner(mesh4, group_screens=8, tokens=64)
+    batch, _ = budget.prepare_batch(groups)
+    assert None in batch.chunk_grids
+    kinds = []
+    for part, _ in budget.chunks(batch):
+        _, images = budget.layout.device_batch(part, 1)
+        kinds.append((part.chunk_grids[0], isinstance(images, image_groups.ImageGroups)))
+    assert (None, False) in kinds and all(grouped for g, grouped in kinds if g is not None)
+    one = Learner(_model(), optimizer=OPT, loss=LossConfig(kl_coef=0.05), seq_len_buckets=(64,))
+    ref, _ = one.prepare_batch(groups, num_rows=32)
+    m_b, g_b = budget.loss_and_grads(batch)
+    m_1, g_1 = one.loss_and_grads(ref)
+    for k in ("loss", "pg_loss", "kl", "grad_norm"):
+        assert m_b[k] == pytest.approx(m_1[k], rel=1e-4, abs=1e-7), k
+    _close(g_b, g_1)
