@@ -202,10 +202,12 @@ def make_plan(
     except ValueError as e:
         raise PlanInputError(f"mesh does not fit {topo.name} ({len(devices)} chips): {e}") from e
     rules = tuple(shd.DEFAULT_RULES) + tuple(tuple(r) for r in m.rules)
-    # a multi-host slice runs one process a host, each packing its own rows (`BatchLayout`)
-    problem = process_rows_problem(mesh, rules, topo.num_hosts)
+    # a multi-host slice runs one process a host, each packing its own rows (`BatchLayout`);
+    # the devices present: the processes they belong to
+    procs = topo.num_hosts if topo.topology_name else len({d.process_index for d in devices})
+    problem = process_rows_problem(mesh, rules, procs)
     if problem:
-        raise PlanInputError(f"{topo.name} runs {topo.num_hosts} processes: {problem}")
+        raise PlanInputError(f"{topo.name} runs {procs} processes: {problem}")
     try:
         ab = build_abstract(config, cfg, mesh, rules)
     except ValueError as e:  # a dimension the mesh cannot divide

@@ -274,3 +274,12 @@ def test_fitted_budget_by_hand():
     assert plan_lib._fitted_budget(c, 8192, 4 * GiB, 10 * GiB, 5 * GiB, 880) is None
     c.env.max_turns = 3  # short episodes: 600 + 3 x 272 + 3 x 882 tokens fit a 4096 row
     assert plan_lib._fitted_budget(c, 16384, 4 * GiB, 10 * GiB, 5 * GiB, 880) == (4096, (4096,))
+
+
+def test_devices_present_of_one_process_take_any_row_split(hf_dir):
+    # the processes check counts the processes the devices belong to (here one), not a slice's
+    # hosts: tensor=2 over two local devices leaves one row block, which one process gives
+    c = _config(hf_dir)
+    c.mesh.fsdp, c.mesh.tensor = 1, 2
+    p = plan_lib.make_plan(c, "", devices=jax.devices()[:2], programs=("decode_step",))
+    assert [prog.name for prog in p.programs] == ["decode_step"]
