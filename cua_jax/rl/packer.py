@@ -215,7 +215,8 @@ class BatchPacker:
                 "a sample's own screens are of several sizes: a multi-host token-budget batch "
                 "takes screens of one size a sample"
             )
-        return sorted(found, key=lambda g: (g != tuple(self.shapes.grid), g))
+        main = tuple(self.shapes.grid) if self.shapes.grid is not None else None
+        return sorted(found, key=lambda g: (g != main, g))
 
     def share_by_screen(self, samples, grids, share, kw: dict, devices: int) -> PackedBatch:
         """This process's share of a batch of screens of several sizes (multi-host): for each
