@@ -23,7 +23,10 @@ The real presets' mesh, LoRA and batch settings are those of the Qwen3-VL preset
 class. Both are planned for v5p-8 (TOPOLOGY; `tools/plan.py --config=configs/qwen35_grpo.py:27b`,
 BENCHMARKS.md): 35b-a3b's largest program 80.7 GiB of 95 a device, a KV pool of 21,737 pages
 (26.5 GiB) beside 7.68 GiB of linear states; 27b's 80.7 GiB, 46,647 pages beside 4.59 GiB of
-states, est. MFU 65-69% (replanned 2026-12-04 with screens as bytes, exit 0).
+states, est. MFU 65-69% (replanned 2026-12-04 with screens as bytes, exit 0). 35b-a3b with the
+rows over the experts and remat="ordered", as 30b-a3b takes them, planned on one chunk shape:
+est. RL step 124 s against 207 s in its own layout, a pool as large; not the preset's layout
+until a whole plan of it runs (this VM's 24 GB could not: BENCHMARKS.md, session 31).
 
 Qwen3.5 uses Qwen3-VL's image processing (transformers 5.24 maps model_type qwen3_5 /
 qwen3_5_moe to Qwen3VLProcessor: 16-pixel patches, 2x2 merge, the same vision tokens) and its
