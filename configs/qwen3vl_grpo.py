@@ -35,7 +35,10 @@ real RL step", 2026-11-27):
                head the largest learner program is 12.11 GiB without the pool (13.21 before;
                rl_grads 16x4096 13.6 GiB, 8x8192 12.2 GiB with it, est. MFU 35-40%), but the
                plan exits 1: the KV pool left is 1.48 GiB (217 pages; 0.39 before), under
-               sampler.kv_min_fraction (4 GiB) (planned 2026-12-04)
+               sampler.kv_min_fraction (4 GiB) (planned 2026-12-04); with
+               --config.model.freeze_vision=True (no other flag) it fits: the planner fits 8192
+               tokens a chip itself, largest program 13.6 GiB, KV pool 771 pages (5.2 GiB),
+               est. step 23.4 s (planned 2026-12-04, exit 0)
   32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4: largest program 80.7 GiB of 95, KV
                pool 12610 pages (49.3 GiB); 118 chunks of 2 x 8192, padding 0.046, est. step
                242 s, est. MFU 64-68% (planned 2026-12-04, screens as bytes, exit 0)
