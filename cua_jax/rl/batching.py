@@ -170,15 +170,8 @@ def screen_buckets(
     if len(by) <= 1:
         return [(next(iter(by), grid), list(samples))]
     keys = sorted(by, key=lambda g: g != grid)  # stable: the run's grid first
-    out = [(g, by[g]) for g in keys]
-    if text:
-        if out and out[0][0] == grid:
-            out[0][1].extend(text)
-        elif out:
-            out[0] = (out[0][0], out[0][1] + text)
-        else:
-            out = [(grid, text)]
-    return out
+    by[keys[0]].extend(text)
+    return [(g, by[g]) for g in keys]
 
 
 def pack_chunks_by_screen(
@@ -200,9 +193,7 @@ def pack_chunks_by_screen(
         rows = first_fit_rows([s.length for s in smp], shape.length)
         part = pack_chunks(smp, shape, max(1, -(-rows // shape.rows)), **chunk_kwargs)
         if total:
-            part.loss_weights = (part.loss_weights * np.float32(units(smp) / total)).astype(
-                np.float32
-            )
+            part.scale_loss_weights(units(smp) / total)
         part.chunk_grids = (grid,) * part.chunks
         parts.append(part)
     batch = concat_rows(parts)

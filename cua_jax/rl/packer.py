@@ -250,8 +250,7 @@ class BatchPacker:
             parts, error, got = pack_all(got.max(axis=0))
         for part, smp, g in zip(parts, parts_of, grids, strict=True):
             if total and smp:
-                share_w = np.float32(self.loss_units(smp) / total)
-                part.loss_weights = (part.loss_weights * share_w).astype(np.float32)
+                part.scale_loss_weights(self.loss_units(smp) / total)
             part.chunk_grids = (g,) * part.chunks
         batch = concat_rows(parts)
         batch.group_screens = share.group_screens
@@ -363,8 +362,7 @@ class BatchPacker:
         """Scales this process's loss weights so every process's share (`units`: each one's
         `_loss_units`) sums as its part of the whole batch."""
         if units.sum() > 0:
-            share = float(units[multihost.process_index()]) / float(units.sum())
-            batch.loss_weights = (batch.loss_weights * np.float32(share)).astype(np.float32)
+            batch.scale_loss_weights(float(units[multihost.process_index()]) / float(units.sum()))
 
     def blank_batch(self, shape: shapes_lib.Shape) -> PackedBatch:
         """An all-padding batch of `shape` (rows x length + patch budget), packed as real ones

@@ -58,6 +58,11 @@ class PackedBatch:
     def shape(self) -> tuple[int, int]:
         return self.input_ids.shape
 
+    def scale_loss_weights(self, share: float) -> None:
+        """Scales the loss weights by `share` (f32): a part packed on its own (a process's, a
+        screen size's) weighted as its share of the whole batch."""
+        self.loss_weights = (self.loss_weights * np.float32(share)).astype(np.float32)
+
     @property
     def padding_share(self) -> float:
         """Fraction of the R·L token slots that hold no sample token."""
