@@ -51,12 +51,11 @@ def get_rope_index(
         is_img = ids == image_token_id
         pieces: list[np.ndarray] = []
         cur = 0
-        start = 0
         n = len(ids)
-        while start < n:
-            end = start
-            while end < n and is_img[end] == is_img[start]:
-                end += 1
+        # Runs of equal is_img, found in one pass (a Python loop over tokens was ~0.6 ms a turn).
+        edges = np.flatnonzero(np.diff(is_img.astype(np.int8))) + 1
+        bounds = np.concatenate([[0], edges, [n]]) if n else np.zeros(1, np.int64)
+        for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
             if not is_img[start]:
                 pieces.append(np.broadcast_to(np.arange(end - start) + cur, (3, end - start)))
                 cur += end - start
@@ -80,7 +79,6 @@ def get_rope_index(
                     )
                 pieces.append(pos)
                 cur += max(h, w) // m
-            start = end
         llm = np.concatenate(pieces, axis=1) if pieces else np.zeros((3, 0), np.int64)
         position_ids[:, b, mask[b]] = llm
         deltas[b, 0] = (llm.max() + 1 if llm.size else 0) - n
