@@ -44,6 +44,7 @@ from aiohttp import web
 
 from cua_jax import actions as A
 from cua_jax.env_api import Task
+from cua_jax.sampler.scheduler import prompt_inputs
 from envs.browser import BrowserPool, suite
 from envs.browser.remote import (
     OBS_CONTENT_TYPE,
@@ -342,30 +343,53 @@ class ScriptedOutput:
     finish_reason: str = "stop"
     version: int = 0
     routes: Any = None
+    error: str = ""
 
 
 class ScriptedEngine:
-    """Stands in for ``cua_jax.sampler.Engine`` (module docstring): every ``generate`` waits
-    ``think_s`` and answers a click at the middle of the screen in the action format.
+    """Stands in for ``cua_jax.sampler.Engine`` (module docstring): every ``generate`` does the
+    engine's host-side work on the prompt (``prompt_inputs``: M-RoPE positions, image runs,
+    digests), waits ``think_s`` and answers a click at the middle of the screen in the action
+    format. A prompt the engine would refuse is a ``sampler_error`` stop, as the engine's.
 
     Args:
       tokenizer: the processor's tokenizer.
       action_format: the loop's format (``RolloutSettings.action_format``).
       think_s: seconds each reply takes (the model's time per turn; 0: none).
+      merge_size: the vision tower's spatial merge (2 in every Qwen-VL family).
     """
 
-    def __init__(self, tokenizer: Any, action_format: str = "qwen3vl", think_s: float = 0.0):
+    def __init__(
+        self,
+        tokenizer: Any,
+        action_format: str = "qwen3vl",
+        think_s: float = 0.0,
+        merge_size: int = 2,
+    ):
         fmt = A.get_format(action_format)
         space = fmt.default_space(1000, 1000, 1000, 1000)
         text = fmt.format(A.Click(500, 500), space)
         self.tokens = [*tokenizer.encode(text), tokenizer.im_end_id]
         self.logprobs = np.zeros(len(self.tokens), np.float32)
         self.think_s = think_s
+        self.image_token_id, self.merge_size = tokenizer.image_pad_id, merge_size
         self.version = 0
         self.calls = 0
 
-    async def generate(self, prompt_ids, pixel_values=None, image_grid_thw=None, **_: Any):
+    async def generate(
+        self, prompt_ids, pixel_values=None, image_grid_thw=None, image_hashes=None, **_: Any
+    ):
         self.calls += 1
+        inputs = prompt_inputs(
+            prompt_ids,
+            pixel_values,
+            image_grid_thw,
+            image_token_id=self.image_token_id,
+            merge_size=self.merge_size,
+            image_hashes=image_hashes,
+        )
+        if isinstance(inputs, str):
+            return ScriptedOutput([], np.zeros(0, np.float32), finish_reason="error", error=inputs)
         if self.think_s > 0:
             await asyncio.sleep(self.think_s)
         return ScriptedOutput(list(self.tokens), self.logprobs)

@@ -222,12 +222,13 @@ async def run_level(args, n: int, proc_: QwenVLProcessor, profile: LatencyProfil
         gct.reset()
         threads0 = thread_cpu_s()
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
         sim_cpu0 = proc_cpu_s(sim.pid) if sim else 0.0
         await asyncio.sleep(args.seconds)
         counting = False
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-        minor_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        minor_faults, sys_s = ru.ru_minflt - ru0.ru_minflt, ru.ru_stime - ru0.ru_stime
         threads = {k: v - threads0[k] for k, v in thread_cpu_s().items()}
         gc_counts, gc_s, gc_by_gen = list(gct.counts), gct.seconds, list(gct.by_gen)
         tracked = len(gc.get_objects())
@@ -273,6 +274,9 @@ async def run_level(args, n: int, proc_: QwenVLProcessor, profile: LatencyProfil
         # The same CPU a turn, by thread: loop (HTTP, the agent loop, the fleet), prompt
         # (screenshot preprocessing, rendering), decode (PNG), other.
         **{f"cpu_ms_per_turn_{k}": round(1e3 * v / max(1, turns), 3) for k, v in threads.items()},
+        # Of the CPU a turn, the kernel's (on loopback a send also runs the receiving side's
+        # TCP path, which a trainer with hosts on other machines does not pay).
+        "cpu_ms_per_turn_system": round(1e3 * sys_s / max(1, turns), 3),
         # Page faults the kernel served (fresh pages of large arrays glibc maps and unmaps).
         "minor_faults_per_turn": round(minor_faults / max(1, turns), 1),
         "gc_collections": gc_counts,

@@ -43,6 +43,9 @@ class TurnContext:
     prompt_ids: np.ndarray  # i32[P] the rendered conversation, ending with the assistant header
     pixel_values: np.ndarray | None  # f32[N, D] every image kept in the prompt, in order
     image_grid_thw: np.ndarray | None  # i32[I, 3]
+    # Each image's `cua_jax.sampler.scheduler.image_digest`, kept from the turn it came in
+    # (None: the engine hashes the pixels itself).
+    image_hashes: Sequence[bytes] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +138,7 @@ class SamplerPolicy:
             ctx.image_grid_thw,
             params=dataclasses.replace(self.params, seed=self.seeds(ctx.turn)),
             session_id=self.session,
+            image_hashes=ctx.image_hashes,
         )
         if out.finish_reason == "error":
             return Stop(f"sampler_error: {getattr(out, 'error', '')}")

@@ -61,6 +61,7 @@ from cua_jax.rl.policies import (
     TurnContext,
 )
 from cua_jax.rl.trajectory import Trajectory, Turn
+from cua_jax.sampler.scheduler import image_digest
 
 OMITTED_SCREENSHOT = "(an earlier screenshot, omitted)"
 
@@ -204,6 +205,7 @@ class _TurnRecord:
     feedback: str  # user text shown before this turn's screenshot ("" for the first turn)
     pixel_values: np.ndarray  # f32[N, D] of this turn's screenshot
     grid: np.ndarray  # i32[1, 3]
+    digest: bytes = b""  # image_digest(pixel_values, grid): the sampler's key for the screen
     generated: list[int] | None = None  # the policy's ids for this turn, once it replied
 
 
@@ -272,6 +274,7 @@ class _Prompt:
     new_pixel_values: np.ndarray | None  # the images the sampler has not seen (Turn fields)
     new_grid: np.ndarray | None
     rendered: Any  # the chat rendering `ids` come from (the next turn goes on from it)
+    image_hashes: list[bytes] = dataclasses.field(default_factory=list)  # one a kept image
 
 
 class _Transcript:
@@ -290,7 +293,9 @@ class _Transcript:
 
     def prompt(self, feedback: str, screenshot: np.ndarray) -> _Prompt:
         images = self.processor.preprocess_images([screenshot])
-        rec = _TurnRecord(feedback, images["pixel_values"], images["image_grid_thw"])
+        pv1, grid1 = images["pixel_values"], images["image_grid_thw"]
+        # Hashed here, once, off the loop: the sampler would hash every kept screen each turn.
+        rec = _TurnRecord(feedback, pv1, grid1, image_digest(pv1, grid1[0]))
         self.records.append(rec)
         chat, n = self.processor.chat, len(self.records)
         if self.last is not None and n <= self.max_history_images:
@@ -300,10 +305,13 @@ class _Transcript:
             rendered = _render_turn(chat, self.last.rendered, *args)
             pv = np.concatenate([self.last.pixel_values, rec.pixel_values])
             grid = np.concatenate([self.last.grid, rec.grid]).astype(np.int32)
+            hashes = [*self.last.image_hashes, rec.digest]
         else:
             rendered, pv, grid = render_transcript(
                 chat, self.instruction, self.system, self.records, self.max_history_images
             )
+            kept = self.records[max(0, n - self.max_history_images) :]
+            hashes = [r.digest for r in kept]
         ids = rendered.input_ids
         prev = self.prev_full
         extends = prev is not None and (
@@ -319,7 +327,7 @@ class _Transcript:
         else:  # a copy, not a view that would keep the whole prompt's pixels alive
             new_pv = np.ascontiguousarray(_tail_images(pv, grid, self.prev_images))
             new_grid = grid[self.prev_images :]
-        self.last = _Prompt(ids, pv, grid, bool(extends), new_pv, new_grid, rendered)
+        self.last = _Prompt(ids, pv, grid, bool(extends), new_pv, new_grid, rendered, hashes)
         return self.last
 
     def reply(self, generated_ids: list[int]) -> None:
@@ -543,6 +551,7 @@ class AgentLoop:
                 prompt_ids=prompt.ids,
                 pixel_values=prompt.pixel_values,
                 image_grid_thw=prompt.grid,
+                image_hashes=prompt.image_hashes,
             )
             t0 = time.perf_counter()
             reply = await policy.act(ctx)

@@ -45,7 +45,6 @@ Letters: S slots, C decode chunk, P pages per sequence, L page size, T tokens, V
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import logging
 import threading
@@ -59,7 +58,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from cua_jax import sharding as shd
-from cua_jax.data.positions import get_rope_index
 from cua_jax.models import qwen_vl
 from cua_jax.sampler import kv_cache, placement, steps
 from cua_jax.sampler.grammar import TokenAutomaton
@@ -72,8 +70,8 @@ from cua_jax.sampler.scheduler import (
     Request,
     Scheduler,
     batch_bucket,
-    image_runs,
     pages_bucket,
+    prompt_inputs,
     token_bucket,
 )
 
@@ -299,12 +297,14 @@ class Engine:
         image_grid_thw: np.ndarray | None = None,
         params: SamplingParams | None = None,
         session_id: Any = None,
+        image_hashes: Sequence[bytes] | None = None,
     ) -> GenerateOutput:
         """Generates a continuation of one prompt; concurrent calls share the decode batch.
 
         prompt_ids is the whole transcript (all turns); pixel_values / image_grid_thw cover all
         its images, as for a forward pass. With a session_id, K/V of that session's previous turn
-        are reused for the common prefix.
+        are reused for the common prefix. image_hashes: each image's `image_digest`, when the
+        caller keeps them (the rollout hashes a screenshot once, not once a turn).
         """
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
@@ -312,7 +312,9 @@ class Engine:
         def on_done(out: GenerateOutput) -> None:
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(out))
 
-        rid = self.submit(prompt_ids, pixel_values, image_grid_thw, params, session_id, on_done)
+        rid = self.submit(
+            prompt_ids, pixel_values, image_grid_thw, params, session_id, on_done, image_hashes
+        )
         if self._driver is None or self._driver.done():
             self._driver = loop.create_task(self._drive())
         try:
@@ -389,10 +391,13 @@ class Engine:
         params: SamplingParams | None = None,
         session_id: Any = None,
         on_done: Callable[[GenerateOutput], None] = lambda o: None,
+        image_hashes: Sequence[bytes] | None = None,
     ) -> int | None:
         """Queues a request; `on_done` gets its GenerateOutput (from the thread running step).
         Returns its id for `cancel` (None: refused at once, `on_done` already called)."""
-        req = self._make_request(prompt_ids, pixel_values, image_grid_thw, params, session_id)
+        req = self._make_request(
+            prompt_ids, pixel_values, image_grid_thw, params, session_id, image_hashes
+        )
         if isinstance(req, str):
             empty = np.zeros((0,), np.float32)
             n = len(np.asarray(prompt_ids).reshape(-1))
@@ -404,7 +409,7 @@ class Engine:
         return req.rid
 
     def _make_request(
-        self, prompt_ids, pixel_values, image_grid_thw, params, session_id
+        self, prompt_ids, pixel_values, image_grid_thw, params, session_id, image_hashes=None
     ) -> Request | str:
         """The Request (M-RoPE positions, image runs and hashes computed), or an error message."""
         params = params or SamplingParams()
@@ -422,45 +427,22 @@ class Engine:
         if params.constrained and self.grammar is None:
             return "constrained=True needs an Engine built with a grammar (Engine(grammar=...))"
         cfg = self.config
-        grids = np.zeros((0, 3), np.int32) if image_grid_thw is None else np.asarray(image_grid_thw)
-        grids = grids.reshape(-1, 3).astype(np.int32)
-        if pixel_values is None and len(grids):
-            return "image_grid_thw given without pixel_values"
-        try:
-            pos, delta = get_rope_index(
-                prompt[None],
-                grids if len(grids) else None,
-                image_token_id=cfg.image_token_id,
-                spatial_merge_size=cfg.vision.spatial_merge_size,
-            )
-        except ValueError as e:
-            return str(e)
-        sizes = np.prod(grids, axis=1).astype(np.int64)
-        offsets = np.concatenate([[0], np.cumsum(sizes)])
-        pix = None if pixel_values is None else np.asarray(pixel_values)
-        if pix is not None and pix.shape[0] != offsets[-1]:
-            return (
-                f"pixel_values has {pix.shape[0]} patch rows but image_grid_thw needs "
-                f"{offsets[-1]} (sum of t*h*w)"
-            )
-        hashes = [
-            hashlib.sha1(pix[offsets[i] : offsets[i + 1]].tobytes() + grids[i].tobytes()).digest()
-            for i in range(len(grids))
-        ]
+        inputs = prompt_inputs(
+            prompt,
+            pixel_values,
+            image_grid_thw,
+            image_token_id=cfg.image_token_id,
+            merge_size=cfg.vision.spatial_merge_size,
+            image_hashes=image_hashes,
+        )
+        if isinstance(inputs, str):
+            return inputs
         return Request(
             rid=next(self._ids),
-            prompt=prompt,
-            pixel_values=pix,
-            grids=grids,
             params=params,
             session_id=session_id,
             on_done=lambda o: None,
-            positions=pos[:, 0],
-            rope_delta=int(delta[0, 0]),
-            image_runs=image_runs(prompt, cfg.image_token_id),
-            image_hashes=hashes,
-            patch_offsets=offsets,
-            prompt_key=hashlib.sha1(prompt.tobytes() + b"".join(hashes)).digest(),
+            **inputs.fields(),
         )
 
     def abstract_grammar(self) -> GrammarTables:

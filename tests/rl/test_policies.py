@@ -94,7 +94,9 @@ class FakeEngine:
     def __init__(self, outs):
         self.outs, self.calls, self.dropped = list(outs), [], []
 
-    async def generate(self, prompt_ids, pixel_values, image_grid_thw, params, session_id):
+    async def generate(
+        self, prompt_ids, pixel_values, image_grid_thw, params, session_id, image_hashes=None
+    ):
         self.calls.append((prompt_ids, pixel_values, image_grid_thw, params, session_id))
         return self.outs.pop(0)
 

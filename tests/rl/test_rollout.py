@@ -43,6 +43,7 @@ from cua_jax.rl.trajectory import (
     trajectory_to_samples,
 )
 from cua_jax.sampler import Engine
+from cua_jax.sampler.scheduler import prompt_inputs
 
 W = H = 64
 
@@ -285,7 +286,9 @@ class ScriptedEngine:
         self.tok, self.texts, self.version, self.fail = tokenizer, texts, version, fail
         self.calls, self.dropped = [], []
 
-    async def generate(self, prompt_ids, pixel_values, image_grid_thw, params, session_id):
+    async def generate(
+        self, prompt_ids, pixel_values, image_grid_thw, params, session_id, image_hashes=None
+    ):
         self.calls.append((session_id, params))
         if self.fail:
             return dataclasses.make_dataclass("Out", ["finish_reason", "error", "version"])(
@@ -623,4 +626,9 @@ def test_each_turns_prompt_is_the_whole_transcript_rendered_anew(proc, window):
         np.testing.assert_array_equal(p.pixel_values, pv)
         np.testing.assert_array_equal(p.grid, grid)
         assert p.grid.dtype == grid.dtype and p.pixel_values.dtype == pv.dtype
+        # The digests handed to the sampler are those it would compute from the pixels.
+        own = prompt_inputs(
+            p.ids, pv, grid, image_token_id=proc.tokenizer.image_pad_id, merge_size=2
+        )
+        assert p.image_hashes == own.image_hashes and len(p.image_hashes) == len(grid)
         tr.reply([int(i) for i in rng.integers(0, 400, 3 + k)])

@@ -14,7 +14,9 @@ from cua_jax.sampler.scheduler import (
     Rejected,
     Request,
     Scheduler,
+    image_digest,
     image_runs,
+    prompt_inputs,
 )
 
 IMG = 99
@@ -66,6 +68,46 @@ def test_module_imports_without_jax():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_prompt_inputs_hash_each_image_once_or_take_the_callers():
+    from blake3 import blake3
+
+    from cua_jax.data.positions import get_rope_index
+
+    rng = np.random.default_rng(0)
+    grids = np.array([[1, 4, 4], [1, 2, 4]], np.int32)  # 4 and 2 merged tokens (merge 2)
+    pv = rng.integers(0, 255, (16 + 8, 12), dtype=np.uint8)
+    prompt = np.array([5, 6, IMG, IMG, IMG, IMG, 7, IMG, IMG, 8], np.int32)
+    got = prompt_inputs(prompt, pv, grids, image_token_id=IMG, merge_size=2)
+    # By hand: the hash of the rows' bytes, then the grid's.
+    want = [blake3(pv[:16].tobytes() + grids[0].tobytes()).digest()]
+    want.append(blake3(pv[16:].tobytes() + grids[1].tobytes()).digest())
+    assert (
+        got.image_hashes
+        == want
+        == [image_digest(pv[:16], grids[0]), image_digest(pv[16:], grids[1])]
+    )
+    f32 = pv[:16].astype(np.float32)  # f32 screens' rows are hashed by their bytes too
+    assert image_digest(f32, grids[0]) == blake3(f32.tobytes() + grids[0].tobytes()).digest()
+    assert got.image_runs == [(2, 6), (7, 9)] and list(got.patch_offsets) == [0, 16, 24]
+    pos, delta = get_rope_index(prompt[None], grids, image_token_id=IMG, spatial_merge_size=2)
+    assert np.array_equal(got.positions, pos[:, 0]) and got.rope_delta == int(delta[0, 0])
+    # The caller's digests are taken as they are (the rollout keeps them a screenshot).
+    given = prompt_inputs(prompt, pv, grids, image_token_id=IMG, merge_size=2, image_hashes=want)
+    assert given.prompt_key == got.prompt_key
+    other = prompt_inputs(
+        prompt, pv, grids, image_token_id=IMG, merge_size=2, image_hashes=[b"a", b"b"]
+    )
+    assert other.prompt_key != got.prompt_key
+    # Bad inputs are one line each, not an exception.
+    assert prompt_inputs(
+        prompt, pv, grids, image_token_id=IMG, merge_size=2, image_hashes=want[:1]
+    ) == ("1 image_hashes for 2 images")
+    assert "patch rows" in prompt_inputs(prompt, pv[:20], grids, image_token_id=IMG, merge_size=2)
+    assert "without pixel_values" in prompt_inputs(
+        prompt, None, grids, image_token_id=IMG, merge_size=2
+    )
 
 
 def test_pool_must_hold_one_max_length_sequence():
