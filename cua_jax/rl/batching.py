@@ -187,15 +187,37 @@ def pack_chunks_by_screen(
     other, each chunk's grid in `chunk_grids`. `units(samples)` is the loss aggregation's count
     of them (`BatchPacker.loss_units`): each bucket's loss weights, normalised over its own
     samples by `pack`, are scaled to its share, so the batch's weights are the whole batch's."""
-    total = sum(units(b) for _, b in buckets)
-    parts = []
-    for grid, smp in buckets:
-        rows = first_fit_rows([s.length for s in smp], shape.length)
-        part = pack_chunks(smp, shape, max(1, -(-rows // shape.rows)), **chunk_kwargs)
+    parts = [
+        pack_chunks(smp, shape, max(1, chunks_for(smp, shape)), **chunk_kwargs)
+        for _, smp in buckets
+    ]
+    total = sum(units(smp) for _, smp in buckets)
+    batch = join_screen_parts(parts, buckets, units, total, shape)
+    batch.patch_budget = shape.patches
+    return batch
+
+
+def chunks_for(samples: Sequence[Sample], shape: Any) -> int:
+    """Chunks of `shape` that `samples`' rows take, first fit (0 for none)."""
+    if not samples:
+        return 0
+    return -(-first_fit_rows([s.length for s in samples], shape.length) // shape.rows)
+
+
+def join_screen_parts(
+    parts: Sequence[PackedBatch],
+    buckets: Sequence[tuple[tuple[int, int, int] | None, Sequence[Sample]]],
+    units: Any,
+    total: float,
+    shape: Any,
+) -> PackedBatch:
+    """One batch from each screen size's part (`parts[i]` packs `buckets[i]`), one after the
+    other: each part's loss weights scaled to its samples' share of `total` units (the whole
+    batch's, or the whole job's on several processes), each chunk's grid in `chunk_grids`."""
+    for part, (grid, smp) in zip(parts, buckets, strict=True):
         if total:
             part.scale_loss_weights(units(smp) / total)
         part.chunk_grids = (grid,) * part.chunks
-        parts.append(part)
     batch = concat_rows(parts)
-    batch.patch_budget, batch.group_screens = shape.patches, shape.group_screens
+    batch.group_screens = shape.group_screens
     return batch

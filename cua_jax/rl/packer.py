@@ -22,7 +22,7 @@ from cua_jax.rl import batching
 from cua_jax.rl import shapes as shapes_lib
 from cua_jax.rl.advantages import group_advantages
 from cua_jax.rl.layout import BatchLayout, gather_images, shape_bucket
-from cua_jax.rl.packing import PackedBatch, concat_rows, pack, pick_bucket
+from cua_jax.rl.packing import PackedBatch, pack, pick_bucket
 from cua_jax.rl.trajectory import (
     MIN_LIVE_EPISODES,
     Sample,
@@ -224,17 +224,14 @@ class BatchPacker:
         neediest process's take (blank chunks where it has none), so chunk c is of one size
         on every process; loss weights scaled to each part's share of the job's units."""
         by = {g: smp for g, smp in batching.screen_buckets(samples, self.shapes.grid)}
-        parts_of = [by.get(g, []) for g in grids]
-        need = []
-        for smp in parts_of:
-            rows = shapes_lib.first_fit_rows([x.length for x in smp], share.length) if smp else 0
-            need.append(-(-rows // share.rows))
+        buckets = [(g, by.get(g, [])) for g in grids]
+        need = [batching.chunks_for(smp, share) for _, smp in buckets]
         ks = multihost.allgather_ints(need).max(axis=0)
         total = float(multihost.allgather_ints([self.loss_units(samples)]).sum())
 
         def pack_all(ks):
             out, error = [], None
-            for smp, k in zip(parts_of, ks, strict=True):
+            for (_, smp), k in zip(buckets, ks, strict=True):
                 try:
                     out.append(self.chunks_of(smp, share, max(int(k), 1), kw, devices))
                 except shapes_lib.ShapeError as e:  # every process raises, none is left waiting
@@ -248,13 +245,7 @@ class BatchPacker:
             raise error or shapes_lib.ShapeError("another process's screens fit no chunk")
         if (got.max(axis=0) > got[multihost.process_index()]).any():  # another needed more
             parts, error, got = pack_all(got.max(axis=0))
-        for part, smp, g in zip(parts, parts_of, grids, strict=True):
-            if total and smp:
-                part.scale_loss_weights(self.loss_units(smp) / total)
-            part.chunk_grids = (g,) * part.chunks
-        batch = concat_rows(parts)
-        batch.group_screens = share.group_screens
-        return batch
+        return batching.join_screen_parts(parts, buckets, self.loss_units, total, share)
 
     def agreed_shape(self, samples, mode: str) -> shapes_lib.Shape | None:
         """The shape-set shape every process packs its share into (multi-host): the largest of
