@@ -2,7 +2,9 @@
 Chromium, desktops or a model.
 
     python -m envs.sim --serve --hosts 100 --capacity 10          # 100 hosts in one process
-    python -m envs.sim --measure --out envs/sim_profile_browser.json   # re-measure the profile
+    python -m envs.sim --measure                  # re-measure envs/sim_profile_browser.json
+    python -m envs.sim --measure desktop          # ... envs/sim_profile_desktop.json
+    python -m envs.sim --serve --profile desktop  # hosts with the desktops' times and screens
 
 A ``SimServer`` speaks the browser host's wire protocol (``envs.browser.server``: ``/health``,
 ``/envs`` leases, ``reset``/``step``/``evaluate``/``oracle_next``/``close``, observations as
@@ -56,6 +58,8 @@ from envs.browser.remote import (
 )
 
 PROFILE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sim_profile_browser.json")
+DESKTOP_PROFILE_PATH = os.path.join(os.path.dirname(PROFILE_PATH), "sim_profile_desktop.json")
+PROFILES = {"browser": PROFILE_PATH, "desktop": DESKTOP_PROFILE_PATH}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,9 +434,14 @@ async def measure_browser_profile(
 
     async with BrowserPool(envs, viewport=viewport, decode_screenshots=False) as pool:
         await pool.map(one, tasks)
+    source = f"measure_browser_profile(envs={envs}, episodes={episodes}, viewport={viewport})"
+    return _profile(viewport, resets, steps, evals, sizes, lengths, source)
+
+
+def _profile(viewport, resets, steps, evals, sizes, lengths, call: str) -> LatencyProfile:
+    """The measured samples as a profile, its source the call, this machine and the time."""
     source = (
-        f"measure_browser_profile(envs={envs}, episodes={episodes}, viewport={viewport}) on "
-        f"{os.uname().nodename}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"{call} on {os.uname().nodename}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     )
     return LatencyProfile(
@@ -446,9 +455,60 @@ async def measure_browser_profile(
     )
 
 
-async def serve_hosts(n: int, capacity: int, fault_rate: float = 0.0) -> None:
+async def measure_desktop_profile(
+    desktops: int = 2, rounds: int = 2, viewport: tuple[int, int] = (1280, 720)
+) -> LatencyProfile:
+    """Times real desktops (``LocalDesktop``s: Xvfb, openbox and the VM server, in a
+    ``DesktopPool``; each episode on a recreated desktop) playing the built-in desktop suite's
+    oracles `rounds` times over: every reset (the task's set-up), step and evaluate (its
+    checker) as ``VMEnv``'s caller sees it, and every screenshot's PNG size."""
+    from envs.vm import osworld  # noqa: PLC0415 -- the desktop side only when measuring it
+    from envs.vm.env import VMEnv, task_from_osworld  # noqa: PLC0415
+    from envs.vm.providers import DesktopPool, LocalDesktop  # noqa: PLC0415
+
+    tasks = [task_from_osworld(t, "desktop") for t in osworld.load_builtin()] * rounds
+    resets, steps, evals, sizes, lengths = [], [], [], [], []
+    queue: asyncio.Queue = asyncio.Queue()
+    for t in tasks:
+        queue.put_nowait(t)
+
+    async def worker(pool: Any) -> None:
+        async with VMEnv(pool) as env:
+            while not queue.empty():
+                task = queue.get_nowait()
+                t = time.perf_counter()
+                await env.reset(task)
+                resets.append(time.perf_counter() - t)
+                sizes.append(len(env.last_screenshot_bytes or b""))
+                n = 0
+                for action in task.oracle:
+                    t = time.perf_counter()
+                    res = await env.step(action)
+                    steps.append(time.perf_counter() - t)
+                    sizes.append(len(env.last_screenshot_bytes or b""))
+                    n += 1
+                    if res.done:
+                        break
+                t = time.perf_counter()
+                await env.evaluate()
+                evals.append(time.perf_counter() - t)
+                lengths.append(n)
+
+    pool = DesktopPool([LocalDesktop(*viewport) for _ in range(desktops)])
+    await pool.start()
+    try:
+        await asyncio.gather(*(worker(pool) for _ in range(desktops)))
+    finally:
+        await pool.stop()
+    call = f"measure_desktop_profile(desktops={desktops}, rounds={rounds}, viewport={viewport})"
+    return _profile(viewport, resets, steps, evals, sizes, lengths, call)
+
+
+async def serve_hosts(
+    n: int, capacity: int, fault_rate: float = 0.0, profile_path: str = PROFILE_PATH
+) -> None:
     """`n` sim hosts in this process on loopback; prints ``serving on http://...`` per host."""
-    profile = LatencyProfile.load()
+    profile = LatencyProfile.load(profile_path)
     runners = []
     for i in range(n):
         server = SimServer(capacity, profile=profile, fault_rate=fault_rate, seed=i)
@@ -469,23 +529,42 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--hosts", type=int, default=1)
     p.add_argument("--capacity", type=int, default=16)
     p.add_argument("--fault-rate", type=float, default=0.0)
-    p.add_argument("--measure", action="store_true", help="measure real browser envs")
-    p.add_argument("--envs", type=int, default=8)
-    p.add_argument("--episodes", type=int, default=48)
-    p.add_argument("--viewport", default="640x480")
-    p.add_argument("--out", default=PROFILE_PATH)
+    p.add_argument(
+        "--profile", default="browser", help="the hosts' profile: browser, desktop or a file"
+    )
+    p.add_argument(
+        "--measure",
+        nargs="?",
+        const="browser",
+        choices=tuple(PROFILES),
+        help="measure real envs: browsers (the default) or desktops",
+    )
+    p.add_argument("--envs", type=int, default=8, help="browsers (or desktops) at once")
+    p.add_argument("--episodes", type=int, default=48, help="browser episodes")
+    p.add_argument("--rounds", type=int, default=2, help="times over the desktop suite")
+    p.add_argument("--viewport", default=None, help="WxH (640x480 browsers, 1280x720 desktops)")
+    p.add_argument("--out", default=None, help="the profile file (default: the shipped one)")
     args = p.parse_args(argv)
-    if args.serve == args.measure:
+    if args.serve == bool(args.measure):
         p.error("give one of --serve or --measure")
     if args.hosts < 1 or args.capacity < 1:
         p.error("--hosts and --capacity must be >= 1")
     if args.measure:
-        w, h = (int(x) for x in args.viewport.split("x"))
-        prof = asyncio.run(measure_browser_profile(args.envs, args.episodes, (w, h)))
-        prof.save(args.out)
+        desktop = args.measure == "desktop"
+        viewport = args.viewport or ("1280x720" if desktop else "640x480")
+        w, h = (int(x) for x in viewport.split("x"))
+        if desktop:
+            prof = asyncio.run(measure_desktop_profile(args.envs, args.rounds, (w, h)))
+        else:
+            prof = asyncio.run(measure_browser_profile(args.envs, args.episodes, (w, h)))
+        prof.save(args.out or PROFILES[args.measure])
         print(json.dumps(prof.summary(), indent=1), file=sys.stderr)
         return
-    asyncio.run(serve_hosts(args.hosts, args.capacity, args.fault_rate))
+    asyncio.run(
+        serve_hosts(
+            args.hosts, args.capacity, args.fault_rate, PROFILES.get(args.profile, args.profile)
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ from cua_jax.rl.rollout import AgentLoop, RolloutSettings
 from envs.browser.remote import SCREEN_FORMATS
 from envs.fleet import BrowserFleet
 from envs.ray_fleet import RayFleet, host_actor_options
-from envs.sim import LatencyProfile, ScriptedEngine, sim_task
+from envs.sim import PROFILES, LatencyProfile, ScriptedEngine, sim_task
 from tools import bench_setup
 from tools.bench_setup import ROOT
 
@@ -137,9 +137,11 @@ class GcTimer:
         gc.callbacks.remove(self)
 
 
-def start_sim_hosts(n: int, capacity: int) -> tuple[subprocess.Popen, list[str]]:
+def start_sim_hosts(
+    n: int, capacity: int, profile: str = "browser"
+) -> tuple[subprocess.Popen, list[str]]:
     """`n` simulated env hosts in one `envs.sim --serve` process: (the process, their URLs)."""
-    cmd = [sys.executable, "-m", "envs.sim", "--serve", "--hosts", str(n)]
+    cmd = [sys.executable, "-m", "envs.sim", "--serve", "--hosts", str(n), "--profile", profile]
     proc = subprocess.Popen(
         [*cmd, "--capacity", str(capacity)], cwd=ROOT, stdout=subprocess.PIPE, text=True
     )
@@ -179,7 +181,7 @@ async def run_level(args, n: int, proc_: QwenVLProcessor, profile: LatencyProfil
             screens=args.screens,
         )
     else:
-        sim, eps = start_sim_hosts(hosts, args.capacity)
+        sim, eps = start_sim_hosts(hosts, args.capacity, args.profile)
         fleet = BrowserFleet(
             None, eps, viewport=profile.viewport, acquire_timeout_s=600, screens=args.screens
         )
@@ -327,13 +329,20 @@ def main() -> None:
         help="how the hosts send screens (env.host_screens): zstd frames or PNGs",
     )
     p.add_argument("--ray", action="store_true", help="hosts as Ray actors on a local Ray")
+    p.add_argument(
+        "--profile",
+        default="browser",
+        help="the sim hosts' latency profile: browser, desktop (envs/sim_profile_*.json) or a file",
+    )
 
     p.add_argument("--json", default=None, help="write the rows to this file")
     args = p.parse_args()
+    if args.ray and args.profile != "browser":
+        p.error("--ray hosts take the browser profile (RayFleet starts them); drop --profile")
     levels = [int(x) for x in args.concurrency.split(",")]
     if any(n < args.group_size or n % args.group_size for n in levels):
         p.error(f"--concurrency values must be multiples of --group-size {args.group_size}")
-    profile = LatencyProfile.load()
+    profile = LatencyProfile.load(PROFILES.get(args.profile, args.profile))
     w, h = tuple(int(x) for x in args.viewport.split("x")) if args.viewport else profile.viewport
     max_pixels = args.max_pixels or w * h
     proc_ = QwenVLProcessor.default(

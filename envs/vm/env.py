@@ -661,6 +661,7 @@ class VMEnv:
     async def _observe(self) -> tuple[Observation, float]:
         t0 = time.perf_counter()
         png = await self.client.screenshot()
+        self.last_screenshot_bytes = png  # the encoded screen, as BrowserEnv keeps it
         text = await self.client.accessibility() if self.observe_a11y else None
         img = await asyncio.to_thread(decode_screenshot, png)
         assert self._task is not None

@@ -11,7 +11,14 @@ import pytest
 from cua_jax.data.processor import QwenVLProcessor
 from cua_jax.rl.rollout import AgentLoop, RolloutSettings
 from envs.fleet import BrowserFleet
-from envs.sim import LatencyProfile, ScriptedEngine, SimServer, sim_task, start_sim_server
+from envs.sim import (
+    PROFILES,
+    LatencyProfile,
+    ScriptedEngine,
+    SimServer,
+    sim_task,
+    start_sim_server,
+)
 
 INSTANT = LatencyProfile.load().scaled(0.0)
 
@@ -133,3 +140,27 @@ def test_idle_lease_s_zero_leases_every_episode_and_bad_values_fail(proc):
     assert asyncio.run(go()) == (4, 0)
     with pytest.raises(ValueError, match="idle_lease_s"):
         BrowserFleet(None, ("127.0.0.1:1",), idle_lease_s=-1)
+
+
+def test_the_desktop_profile_s_hosts_send_desktop_screens(proc):
+    """The shipped desktop profile (`python -m envs.sim --measure desktop`) loads, and hosts that
+    follow it send screens of its resolution, which the rollout takes as it takes browsers'."""
+    desktop = LatencyProfile.load(PROFILES["desktop"])
+    assert desktop.viewport == (1280, 720) and "measure_desktop_profile" in desktop.source
+    assert desktop.mean_episode_s(3) > 0
+
+    async def go():
+        server = SimServer(2, profile=desktop.scaled(0.0))
+        runner, ep = await start_sim_server(server)
+        fleet = BrowserFleet(None, (ep,), viewport=desktop.viewport, health_interval_s=3600)
+        screens: list = []
+        async with fleet:
+            group = await _loop(proc).run_group(
+                fleet, sim_task(0, steps=2), 1, seed=0, group_id="d", screens=screens
+            )
+        await runner.cleanup()
+        return group, screens
+
+    group, screens = asyncio.run(go())
+    assert group[0].failure_reason is None and len(group[0].turns) == 2
+    assert {s.shape for s in screens[0]} == {(720, 1280, 3)}
