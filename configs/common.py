@@ -253,8 +253,12 @@ def base_config(family: str) -> ConfigDict:
     c.env.concurrency = 8
     c.env.max_turns = 5
     c.env.max_history_images = 2
-    c.env.viewport_width = 1280
-    c.env.viewport_height = 720
+    # A 1280x720-class screen the processor takes as it is (its smart_resize of 1280x720, with
+    # max_pixels the viewport's area): the same patches as 1280x720 resized, without the
+    # trainer's bicubic resize of every screen (9.4 ms a 1280x720 screen; BENCHMARKS "Desktops
+    # in the sim").
+    c.env.viewport_width = 1260 if family == "qwen2_5_vl" else 1280
+    c.env.viewport_height = 700 if family == "qwen2_5_vl" else 704
     c.env.executable_path = _str()  # Chromium; autodetected when None
     c.env.step_timeout_s = 20.0
     c.env.action_format = "qwen3vl" if family == "qwen3_vl" else "qwen25vl"
