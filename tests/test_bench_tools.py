@@ -94,3 +94,15 @@ def test_bench_sampler_decodes_the_tiny_qwen35_against_transformers():
     assert len(rows) == 1, r.stdout
     ours, hf = float(rows[0][1]), float(rows[0][2])
     assert ours > 0 and hf > 0 and rows[0][6] == "100%", r.stdout
+
+
+def test_bench_turn_prints_its_table_at_a_tiny_size():
+    args = [sys.executable, "tools/bench_turn.py", "--viewport=64x64", "--turns=3", "--history=2"]
+    r = subprocess.run(
+        [*args, "--episodes=2", "--rounds=1"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    rows = [ln for ln in lines if ln.startswith("| ") and "ms a turn" not in ln and "---" not in ln]
+    assert [ln.split("|")[1].split()[0] for ln in rows] == ["prompt", "request,", "request,"]
+    assert all(float(ln.split("|")[2]) > 0 for ln in rows), r.stdout
