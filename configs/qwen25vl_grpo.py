@@ -19,8 +19,8 @@ flag compiles what the run compiles (BENCHMARKS.md "Every preset's real RL step"
                pages; 474 samples in 39 chunks of 4 x 16384, padding 0.144, est. step 73 s,
                est. MFU 40-42% (BENCHMARKS.md "Qwen2.5-VL 3b on v5p-8")
   7b  v5p-8    full fine-tuning, fsdp=2 x tensor=2: largest program 80.7 GiB of 95, KV pool
-               20212 pages; 474 samples in 78 chunks, padding 0.144, est. step 119 s, est. MFU
-               56-57%
+               20175 pages; 474 samples in 78 chunks, padding 0.144, est. step 119 s, est. MFU
+               56-57% (replanned 2026-12-04, exit 0)
   32b v5p-8    LoRA rank 64 on bf16 weights, tensor=4: largest program 80.7 GiB of 95, KV
                pool 11581 pages (45.2 GiB); 474 samples in 156 chunks of 1 x 16384, padding
                0.144, est. step 336 s, est. MFU 59-62% (planned 2026-12-04, screens as bytes,

@@ -24,11 +24,12 @@ real RL step", 2026-11-27):
   2b  v5p-8    full fine-tuning, fsdp=4: largest program 80.7 GiB of 95, KV pool 8503 pages
                (7319 before the vocabulary-parallel head); 474 samples in 30 chunks, padding
                0.062, est. step 27 s, est. MFU 47-49% (replanned 2026-12-04, exit 0)
-  4b  v5p-8    full fine-tuning, fsdp=4: 80.7 GiB, 4618 pages; 30 chunks, est. step 54 s,
-               est. MFU 57-59%
-  8b  v5p-8    full fine-tuning, fsdp=2 x tensor=2: 80.7 GiB, 7088 pages (6610 before the
+  4b  v5p-8    full fine-tuning, fsdp=4: 80.7 GiB, 5439 pages (4618 with f32 screens and the
+               gathered head); 30 chunks, padding 0.062, est. step 54 s, est. MFU 57-59%
+               (replanned 2026-12-04, exit 0)
+  8b  v5p-8    full fine-tuning, fsdp=2 x tensor=2: 80.7 GiB, 7153 pages (6610 before the
                training layout); 59 chunks, padding 0.046, est. step 83 s, est. MFU 66-69%
-               (replanned 2026-11-28, exit 0)
+               (replanned 2026-12-04, exit 0)
   2b on v5e-8 (16 GiB chips), --config.rl.tokens_per_chip=8192 --config.rl.row_lengths='(4096,
                8192)' (the least the 15-turn, three-screen samples allow): every program fits
                the chip since the learner's FSDP training layout; with the vocabulary-parallel
