@@ -8,9 +8,11 @@ drawn from the profile measured on real browser envs) run in a child process on 
 process is the trainer's rollout side, unchanged: ``BrowserFleet`` (``--ray``: ``RayFleet`` on a
 local Ray, the hosts as actors), ``RemoteBrowserEnv`` (HTTP, PNG decode), and ``AgentLoop``
 playing GRPO groups (``run_group``: render, image preprocessing, parsing, recording, retries)
-with ``envs.sim.ScriptedEngine`` as the policy (a fixed click after ``--think-s`` seconds, the
-time a model's turn would take). Every group slot starts its next group as soon as its last
-one ends (closed loop), for ``--seconds`` after a warm-up.
+with ``envs.sim.ScriptedEngine`` as the policy (the engine's host-side preparation of the request,
+``scheduler.prompt_inputs``, then a fixed click after ``--think-s`` seconds, the time a model's
+turn would take). ``--profile desktop`` gives the hosts the desktops' measured times and
+screens. Every group slot starts its next group as soon as its last one ends (closed loop), for
+``--seconds`` after a warm-up.
 
 Per concurrency it prints:
 - episodes/s against the ideal: concurrency / E[the slowest of a group of ``--group-size``
