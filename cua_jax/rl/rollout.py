@@ -520,10 +520,13 @@ class AgentLoop:
         end the episode with a `failure_reason` that makes `Trajectory.infra_fault` True.
         """
         t_start = time.perf_counter()
-        timings = {"generate": 0.0, "env": 0.0}
+        # Seconds of: the policy's turns, the env's steps, its reset, the prompts (screens into
+        # rows and rendering, on the prompt threads, queueing included); and the checker's.
+        timings = {"generate": 0.0, "env": 0.0, "reset": 0.0, "prompt": 0.0}
         traj = Trajectory(task_id=task.id, group_id=group_id, turns=[])
         try:
             obs = await env.reset(task, seed=task.seed)
+            timings["reset"] = time.perf_counter() - t_start
         except Exception as e:  # noqa: BLE001 -- any env fault ends this episode only
             traj.failure_reason = _fault("reset", e)
             traj.timings = {"total": time.perf_counter() - t_start}
@@ -541,7 +544,9 @@ class AgentLoop:
         for turn in range(min(self.settings.max_turns, task.max_steps)):
             if screens is not None:
                 screens.append(obs.screenshot)
+            t0 = time.perf_counter()
             prompt = await self._off_loop(transcript.prompt, feedback, obs.screenshot)
+            timings["prompt"] += time.perf_counter() - t0
             ctx = TurnContext(
                 env=env,
                 task=task,

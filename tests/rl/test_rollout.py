@@ -247,6 +247,9 @@ def test_reward_shaping_penalizes_invalid_actions_and_is_pluggable(engine, proc)
         assert traj.score == 0.0 and not traj.success
         assert traj.timings["invalid_actions"] == 2
         assert traj.reward == pytest.approx(-0.5)
+        # Where the episode's time went: the parts are positive and within the whole.
+        parts = [traj.timings[k] for k in ("reset", "prompt", "generate", "env", "evaluate")]
+        assert all(t > 0 for t in parts) and sum(parts) <= traj.timings["total"]
     (demo,) = asyncio.run(loop.demonstrations(Pool(1), [TASK]))
     assert demo.score == demo.reward == 1.0 and demo.success
     (ev,) = asyncio.run(loop.evaluate(Pool(1), [TASK]))
