@@ -15,9 +15,9 @@ Smallest TPU slice each real preset is meant for (TOPOLOGY). Every real preset t
 token-budget learner (configs/common.py apply_real: 16384 tokens a batch-parallel device a
 chunk, splash attention, remat=full, the KV pool from 85% of HBM). `tools/plan.py` with no other
 flag compiles what the run compiles (BENCHMARKS.md "Every preset's real RL step", 2026-11-27):
-  3b  v5p-8    full fine-tuning, fsdp=4: largest program 80.7 GiB of 95, KV pool 21816
+  3b  v5p-8    full fine-tuning, fsdp=4: largest program 80.7 GiB of 95, KV pool 22059
                pages; 474 samples in 39 chunks of 4 x 16384, padding 0.144, est. step 73 s,
-               est. MFU 40-42% (BENCHMARKS.md "Qwen2.5-VL 3b on v5p-8")
+               est. MFU 40-42% (replanned 2026-12-04, exit 0)
   7b  v5p-8    full fine-tuning, fsdp=2 x tensor=2: largest program 80.7 GiB of 95, KV pool
                20175 pages; 474 samples in 78 chunks, padding 0.144, est. step 119 s, est. MFU
                56-57% (replanned 2026-12-04, exit 0)
