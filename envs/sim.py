@@ -402,6 +402,56 @@ class ScriptedEngine:
 # ------------------------------------------------------------------------- measuring
 
 
+class _Timings:
+    """What a measurement collects: every call's seconds, every screen's encoded size, the
+    steps each episode took."""
+
+    def __init__(self) -> None:
+        self.resets: list[float] = []
+        self.steps: list[float] = []
+        self.evals: list[float] = []
+        self.sizes: list[int] = []
+        self.lengths: list[int] = []
+
+    async def episode(self, env: Any, task: Any, actions: Any) -> None:
+        """One episode of `env` (it keeps ``last_screenshot_bytes``): its reset, each action of
+        the async iterable `actions` until the env is done, its evaluate, each timed."""
+        t = time.perf_counter()
+        await env.reset(task)
+        self.resets.append(time.perf_counter() - t)
+        self.sizes.append(len(env.last_screenshot_bytes or b""))
+        n = 0
+        async for action in actions:
+            t = time.perf_counter()
+            res = await env.step(action)
+            self.steps.append(time.perf_counter() - t)
+            self.sizes.append(len(env.last_screenshot_bytes or b""))
+            n += 1
+            if res.done:
+                break
+        t = time.perf_counter()
+        await env.evaluate()
+        self.evals.append(time.perf_counter() - t)
+        self.lengths.append(n)
+
+    def profile(self, viewport: tuple[int, int], call: str) -> LatencyProfile:
+        """The samples as a profile, its source the call, this machine and the time."""
+        source = (
+            f"{call} on {os.uname().nodename}, "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+            f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+        )
+        return LatencyProfile(
+            tuple(viewport),
+            tuple(self.resets),
+            tuple(self.steps),
+            tuple(self.evals),
+            tuple(s for s in self.sizes if s > 0) or (1,),
+            tuple(self.lengths),
+            source,
+        )
+
+
 async def measure_browser_profile(
     envs: int = 8, episodes: int = 48, viewport: tuple[int, int] = (640, 480)
 ) -> LatencyProfile:
@@ -410,49 +460,19 @@ async def measure_browser_profile(
 
     names = suite.SMOKE_TEMPLATES + ("nav-two-level", "type-word", "enter-name-email")
     tasks = [suite.make_task(names[i % len(names)], i) for i in range(episodes)]
-    resets, steps, evals, sizes, lengths = [], [], [], [], []
+    timings = _Timings()
 
     async def one(env: Any, task: Any) -> None:
-        t = time.perf_counter()
-        await env.reset(task)
-        resets.append(time.perf_counter() - t)
-        sizes.append(len(env.last_screenshot_bytes or b""))
-        n = 0
-        for _ in range(task.max_steps):
-            action = await env.oracle_next()
-            t = time.perf_counter()
-            res = await env.step(action)
-            steps.append(time.perf_counter() - t)
-            sizes.append(len(env.last_screenshot_bytes or b""))
-            n += 1
-            if res.done:
-                break
-        t = time.perf_counter()
-        await env.evaluate()
-        evals.append(time.perf_counter() - t)
-        lengths.append(n)
+        async def oracle():  # asked of the env after each step, up to the task's budget
+            for _ in range(task.max_steps):
+                yield await env.oracle_next()
+
+        await timings.episode(env, task, oracle())
 
     async with BrowserPool(envs, viewport=viewport, decode_screenshots=False) as pool:
         await pool.map(one, tasks)
-    source = f"measure_browser_profile(envs={envs}, episodes={episodes}, viewport={viewport})"
-    return _profile(viewport, resets, steps, evals, sizes, lengths, source)
-
-
-def _profile(viewport, resets, steps, evals, sizes, lengths, call: str) -> LatencyProfile:
-    """The measured samples as a profile, its source the call, this machine and the time."""
-    source = (
-        f"{call} on {os.uname().nodename}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
-    )
-    return LatencyProfile(
-        tuple(viewport),
-        tuple(resets),
-        tuple(steps),
-        tuple(evals),
-        tuple(s for s in sizes if s > 0) or (1,),
-        tuple(lengths),
-        source,
-    )
+    call = f"measure_browser_profile(envs={envs}, episodes={episodes}, viewport={viewport})"
+    return timings.profile(viewport, call)
 
 
 async def measure_desktop_profile(
@@ -467,32 +487,20 @@ async def measure_desktop_profile(
     from envs.vm.providers import DesktopPool, LocalDesktop  # noqa: PLC0415
 
     tasks = [task_from_osworld(t, "desktop") for t in osworld.load_builtin()] * rounds
-    resets, steps, evals, sizes, lengths = [], [], [], [], []
+    timings = _Timings()
     queue: asyncio.Queue = asyncio.Queue()
     for t in tasks:
         queue.put_nowait(t)
+
+    async def oracle(task: Any):  # the task's typed actions, as written
+        for action in task.oracle:
+            yield action
 
     async def worker(pool: Any) -> None:
         async with VMEnv(pool) as env:
             while not queue.empty():
                 task = queue.get_nowait()
-                t = time.perf_counter()
-                await env.reset(task)
-                resets.append(time.perf_counter() - t)
-                sizes.append(len(env.last_screenshot_bytes or b""))
-                n = 0
-                for action in task.oracle:
-                    t = time.perf_counter()
-                    res = await env.step(action)
-                    steps.append(time.perf_counter() - t)
-                    sizes.append(len(env.last_screenshot_bytes or b""))
-                    n += 1
-                    if res.done:
-                        break
-                t = time.perf_counter()
-                await env.evaluate()
-                evals.append(time.perf_counter() - t)
-                lengths.append(n)
+                await timings.episode(env, task, oracle(task))
 
     pool = DesktopPool([LocalDesktop(*viewport) for _ in range(desktops)])
     await pool.start()
@@ -501,7 +509,7 @@ async def measure_desktop_profile(
     finally:
         await pool.stop()
     call = f"measure_desktop_profile(desktops={desktops}, rounds={rounds}, viewport={viewport})"
-    return _profile(viewport, resets, steps, evals, sizes, lengths, call)
+    return timings.profile(viewport, call)
 
 
 async def serve_hosts(
