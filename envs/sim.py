@@ -90,7 +90,8 @@ class LatencyProfile:
 
     @classmethod
     def load(cls, path: str = PROFILE_PATH) -> LatencyProfile:
-        with open(path) as f:
+        """The profile in file `path`, or a shipped one by name ("browser", "desktop")."""
+        with open(PROFILES.get(path, path)) as f:
             d = json.load(f)
         return cls(
             viewport=tuple(d["viewport"]),
@@ -513,13 +514,14 @@ async def measure_desktop_profile(
 
 
 async def serve_hosts(
-    n: int, capacity: int, fault_rate: float = 0.0, profile_path: str = PROFILE_PATH
+    n: int, capacity: int, fault_rate: float = 0.0, profile: str = "browser"
 ) -> None:
-    """`n` sim hosts in this process on loopback; prints ``serving on http://...`` per host."""
-    profile = LatencyProfile.load(profile_path)
+    """`n` sim hosts in this process on loopback (`profile`: a shipped profile's name or a
+    file); prints ``serving on http://...`` per host."""
+    latency = LatencyProfile.load(profile)
     runners = []
     for i in range(n):
-        server = SimServer(capacity, profile=profile, fault_rate=fault_rate, seed=i)
+        server = SimServer(capacity, profile=latency, fault_rate=fault_rate, seed=i)
         runner, ep = await start_sim_server(server)
         runners.append(runner)
         print(f"serving on http://{ep}", flush=True)
@@ -568,11 +570,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         prof.save(args.out or PROFILES[args.measure])
         print(json.dumps(prof.summary(), indent=1), file=sys.stderr)
         return
-    asyncio.run(
-        serve_hosts(
-            args.hosts, args.capacity, args.fault_rate, PROFILES.get(args.profile, args.profile)
-        )
-    )
+    asyncio.run(serve_hosts(args.hosts, args.capacity, args.fault_rate, args.profile))
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from cua_jax.rl.rollout import AgentLoop, RolloutSettings
 from envs.browser.remote import SCREEN_FORMATS
 from envs.fleet import BrowserFleet
 from envs.ray_fleet import RayFleet, host_actor_options
-from envs.sim import PROFILES, LatencyProfile, ScriptedEngine, sim_task
+from envs.sim import LatencyProfile, ScriptedEngine, sim_task
 from tools import bench_setup
 from tools.bench_setup import ROOT
 
@@ -344,7 +344,7 @@ def main() -> None:
     levels = [int(x) for x in args.concurrency.split(",")]
     if any(n < args.group_size or n % args.group_size for n in levels):
         p.error(f"--concurrency values must be multiples of --group-size {args.group_size}")
-    profile = LatencyProfile.load(PROFILES.get(args.profile, args.profile))
+    profile = LatencyProfile.load(args.profile)
     w, h = tuple(int(x) for x in args.viewport.split("x")) if args.viewport else profile.viewport
     max_pixels = args.max_pixels or w * h
     proc_ = QwenVLProcessor.default(
